@@ -1,0 +1,1 @@
+"""Parameter-server shard: variables, server-side optimizer, consistency rule, gRPC daemon."""

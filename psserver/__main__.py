@@ -1,0 +1,5 @@
+"""``python -m psserver``: the shard daemon."""
+
+from psserver.main import main
+
+raise SystemExit(main())

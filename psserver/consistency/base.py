@@ -1,0 +1,63 @@
+"""The interface every consistency rule implements, and the clocks it reads."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Clocks:
+    """What a rule may look at: optimizer updates applied and each worker's finished steps."""
+
+    updates: int
+    finished: Mapping[int, int]  # worker id -> steps it has pushed
+    live: frozenset[int]
+
+    def min_live(self) -> int:
+        return min((self.finished.get(w, 0) for w in self.live), default=0)
+
+    def laggards(self, below: int) -> list[int]:
+        return sorted(w for w in self.live if self.finished.get(w, 0) < below)
+
+
+class ConsistencyPolicy(ABC):
+    """Decides when a push may proceed, what it applies, and when a pull may read.
+
+    Called by the shard with its lock held; implementations do no I/O and never block.
+    """
+
+    name: str = ""
+    staleness: int = 0
+
+    def push_ready(self, clocks: Clocks, worker: int, step: int) -> bool:
+        """May a push for ``step`` be taken now (otherwise the shard waits)?"""
+        return True
+
+    def read_ready(self, clocks: Clocks, step: int) -> bool:
+        """May a worker that has finished ``step`` steps read now?"""
+        return True
+
+    def waiting_for(self, clocks: Clocks, step: int) -> str:
+        """Says, for an error message, what a wait at ``step`` is waiting for."""
+        return "nothing"
+
+    def is_duplicate(self, clocks: Clocks, worker: int, step: int) -> bool:
+        """A push this worker already made (a retry): acknowledged, not applied again."""
+        return step < clocks.finished.get(worker, 0)
+
+    @abstractmethod
+    def submit(
+        self, clocks: Clocks, worker: int, step: int, grads: Mapping[str, np.ndarray]
+    ) -> Mapping[str, np.ndarray] | None:
+        """Takes a validated, non-duplicate push; returns the gradient to apply now, if any."""
+
+    def membership_changed(self, clocks: Clocks) -> Mapping[str, np.ndarray] | None:
+        """Re-evaluates after workers leave; returns a gradient to apply if that completes one."""
+        return None
+
+    def pending_bytes(self) -> int:
+        return 0

@@ -1,0 +1,39 @@
+"""Bounded staleness (SSP): apply on arrival, but no worker runs more than s steps ahead.
+
+A worker that has finished c steps may start step c+1 only when every live worker has finished
+at least c - s steps. s=0 is lock-step; a very large s is asynchronous.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from psserver.consistency.base import Clocks, ConsistencyPolicy
+
+
+class StalenessPolicy(ConsistencyPolicy):
+    name = "ssp"
+
+    def __init__(self, staleness: int) -> None:
+        self.staleness = staleness
+
+    def read_ready(self, clocks: Clocks, step: int) -> bool:
+        return clocks.min_live() >= step - self.staleness
+
+    def push_ready(self, clocks: Clocks, worker: int, step: int) -> bool:
+        return self.read_ready(clocks, step)
+
+    def waiting_for(self, clocks: Clocks, step: int) -> str:
+        need = step - self.staleness
+        lag = {w: clocks.finished.get(w, 0) for w in clocks.laggards(need)}
+        return (
+            f"ssp gate (staleness {self.staleness}) at step {step}: needs every worker to have "
+            f"finished {need} steps; behind (worker: steps finished): {lag}"
+        )
+
+    def submit(
+        self, clocks: Clocks, worker: int, step: int, grads: Mapping[str, np.ndarray]
+    ) -> Mapping[str, np.ndarray] | None:
+        return grads

@@ -1,0 +1,143 @@
+"""gRPC servicer for a shard: decode the request, call ``Shard``, encode the reply."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import grpc
+
+from psserver.shard import Job, Shard, VarSpec
+from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler, check_dtype, tensor_to_chunks
+from pswire.errors import InvalidRequestError
+from pswire.optim import optimizer_from_spec
+from pswire.proto import ps_pb2, ps_pb2_grpc
+from pswire.status import rpc_errors
+
+# Finish a server-side wait this long before the caller's deadline, so the caller gets our
+# specific error (what the wait was for) rather than a bare DEADLINE_EXCEEDED.
+DEADLINE_MARGIN_S = 0.25
+
+
+def job_from_proto(spec: ps_pb2.JobSpec) -> Job:
+    """Builds a Job from the wire, validating dtypes and dims.
+
+    Raises:
+        InvalidRequestError: bad optimizer, dtype or dims.
+    """
+    variables = []
+    for v in spec.variables:
+        check_dtype(v.dtype, v.name)
+        if any(d < 0 for d in v.shape):
+            raise InvalidRequestError(f"variable '{v.name}' has a negative dim in {tuple(v.shape)}")
+        variables.append(VarSpec(v.name, tuple(int(d) for d in v.shape), v.dtype))
+    return Job(
+        mode=spec.mode,
+        staleness=int(spec.staleness),
+        num_workers=int(spec.num_workers),
+        optimizer=optimizer_from_spec(spec.optimizer.name, dict(spec.optimizer.params)),
+        variables=tuple(variables),
+        model_digest=spec.model_digest,
+    )
+
+
+def job_to_proto(job: Job) -> ps_pb2.JobSpec:
+    return ps_pb2.JobSpec(
+        mode=job.mode,
+        staleness=job.staleness,
+        num_workers=job.num_workers,
+        optimizer=ps_pb2.OptimizerSpec(name=job.optimizer.name, params=job.optimizer.params()),
+        variables=[
+            ps_pb2.VariableSpec(name=v.key, dtype=v.dtype, shape=v.shape) for v in job.variables
+        ],
+        model_digest=job.model_digest,
+    )
+
+
+def _timeout(context: grpc.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else max(0.0, remaining - DEADLINE_MARGIN_S)
+
+
+def _header_then_chunks(
+    requests: Iterable, header_field: str, assembler: ChunkAssembler, rpc: str
+) -> object:
+    """Reads a header-then-chunks stream; returns the header, chunks fed to ``assembler``."""
+    header = None
+    for req in requests:
+        kind = req.WhichOneof("body")
+        if kind == "header":
+            if header is not None:
+                raise InvalidRequestError(f"{rpc} stream carries a second header")
+            header = getattr(req, header_field)
+        elif kind == "chunk":
+            if header is None:
+                raise InvalidRequestError(f"{rpc} stream sends a chunk before its header")
+            assembler.add(req.chunk)
+        else:
+            raise InvalidRequestError(f"{rpc} stream carries an empty message")
+    if header is None:
+        raise InvalidRequestError(f"{rpc} stream ended without a header")
+    return header
+
+
+class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
+    """Thin adapter from the ParameterServer service onto one ``Shard``."""
+
+    def __init__(self, shard: Shard, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        self.shard = shard
+        self.chunk_bytes = chunk_bytes
+
+    @rpc_errors
+    def RegisterWorker(self, request, context):
+        clock, initialized = self.shard.register_worker(request.worker_id, request.num_workers)
+        return ps_pb2.RegisterWorkerResponse(clock=clock, initialized=initialized)
+
+    @rpc_errors
+    def Heartbeat(self, request, context):
+        return ps_pb2.HeartbeatResponse(clock=self.shard.heartbeat(request.worker_id))
+
+    @rpc_errors
+    def Init(self, request_iterator, context):
+        assembler = ChunkAssembler(self.shard.limits.max_request_bytes)
+        header = _header_then_chunks(request_iterator, "header", assembler, "Init")
+        assert isinstance(header, ps_pb2.InitHeader)
+        values = assembler.finish() if header.has_values else None
+        if values and not header.has_values:
+            raise InvalidRequestError("Init carries values but its header says has_values=false")
+        job = job_from_proto(header.job)
+        accepted = self.shard.init(header.worker_id, job, values)
+        return ps_pb2.InitResponse(values_accepted=accepted)
+
+    @rpc_errors
+    def Pull(self, request, context):
+        arrays, clock = self.shard.pull(
+            request.worker_id, request.step, list(request.names), timeout=_timeout(context)
+        )
+        for key, array in arrays.items():
+            for chunk in tensor_to_chunks(key, array, self.chunk_bytes):
+                yield ps_pb2.PullResponse(chunk=chunk, clock=clock)
+
+    @rpc_errors
+    def Push(self, request_iterator, context):
+        assembler = ChunkAssembler(self.shard.limits.max_request_bytes)
+        header = _header_then_chunks(request_iterator, "header", assembler, "Push")
+        assert isinstance(header, ps_pb2.PushHeader)
+        grads = assembler.finish()
+        result = self.shard.push(header.worker_id, header.step, grads, timeout=_timeout(context))
+        return ps_pb2.PushResponse(applied=result.applied, reason=result.reason, clock=result.clock)
+
+    @rpc_errors
+    def Status(self, request, context):
+        st = self.shard.status()
+        reply = ps_pb2.StatusResponse(
+            initialized=st.initialized,
+            clock=st.clock,
+            total_bytes=st.total_bytes,
+            pushes_applied=st.pushes_applied,
+            pushes_duplicate=st.pushes_duplicate,
+        )
+        if st.job is not None:
+            reply.job.CopyFrom(job_to_proto(st.job))
+        for worker, (clock, age) in st.workers.items():
+            reply.workers.add(worker_id=worker, clock=clock, seconds_since_heartbeat=age)
+        return reply

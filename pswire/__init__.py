@@ -1,0 +1,1 @@
+"""What shards and workers must agree on: generated wire code, tensor codec, errors, placement."""

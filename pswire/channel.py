@@ -1,0 +1,34 @@
+"""Channel and server options both ends use, and the channel factory."""
+
+from __future__ import annotations
+
+import grpc
+
+from pswire.codec import DEFAULT_CHUNK_BYTES
+
+# Messages carry at most one chunk plus a small header; leave generous headroom so a peer with a
+# larger configured chunk still gets through, while a huge unary message is refused.
+MAX_MESSAGE_BYTES = max(64 << 20, 4 * DEFAULT_CHUNK_BYTES)
+
+OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+def insecure_channel(address: str) -> grpc.Channel:
+    """A channel to ``host:port`` with the project's message limits and keepalive."""
+    return grpc.insecure_channel(address, options=OPTIONS)
+
+
+def wait_ready(channel: grpc.Channel, timeout: float) -> None:
+    """Blocks until the channel connects.
+
+    Raises:
+        grpc.FutureTimeoutError: not connected within ``timeout`` seconds.
+    """
+    grpc.channel_ready_future(channel).result(timeout=timeout)

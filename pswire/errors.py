@@ -1,0 +1,90 @@
+"""The exception family both ends raise, each tied to one gRPC status code by name."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class PSError(Exception):
+    """Base of every error this project raises on purpose.
+
+    ``status`` is the name of the gRPC status code the error travels as; ``code`` gives the
+    ``grpc.StatusCode`` itself (grpc is imported lazily so plain-Python modules stay grpc-free).
+    """
+
+    status: ClassVar[str] = "INTERNAL"
+
+    @property
+    def code(self) -> Any:
+        import grpc
+
+        return grpc.StatusCode[self.status]
+
+
+class UnknownVariableError(PSError):
+    status = "NOT_FOUND"
+
+
+class InvalidRequestError(PSError):
+    """Wrong shape, dtype, byte count, non-finite values, malformed chunk streams."""
+
+    status = "INVALID_ARGUMENT"
+
+
+class ShapeMismatchError(InvalidRequestError):
+    pass
+
+
+class ModelMismatchError(PSError):
+    """The job (model, mode, optimizer, worker count) differs from what the shard holds."""
+
+    status = "FAILED_PRECONDITION"
+
+
+class NotInitializedError(PSError):
+    status = "FAILED_PRECONDITION"
+
+
+class TooLargeError(PSError):
+    status = "RESOURCE_EXHAUSTED"
+
+
+class WaitTimeoutError(PSError):
+    """A consistency wait (sync barrier, ssp gate, initial values) ran out of time."""
+
+    status = "DEADLINE_EXCEEDED"
+
+
+class UnavailableError(PSError):
+    status = "UNAVAILABLE"
+
+
+class UnauthenticatedError(PSError):
+    status = "UNAUTHENTICATED"
+
+
+class CancelledError(PSError):
+    status = "CANCELLED"
+
+
+# Client side: a status code coming back maps to the most specific class raised for it.
+_BY_STATUS: dict[str, type[PSError]] = {
+    "NOT_FOUND": UnknownVariableError,
+    "INVALID_ARGUMENT": InvalidRequestError,
+    "FAILED_PRECONDITION": ModelMismatchError,
+    "RESOURCE_EXHAUSTED": TooLargeError,
+    "DEADLINE_EXCEEDED": WaitTimeoutError,
+    "UNAVAILABLE": UnavailableError,
+    "UNAUTHENTICATED": UnauthenticatedError,
+    "CANCELLED": CancelledError,
+}
+
+
+def error_for_status(status: str, message: str) -> PSError:
+    """Builds the exception a status code name stands for, carrying the server's message."""
+    cls = _BY_STATUS.get(status, PSError)
+    err = cls(message)
+    if cls is PSError:
+        # Keep the real code (e.g. UNIMPLEMENTED) on a plain PSError.
+        err.status = status  # type: ignore[misc]
+    return err

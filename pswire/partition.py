@@ -1,0 +1,162 @@
+"""Placement: which shard holds which variable, or which dim-0 slice of a large one."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pswire.errors import UnknownVariableError
+
+# Variables above this many bytes are split along dim 0 across shards (like TF's
+# MinSizePartitioner), so one huge embedding does not sit on a single shard.
+DEFAULT_SPLIT_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class VarInfo:
+    """A model variable as the partitioner sees it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        # A torch.Size, a list or numpy ints would otherwise print differently in digest().
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One stored unit: a whole variable or rows [start, stop) of it, living on one shard."""
+
+    key: str  # name on the shard: the variable's name, or "name/part{i}of{k}"
+    var: str
+    shard: int
+    start: int
+    stop: int
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class ShardMap:
+    """The placement of a model on ``num_shards`` shards; identical on every process."""
+
+    num_shards: int
+    variables: tuple[VarInfo, ...]
+    pieces: tuple[Piece, ...]
+
+    def pieces_of(self, var: str) -> list[Piece]:
+        return [p for p in self.pieces if p.var == var]
+
+    def on_shard(self, shard: int) -> list[Piece]:
+        return [p for p in self.pieces if p.shard == shard]
+
+    def shard_bytes(self) -> list[int]:
+        totals = [0] * self.num_shards
+        for p in self.pieces:
+            totals[p.shard] += p.nbytes
+        return totals
+
+    def digest(self) -> str:
+        """Digest of the model's (name, shape, dtype) list: equal models, equal digests."""
+        # JSON, not "name:dtype:shape" joined by ";": names may hold any separator.
+        text = json.dumps([[v.name, str(v.dtype), list(v.shape)] for v in self.variables])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def split(self, arrays: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        """Cuts full arrays into per-shard pieces (views, no copy): one dict per shard."""
+        out: list[dict[str, np.ndarray]] = [{} for _ in range(self.num_shards)]
+        by_var: dict[str, list[Piece]] = {}
+        for p in self.pieces:
+            by_var.setdefault(p.var, []).append(p)
+        for name, array in arrays.items():
+            parts = by_var.get(name)
+            if parts is None:
+                raise UnknownVariableError(
+                    f"variable '{name}' is not in the model; known: {sorted(by_var)[:20]}"
+                )
+            for p in parts:
+                out[p.shard][p.key] = array if len(parts) == 1 else array[p.start : p.stop]
+        return out
+
+    def join(self, pieces: Mapping[str, np.ndarray], names: Sequence[str]) -> dict[str, np.ndarray]:
+        """Reassembles full variables from pieces keyed by piece key.
+
+        Raises:
+            UnknownVariableError: a name is not in the model.
+        """
+        result: dict[str, np.ndarray] = {}
+        for name in names:
+            parts = self.pieces_of(name)
+            if not parts:
+                raise UnknownVariableError(f"variable '{name}' is not in the model")
+            if len(parts) == 1:
+                result[name] = pieces[parts[0].key]
+            else:
+                result[name] = np.concatenate([pieces[p.key] for p in parts], axis=0)
+        return result
+
+
+def plan(
+    variables: Sequence[VarInfo], num_shards: int, split_bytes: int = DEFAULT_SPLIT_BYTES
+) -> ShardMap:
+    """Places variables on shards, balancing bytes; deterministic for equal inputs.
+
+    Variables larger than ``split_bytes`` with more than one row are cut along dim 0 into
+    ``min(num_shards, rows)`` near-equal slices on distinct shards. Everything is then assigned
+    largest first to the least-loaded shard (ties to the lowest index).
+
+    Raises:
+        ValueError: ``num_shards`` < 1 or a duplicated variable name.
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    names = [v.name for v in variables]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"duplicated variable names: {dup}")
+    loads = [0] * num_shards
+    placed: list[Piece] = []
+
+    def least_loaded(exclude: set[int]) -> int:
+        candidates = [s for s in range(num_shards) if s not in exclude] or list(range(num_shards))
+        return min(candidates, key=lambda s: (loads[s], s))
+
+    order = sorted(variables, key=lambda v: (-v.nbytes, v.name))
+    for v in order:
+        rows = v.shape[0] if v.shape else 0
+        k = min(num_shards, rows) if v.nbytes > split_bytes and rows > 1 else 1
+        if k == 1:
+            shard = least_loaded(set())
+            placed.append(Piece(v.name, v.name, shard, 0, rows, v.shape, v.dtype))
+            loads[shard] += v.nbytes
+            continue
+        bounds = np.linspace(0, rows, k + 1).round().astype(int)
+        used: set[int] = set()
+        # Larger slices first (rounding makes them differ by a row): a larger slice placed after
+        # a smaller one lands on a fuller shard and can push the spread past the largest piece.
+        for i in sorted(range(k), key=lambda i: (-(bounds[i + 1] - bounds[i]), i)):
+            start, stop = int(bounds[i]), int(bounds[i + 1])
+            shape = (stop - start, *v.shape[1:])
+            shard = least_loaded(used)
+            used.add(shard)
+            piece = Piece(f"{v.name}/part{i}of{k}", v.name, shard, start, stop, shape, v.dtype)
+            placed.append(piece)
+            loads[shard] += piece.nbytes
+    # Pieces in model order (then slice order) so every process iterates identically.
+    index = {n: i for i, n in enumerate(names)}
+    placed.sort(key=lambda p: (index[p.var], p.start))
+    return ShardMap(num_shards, tuple(variables), tuple(placed))

@@ -1,0 +1,33 @@
+"""Client SDK: connect to parameter-server shards and train through them."""
+
+from pswire.errors import (
+    InvalidRequestError,
+    ModelMismatchError,
+    NotInitializedError,
+    PSError,
+    ShapeMismatchError,
+    TooLargeError,
+    UnavailableError,
+    UnknownVariableError,
+    WaitTimeoutError,
+)
+from pswire.optim import SGD, Adagrad, Adam, Optimizer
+from psworker.client import PSClient, connect
+
+__all__ = [
+    "SGD",
+    "Adagrad",
+    "Adam",
+    "InvalidRequestError",
+    "ModelMismatchError",
+    "NotInitializedError",
+    "Optimizer",
+    "PSClient",
+    "PSError",
+    "ShapeMismatchError",
+    "TooLargeError",
+    "UnavailableError",
+    "UnknownVariableError",
+    "WaitTimeoutError",
+    "connect",
+]

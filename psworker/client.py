@@ -1,0 +1,317 @@
+"""The numpy-level client: init, pull and push against every shard in parallel."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from pswire.channel import insecure_channel
+from pswire.cluster import ClusterSpec
+from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler, tensor_to_chunks
+from pswire.errors import InvalidRequestError, NotInitializedError, PSError
+from pswire.optim import Optimizer
+from pswire.partition import DEFAULT_SPLIT_BYTES, ShardMap, VarInfo, plan
+from pswire.proto import ps_pb2, ps_pb2_grpc
+from pswire.status import from_rpc_error
+
+T = TypeVar("T")
+MODES = ("sync", "async", "ssp")
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class PSClient:
+    """A worker's connection to the parameter-server shards of one job.
+
+    Every call fans out to all shards in parallel and has a deadline (``timeout`` seconds);
+    a failure raises a ``PSError`` subclass whose ``.code`` is the gRPC status.
+    """
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        worker_id: int,
+        num_workers: int,
+        mode: str = "sync",
+        staleness: int = 0,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        split_bytes: int = DEFAULT_SPLIT_BYTES,
+    ) -> None:
+        if not addresses:
+            raise ValueError("connect needs at least one shard address")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not 0 <= worker_id < num_workers:
+            raise ValueError(f"worker_id {worker_id} must be in [0, {num_workers})")
+        if mode == "ssp" and staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {staleness}")
+        self.addresses = list(addresses)
+        self.worker_id = worker_id
+        self.num_workers = num_workers
+        self.mode = mode
+        self.staleness = staleness if mode == "ssp" else 0
+        self.timeout = timeout
+        self.chunk_bytes = chunk_bytes
+        self.split_bytes = split_bytes
+        self.step = 0
+        self.shard_map: ShardMap | None = None
+        self._channels = [insecure_channel(a) for a in self.addresses]
+        self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
+        self._pool = ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="ps")
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Closes the channels; the client is unusable afterwards."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for channel in self._channels:
+            channel.close()
+
+    # -- API --------------------------------------------------------------------------------
+
+    def init(self, variables: Mapping[str, np.ndarray], optimizer: Optimizer) -> None:
+        """Agrees on the job with every shard; worker 0 sends the initial values.
+
+        Every worker passes the same model (names, shapes, dtypes); worker 0's values become
+        the starting weights, other workers' are not sent. A worker that restarts resumes at
+        the step the shards recorded for it.
+
+        Raises:
+            ModelMismatchError: a shard holds a different model, mode or optimizer.
+            PSError: any other failure, with its gRPC status on ``.code``.
+        """
+        arrays = {name: np.ascontiguousarray(v) for name, v in variables.items()}
+        infos = [VarInfo(n, tuple(a.shape), a.dtype.name) for n, a in arrays.items()]
+        try:
+            shard_map = plan(infos, len(self.addresses), self.split_bytes)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        send_values = self.worker_id == 0
+        pieces = shard_map.split(arrays)
+
+        def register(shard: int) -> int:
+            reply = self._call(
+                shard,
+                "RegisterWorker",
+                lambda stub: stub.RegisterWorker(
+                    ps_pb2.RegisterWorkerRequest(
+                        worker_id=self.worker_id, num_workers=self.num_workers
+                    ),
+                    timeout=self.timeout,
+                    wait_for_ready=True,
+                ),
+            )
+            return int(reply.clock)
+
+        def init_one(shard: int) -> None:
+            job = ps_pb2.JobSpec(
+                mode=self.mode,
+                staleness=self.staleness,
+                num_workers=self.num_workers,
+                optimizer=ps_pb2.OptimizerSpec(name=optimizer.name, params=optimizer.params()),
+                variables=[
+                    ps_pb2.VariableSpec(name=p.key, dtype=p.dtype, shape=p.shape)
+                    for p in shard_map.on_shard(shard)
+                ],
+                model_digest=shard_map.digest(),
+            )
+            header = ps_pb2.InitHeader(worker_id=self.worker_id, job=job, has_values=send_values)
+
+            def stream() -> Iterator[ps_pb2.InitRequest]:
+                yield ps_pb2.InitRequest(header=header)
+                if send_values:
+                    for key, array in pieces[shard].items():
+                        for chunk in tensor_to_chunks(key, array, self.chunk_bytes):
+                            yield ps_pb2.InitRequest(chunk=chunk)
+
+            self._call(shard, "Init", lambda stub: stub.Init(stream(), timeout=self.timeout))
+
+        clocks = self._fan_out(register)
+        self._fan_out(init_one)
+        self.shard_map = shard_map
+        self.step = min(clocks)
+
+    def pull(self, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Fresh weights, once the job's consistency rule lets this worker read.
+
+        In ``sync`` this waits until every worker's push for the previous step is applied; in
+        ``ssp`` until no worker is more than ``staleness`` steps behind; in ``async`` never.
+
+        Raises:
+            UnknownVariableError: a name not in the model.
+            WaitTimeoutError: the rule did not allow reading within the deadline.
+        """
+        shard_map = self._require_map()
+        wanted = list(names) if names is not None else [v.name for v in shard_map.variables]
+        keys_by_shard: list[list[str]] = [[] for _ in self.addresses]
+        for name in wanted:
+            parts = shard_map.pieces_of(name)
+            if not parts:
+                raise self._unknown(name)
+            for p in parts:
+                keys_by_shard[p.shard].append(p.key)
+
+        def pull_one(shard: int) -> dict[str, np.ndarray]:
+            if not keys_by_shard[shard]:
+                return {}
+            request = ps_pb2.PullRequest(
+                worker_id=self.worker_id, step=self.step, names=keys_by_shard[shard]
+            )
+
+            def run(stub: ps_pb2_grpc.ParameterServerStub) -> dict[str, np.ndarray]:
+                assembler = ChunkAssembler()
+                for reply in stub.Pull(request, timeout=self.timeout):
+                    assembler.add(reply.chunk)
+                return assembler.finish()
+
+            return self._call(shard, "Pull", run)
+
+        merged: dict[str, np.ndarray] = {}
+        for part in self._fan_out(pull_one):
+            merged.update(part)
+        return shard_map.join(merged, wanted)
+
+    def push(self, grads: Mapping[str, np.ndarray], step: int | None = None) -> bool:
+        """Sends this worker's gradients for one step to the shards that own them.
+
+        ``step`` defaults to the client's counter, which then advances by one. A retried push
+        of the same step is acknowledged by the shards without being applied twice. Returns
+        whether every shard applied it (False: some shard had it already).
+
+        Raises:
+            UnknownVariableError: a name not in the model.
+            InvalidRequestError: wrong shape or dtype, NaN/Inf values.
+        """
+        shard_map = self._require_map()
+        step = self.step if step is None else step
+        arrays = {name: np.ascontiguousarray(g) for name, g in grads.items()}
+        pieces = shard_map.split(arrays)
+
+        def push_one(shard: int) -> bool:
+            if not pieces[shard]:
+                return True
+            header = ps_pb2.PushHeader(worker_id=self.worker_id, step=step)
+
+            def stream() -> Iterator[ps_pb2.PushRequest]:
+                yield ps_pb2.PushRequest(header=header)
+                for key, array in pieces[shard].items():
+                    for chunk in tensor_to_chunks(key, array, self.chunk_bytes):
+                        yield ps_pb2.PushRequest(chunk=chunk)
+
+            reply = self._call(
+                shard, "Push", lambda stub: stub.Push(stream(), timeout=self.timeout)
+            )
+            return bool(reply.applied)
+
+        applied = all(self._fan_out(push_one))
+        self.step = max(self.step, step + 1)
+        return applied
+
+    def heartbeat(self) -> None:
+        """Tells every shard this worker is alive."""
+        request = ps_pb2.HeartbeatRequest(worker_id=self.worker_id)
+        self._fan_out(
+            lambda s: self._call(
+                s, "Heartbeat", lambda stub: stub.Heartbeat(request, timeout=self.timeout)
+            )
+        )
+
+    def status(self) -> list[ps_pb2.StatusResponse]:
+        """Each shard's status, in address order."""
+        return status(self.addresses, self.timeout)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _require_map(self) -> ShardMap:
+        if self.shard_map is None:
+            raise NotInitializedError("call client.init(variables, optimizer) before pull or push")
+        return self.shard_map
+
+    def _unknown(self, name: str) -> PSError:
+        from pswire.errors import UnknownVariableError
+
+        assert self.shard_map is not None
+        known = [v.name for v in self.shard_map.variables]
+        return UnknownVariableError(f"variable '{name}' is not in the model; known: {known[:20]}")
+
+    def _call(self, shard: int, rpc: str, fn: Callable[[Any], T]) -> T:
+        try:
+            return fn(self._stubs[shard])
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, f"{rpc} on shard {shard} ({self.addresses[shard]})") from None
+
+    def _fan_out(self, fn: Callable[[int], T]) -> list[T]:
+        if len(self.addresses) == 1:
+            return [fn(0)]
+        futures = [self._pool.submit(fn, s) for s in range(len(self.addresses))]
+        return [f.result() for f in futures]
+
+
+def status(addresses: Sequence[str], timeout: float = 10.0) -> list[ps_pb2.StatusResponse]:
+    """Status of each shard at ``addresses``.
+
+    Raises:
+        PSError: a shard did not answer within ``timeout``.
+    """
+    out = []
+    for i, address in enumerate(addresses):
+        with insecure_channel(address) as channel:
+            stub = ps_pb2_grpc.ParameterServerStub(channel)
+            try:
+                out.append(stub.Status(ps_pb2.StatusRequest(), timeout=timeout))
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc, f"Status on shard {i} ({address})") from None
+    return out
+
+
+def connect(
+    addresses: Sequence[str] | None = None,
+    *,
+    worker_id: int | None = None,
+    num_workers: int | None = None,
+    mode: str | None = None,
+    staleness: int | None = None,
+    cluster: str | None = None,
+    **options: Any,
+) -> PSClient:
+    """Connects a worker to the job's shards.
+
+    With no ``addresses``, the cluster comes from ``cluster`` (TF_CONFIG JSON or a file path)
+    or the ``TF_CONFIG`` environment variable: shards from ``cluster.ps``, this worker's id from
+    ``task.index``, the worker count from ``cluster.worker``. ``mode`` and ``staleness`` default
+    to ``$PS_MODE`` / ``$PS_STALENESS``, else ``sync`` / 0.
+
+    Raises:
+        ValueError: no cluster could be found, or arguments are inconsistent.
+    """
+    if addresses is None:
+        spec = ClusterSpec.load(cluster)
+        if spec is None:
+            raise ValueError("connect() needs shard addresses, cluster=..., or $TF_CONFIG")
+        if not spec.ps:
+            raise ValueError("the cluster spec lists no parameter servers (cluster.ps)")
+        addresses = spec.ps
+        worker_id = spec.task_index if worker_id is None else worker_id
+        num_workers = (len(spec.workers) or 1) if num_workers is None else num_workers
+    mode = mode or os.environ.get("PS_MODE", "sync")
+    if staleness is None:
+        staleness = int(os.environ.get("PS_STALENESS") or 0)
+    return PSClient(
+        addresses,
+        worker_id=0 if worker_id is None else worker_id,
+        num_workers=1 if num_workers is None else num_workers,
+        mode=mode,
+        staleness=staleness,
+        **options,
+    )

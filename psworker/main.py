@@ -1,0 +1,129 @@
+"""The ``psworker`` command: run a training entry point as one worker of a cluster."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import Any
+
+from pswire import cli
+from pswire.cluster import ClusterSpec
+from psworker.client import MODES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``psworker`` parser; every flag has a PS_* environment twin."""
+    parser = argparse.ArgumentParser(
+        prog="psworker", description="Run training code as a worker of a parameter-server job."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = commands.add_parser(
+        "run",
+        help="run module:function, a module, or a script as this cluster's worker",
+        description=(
+            "Exports the cluster as $TF_CONFIG and the mode as $PS_MODE/$PS_STALENESS, then "
+            "runs TARGET in this process: module:function is called with no arguments (an int "
+            "it returns is the exit code), a module runs like `python -m`, a .py file like "
+            "`python file.py`. ARGS become sys.argv[1:]."
+        ),
+    )
+    cli.add(
+        run,
+        "--cluster",
+        env="PS_CLUSTER",
+        help="TF_CONFIG JSON or a file holding it; unset: $TF_CONFIG as it is",
+    )
+    cli.add(run, "--mode", env="PS_MODE", choices=MODES, help="consistency mode of the job")
+    cli.add(
+        run,
+        "--staleness",
+        env="PS_STALENESS",
+        type=int,
+        help="ssp: how many steps a worker may run ahead of the slowest",
+    )
+    run.add_argument(
+        "target", metavar="TARGET", help="module:function, module, or path/to/script.py"
+    )
+    run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for TARGET")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``psworker`` / ``python -m psworker``; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.staleness is not None and args.staleness < 0:
+        parser.error(f"--staleness must be >= 0, got {args.staleness}")
+    try:
+        export_job(args.cluster, args.mode, args.staleness)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return run_target(args.target, args.args)
+
+
+def export_job(cluster: str | None, mode: str | None, staleness: int | None) -> ClusterSpec:
+    """Puts the job into the environment ``psworker.connect()`` reads; returns the cluster.
+
+    Raises:
+        ValueError: no cluster anywhere, a malformed one, or one naming a non-worker task.
+    """
+    text = cluster
+    if text is not None and not text.strip().startswith("{"):
+        path = Path(text.strip())
+        if not path.is_file():
+            raise ValueError(f"--cluster {text!r} is neither JSON nor a readable file")
+        text = path.read_text()
+    spec = ClusterSpec.load(text)
+    if spec is None:
+        raise ValueError("no cluster: pass --cluster (or $PS_CLUSTER) or set $TF_CONFIG")
+    if spec.task_type != "worker":
+        raise ValueError(f"the cluster spec names a {spec.task_type!r} task; psworker runs workers")
+    if not 0 <= spec.task_index < max(len(spec.workers), 1):
+        raise ValueError(
+            f"the cluster spec names worker {spec.task_index} but lists {len(spec.workers)}"
+        )
+    if text is not None:
+        # The JSON itself, not a path: TF-style code in the entry point reads it as JSON.
+        os.environ["TF_CONFIG"] = text
+    os.environ["PS_WORKER_ID"] = str(spec.task_index)
+    os.environ["PS_NUM_WORKERS"] = str(len(spec.workers) or 1)
+    if mode is not None:
+        os.environ["PS_MODE"] = mode
+    if staleness is not None:
+        os.environ["PS_STALENESS"] = str(staleness)
+    return spec
+
+
+def run_target(target: str, args: list[str]) -> int:
+    """Runs ``target`` in this process with ``sys.argv = [target, *args]``; returns its code.
+
+    Raises:
+        ImportError, AttributeError: the module or function does not exist. Whatever the
+        target raises (``SystemExit`` included) propagates.
+    """
+    sys.argv = [target, *args]
+    if target.endswith(".py") or Path(target).is_file():
+        # As `python script.py` does: the script's folder comes first on the import path.
+        sys.path.insert(0, str(Path(target).resolve().parent))
+        runpy.run_path(target, run_name="__main__")
+        return 0
+    # As `python -m` does, so `psworker run mymodule:main` finds mymodule.py in the current
+    # folder even when started as a console script, whose sys.path[0] is its bin folder.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    module_name, sep, attr = target.partition(":")
+    if not sep:
+        runpy.run_module(module_name, run_name="__main__", alter_sys=True)
+        return 0
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"{target} is a {type(obj).__name__}, not a function")
+    result = obj()
+    # bool is an int, but True/False returned from a training function are not exit codes.
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0

@@ -1,0 +1,161 @@
+"""Helpers for end-to-end tests: launching daemons, waiting for them, checking PIDs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 30.0
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This environment without PS_* or TF_CONFIG (so the host's settings cannot leak in),
+    with the repository importable and unbuffered output, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PS_") and k != "TF_CONFIG"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (closed again at once)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def health_status(address: str, timeout: float, wait: bool = True) -> int:
+    """The grpc.health.v1 status of ``address``.
+
+    With ``wait``, a server not yet listening gets until ``timeout`` to come up; without it,
+    the first failed connection attempt fails the call.
+
+    Raises:
+        grpc.RpcError: no answer (within ``timeout``).
+    """
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=timeout, wait_for_ready=wait
+        )
+    return int(reply.status)
+
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def pid_runs(pid: int, marker: str) -> bool:
+    """Whether ``pid`` is a live (not zombie) process whose command line contains ``marker``.
+
+    The marker guards against a recycled PID: only a process we launched carries it.
+    """
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return marker in cmdline and state != "Z"
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen[str]
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+class Processes:
+    """Starts subprocesses for a test and kills whatever of them is left at its end."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.started: list[subprocess.Popen[str]] = []
+        self.adopted: list[tuple[int, str]] = []
+
+    def start(
+        self, args: Sequence[str], env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> subprocess.Popen[str]:
+        """Launches ``args`` with stdout and stderr merged into one text pipe."""
+        proc = subprocess.Popen(
+            list(args),
+            env=child_env() if env is None else env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.started.append(proc)
+        return proc
+
+    def run(
+        self,
+        args: Sequence[str],
+        timeout: float,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> tuple[int, str]:
+        """Runs ``args`` to completion within ``timeout``; returns (exit code, output)."""
+        proc = self.start(args, env, cwd)
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+
+    def adopt(self, pid: int, marker: str) -> None:
+        """Also reap ``pid`` (started indirectly, e.g. by psctl) if it still runs ``marker``."""
+        self.adopted.append((pid, marker))
+
+    def psserver(
+        self, *flags: str, env: dict[str, str] | None = None, port_file: Path | None = None
+    ) -> Daemon:
+        """Starts ``python -m psserver`` on 127.0.0.1, waits for its port file and SERVING."""
+        if port_file is None:
+            port_file = self.tmp_path / f"ps{len(self.started)}.port"
+            flags = ("--port-file", str(port_file), *flags)
+        args = [sys.executable, "-m", "psserver", "--host", "127.0.0.1", *flags]
+        proc = self.start(args, env)
+        port = wait_port_file(proc, port_file, START_TIMEOUT_S)
+        assert health_status(f"127.0.0.1:{port}", START_TIMEOUT_S) == SERVING
+        return Daemon(proc, port)
+
+    def reap(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.started:
+            try:
+                proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5.0)
+            if proc.stdout is not None:
+                proc.stdout.close()
+        for pid, marker in self.adopted:
+            if pid_runs(pid, marker):
+                os.kill(pid, signal.SIGKILL)
+
+
+def wait_port_file(proc: subprocess.Popen[str], path: Path, timeout: float) -> int:
+    """Polls for the port a daemon writes once it serves, failing fast if it exits first."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            raise AssertionError(f"daemon exited with {proc.returncode} before serving:\n{out}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no port file {path} within {timeout}s")
+        time.sleep(0.02)
+    return int(path.read_text())

@@ -1,0 +1,200 @@
+"""psctl as a subprocess: local clusters, exit-code propagation, the demo, status."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from e2e_support import Processes, child_env, free_port, pid_runs
+
+import psworker
+
+PSCTL = [sys.executable, "-m", "psworker.ctl"]
+
+TRAIN = """
+import os, sys
+import numpy as np
+import psworker
+
+with psworker.connect() as client:
+    assert client.num_workers == int(os.environ["PS_NUM_WORKERS"]) == 2
+    assert client.worker_id == int(os.environ["PS_WORKER_ID"])
+    assert client.mode == os.environ["PS_MODE"] == "sync"
+    client.init({"w": np.zeros(4, np.float32)}, psworker.SGD(lr=0.5))
+    for _ in range(3):
+        client.pull()
+        client.push({"w": np.full(4, client.worker_id + 1, np.float32)})
+    w = client.pull()["w"]
+    # Sync averages (1 + 2) / 2 = 1.5 per step; lr 0.5 takes 0.75 off per step.
+    assert np.allclose(w, -2.25), w
+    print(f"OK worker {client.worker_id} w={w[0]:.2f}")
+"""
+
+FAIL_ONE = """
+import os, sys, threading
+if os.environ["PS_WORKER_ID"] == "1":
+    sys.exit(3)
+print("worker 0 waiting", flush=True)
+threading.Event().wait(60)  # a hung worker: psctl must stop it, not wait for it
+"""
+
+HANG = """
+import threading
+print("ready", flush=True)
+threading.Event().wait(60)
+"""
+
+
+def launched_pids(output: str) -> dict[str, int]:
+    """Names and PIDs psctl reports for the processes it started."""
+    found = re.findall(r"\[psctl\] (\w+) (?:serving at \S+|started) \(pid (\d+)\)", output)
+    return {name: int(pid) for name, pid in found}
+
+
+def write_script(tmp_path: Path, name: str, body: str) -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def adopt_all(procs: Processes, output: str, script: Path) -> dict[str, int]:
+    pids = launched_pids(output)
+    for name, pid in pids.items():
+        procs.adopt(pid, "psserver" if name.startswith("ps") else script.name)
+    return pids
+
+
+@pytest.mark.timeout(60)
+def test_local_runs_workers_against_shards_and_prefixes_output(
+    procs: Processes, tmp_path: Path
+) -> None:
+    script = write_script(tmp_path, "train_ok.py", TRAIN)
+    args = [*PSCTL, "local", "--servers", "2", "--workers", "2", "--timeout", "45"]
+    code, out = procs.run([*args, "--", sys.executable, str(script)], timeout=50)
+    adopt_all(procs, out, script)
+    assert code == 0, out
+    assert "[worker0] OK worker 0 w=-2.25" in out
+    assert "[worker1] OK worker 1 w=-2.25" in out
+    assert re.search(r"^\[ps0\] .*psserver listening on 127\.0\.0\.1:\d+$", out, re.M), out
+    assert re.search(r"^\[ps1\] .*psserver stopped$", out, re.M), out
+
+
+@pytest.mark.timeout(60)
+def test_failing_worker_stops_the_rest_and_its_code_propagates(
+    procs: Processes, tmp_path: Path
+) -> None:
+    script = write_script(tmp_path, "fail_one.py", FAIL_ONE)
+    args = [*PSCTL, "local", "--servers", "2", "--workers", "2", "--grace", "2"]
+    started = time.monotonic()
+    code, out = procs.run([*args, "--", sys.executable, str(script)], timeout=50)
+    pids = adopt_all(procs, out, script)
+    assert code == 3, out
+    assert "worker1 failed with exit code 3" in out
+    assert time.monotonic() - started < 30, "psctl waited for the hung worker"
+    assert sorted(pids) == ["ps0", "ps1", "worker0", "worker1"], out
+    for name, pid in pids.items():
+        marker = "psserver" if name.startswith("ps") else script.name
+        assert not pid_runs(pid, marker), f"{name} (pid {pid}) outlived psctl"
+
+
+@pytest.mark.timeout(60)
+def test_overall_timeout_kills_everything(procs: Processes, tmp_path: Path) -> None:
+    script = write_script(tmp_path, "hang.py", HANG)
+    args = [*PSCTL, "local", "--workers", "2", "--timeout", "4", "--grace", "1"]
+    code, out = procs.run([*args, "--", sys.executable, str(script)], timeout=40)
+    pids = adopt_all(procs, out, script)
+    assert code == 124, out
+    assert "timed out" in out
+    assert len(pids) == 3, out
+    assert not any(pid_runs(pid, "hang.py") or pid_runs(pid, "psserver") for pid in pids.values())
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_to_psctl_stops_its_children(procs: Processes, tmp_path: Path) -> None:
+    script = write_script(tmp_path, "hang_term.py", HANG)
+    args = [*PSCTL, "local", "--workers", "1", "--grace", "2"]
+    proc = procs.start([*args, "--", sys.executable, str(script)])
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:  # bounded by the test timeout; the worker prints "ready" at once
+        lines.append(line)
+        if line.startswith("[worker0] ready"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=20)
+    out = "".join(lines) + rest
+    pids = adopt_all(procs, out, script)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "SIGTERM received" in out
+    assert len(pids) == 2, out
+    assert not pid_runs(pids["worker0"], script.name)
+    assert not pid_runs(pids["ps0"], "psserver")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["sync", "ssp"])
+def test_demo_trains_to_high_accuracy(procs: Processes, mode: str) -> None:
+    args = [*PSCTL, "demo", "--mode", mode, "--workers", "2", "--servers", "2", "--timeout", "50"]
+    code, out = procs.run(args, timeout=55)
+    assert code == 0, out
+    match = re.search(r"\[worker0\] held-out accuracy (\d+\.\d+)", out)
+    assert match, out
+    assert float(match.group(1)) >= 0.9, out
+    assert "samples/s" in out
+    assert f"mode {mode}" in out
+    # Both workers logged their loss falling.
+    for w in (0, 1):
+        losses = [
+            float(x) for x in re.findall(rf"\[worker{w}\] worker {w} step \d+ loss (\S+)", out)
+        ]
+        assert len(losses) >= 2 and losses[-1] < losses[0], out
+
+
+@pytest.mark.timeout(60)
+def test_status_prints_table_and_json(procs: Processes) -> None:
+    daemon = procs.psserver()
+    with psworker.connect(
+        [daemon.address], worker_id=0, num_workers=1, mode="ssp", staleness=2
+    ) as client:
+        client.init(
+            {"w": np.zeros((4, 3), np.float32), "b": np.zeros(3, np.float32)},
+            psworker.SGD(lr=0.1),
+        )
+        for _ in range(2):
+            client.push({"w": np.ones((4, 3), np.float32), "b": np.ones(3, np.float32)})
+
+    code, table = procs.run([*PSCTL, "status", daemon.address], timeout=20)
+    assert code == 0, table
+    header, row = table.splitlines()[:2]
+    assert header.split()[:4] == ["SHARD", "ADDRESS", "HEALTH", "INIT"]
+    assert row.split()[:9] == ["0", daemon.address, "SERVING", "yes", "ssp", "2", "2", "2", "60"]
+    assert re.search(r"^\s+0\s+2\s+\d+\.\ds ago$", table, re.M), table
+
+    spec = json.dumps({"cluster": {"ps": [daemon.address], "worker": []}})
+    code, text = procs.run([*PSCTL, "status", "--cluster", spec, "--json"], timeout=20)
+    assert code == 0, text
+    (shard,) = json.loads(text)["shards"]
+    assert shard["address"] == daemon.address
+    assert shard["health"] == "SERVING" and shard["initialized"] is True
+    assert (shard["mode"], shard["staleness"], shard["clock"]) == ("ssp", 2, 2)
+    assert (shard["num_variables"], shard["total_bytes"]) == (2, 60)
+    assert [w["worker_id"] for w in shard["workers"]] == [0]
+    assert shard["workers"][0]["clock"] == 2
+
+
+@pytest.mark.timeout(30)
+def test_status_of_unreachable_shard_fails(procs: Processes) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    code, text = procs.run(
+        [*PSCTL, "status", "--json", "--timeout", "1", address], timeout=20, env=child_env()
+    )
+    assert code == 1, text
+    (shard,) = json.loads(text)["shards"]
+    assert shard["health"] == "UNREACHABLE" and shard["error"]

@@ -1,0 +1,284 @@
+"""Unit tests for pswire.optim: numpy optimizers that must follow torch.optim's math exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pswire.errors import InvalidRequestError
+from pswire.optim import OPTIMIZERS, SGD, Adagrad, Adam, Optimizer, optimizer_from_spec
+
+STEPS = 50
+SHAPES = [(6, 5), (7,)]
+
+CASES: list[tuple[type[Optimizer], dict[str, Any]]] = [
+    (SGD, {"lr": 0.1}),
+    (SGD, {"lr": 0.05, "momentum": 0.9}),
+    (SGD, {"lr": 0.05, "momentum": 0.9, "dampening": 0.5}),
+    (SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True}),
+    (SGD, {"lr": 0.05, "momentum": 0.8, "nesterov": True, "weight_decay": 0.05}),
+    (SGD, {"lr": 0.1, "weight_decay": 0.1}),
+    (Adam, {"lr": 0.01}),
+    (Adam, {"lr": 0.02, "beta1": 0.5, "beta2": 0.9, "eps": 1e-6}),
+    (Adam, {"lr": 0.01, "weight_decay": 0.05}),
+    (Adagrad, {"lr": 0.1}),
+    (Adagrad, {"lr": 0.1, "lr_decay": 0.05}),
+    (Adagrad, {"lr": 0.1, "weight_decay": 0.1, "initial_accumulator_value": 0.5}),
+    (Adagrad, {"lr": 0.2, "lr_decay": 0.01, "eps": 1e-3}),
+]
+
+
+def case_id(case: tuple[type[Optimizer], dict[str, Any]]) -> str:
+    cls, hp = case
+    return cls.name + "-" + "-".join(f"{k}={v}" for k, v in hp.items())
+
+
+def gradients(seed: int, shape: tuple[int, ...], dtype: type) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.normal(size=shape).astype(dtype) for _ in range(STEPS)]
+
+
+def initial(seed: int, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    return np.random.default_rng(seed + 1000).normal(size=shape).astype(dtype)
+
+
+# --- against torch.optim -------------------------------------------------------------------
+
+
+def torch_optimizer(cls: type[Optimizer], hp: dict[str, Any], params: list) -> Any:
+    torch = pytest.importorskip("torch")
+    if cls is SGD:
+        return torch.optim.SGD(params, **hp)
+    if cls is Adam:
+        kw = dict(hp)
+        kw["betas"] = (kw.pop("beta1", 0.9), kw.pop("beta2", 0.999))
+        return torch.optim.Adam(params, **kw)
+    return torch.optim.Adagrad(params, **hp)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_matches_torch_optim_float32(case: tuple[type[Optimizer], dict[str, Any]]) -> None:
+    torch = pytest.importorskip("torch")
+    cls, hp = case
+    opt = cls(**hp)
+
+    ours = [initial(i, s, np.float32) for i, s in enumerate(SHAPES)]
+    states = [opt.make_state(p) for p in ours]
+    theirs = [torch.tensor(p.copy(), requires_grad=True) for p in ours]
+    reference = torch_optimizer(cls, hp, theirs)
+    grads = [gradients(i, s, np.float32) for i, s in enumerate(SHAPES)]
+    start = [p.copy() for p in ours]
+
+    for step in range(STEPS):
+        for p, state, g in zip(ours, states, grads, strict=True):
+            opt.apply(p, g[step], state)
+        for t, g in zip(theirs, grads, strict=True):
+            t.grad = torch.from_numpy(g[step].copy())
+        reference.step()
+        for p, t in zip(ours, theirs, strict=True):
+            assert p.dtype == np.float32
+            np.testing.assert_allclose(
+                p, t.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=f"step {step + 1}"
+            )
+    # The parameters really moved, so the comparison above is not vacuous.
+    for p, s in zip(ours, start, strict=True):
+        assert np.abs(p - s).max() > 0.05
+
+
+# --- float64 reference formulas, no torch --------------------------------------------------
+
+
+def reference_run(
+    cls: type[Optimizer], hp: dict[str, Any], param: np.ndarray, grads: list[np.ndarray]
+) -> np.ndarray:
+    """The published update rules, written out plainly (no in-place tricks)."""
+    h = {**cls().params(), **hp}
+    p = param.copy()
+    if cls is SGD:
+        buf = None
+        for g in grads:
+            d = g + h["weight_decay"] * p
+            if h["momentum"]:
+                buf = d.copy() if buf is None else h["momentum"] * buf + (1 - h["dampening"]) * d
+                d = d + h["momentum"] * buf if h["nesterov"] else buf
+            p = p - h["lr"] * d
+    elif cls is Adam:
+        m = np.zeros_like(p)
+        v = np.zeros_like(p)
+        for t, g in enumerate(grads, start=1):
+            g = g + h["weight_decay"] * p
+            m = h["beta1"] * m + (1 - h["beta1"]) * g
+            v = h["beta2"] * v + (1 - h["beta2"]) * g**2
+            m_hat = m / (1 - h["beta1"] ** t)
+            v_hat = v / (1 - h["beta2"] ** t)
+            p = p - h["lr"] * m_hat / (np.sqrt(v_hat) + h["eps"])
+    else:
+        acc = np.full_like(p, h["initial_accumulator_value"])
+        for t, g in enumerate(grads, start=1):
+            g = g + h["weight_decay"] * p
+            acc = acc + g**2
+            p = p - h["lr"] / (1 + (t - 1) * h["lr_decay"]) * g / (np.sqrt(acc) + h["eps"])
+    return p
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_matches_reference_formulas_float64(case: tuple[type[Optimizer], dict[str, Any]]) -> None:
+    cls, hp = case
+    opt = cls(**hp)
+    for i, shape in enumerate(SHAPES):
+        param = initial(i, shape, np.float64)
+        grads = gradients(i, shape, np.float64)
+        want = reference_run(cls, hp, param, grads)
+        state = opt.make_state(param)
+        start = param.copy()
+        for g in grads:
+            opt.apply(param, g, state)
+        assert param.dtype == np.float64
+        np.testing.assert_allclose(param, want, rtol=1e-10, atol=1e-12)
+        assert np.abs(param - start).max() > 0.05
+
+
+def test_first_steps_by_hand() -> None:
+    # Small enough to check on paper.
+    p = np.array([1.0, -2.0])
+    sgd = SGD(lr=0.5, momentum=0.5)
+    state = sgd.make_state(p)
+    sgd.apply(p, np.array([1.0, 1.0]), state)  # buf = g = 1
+    np.testing.assert_array_equal(p, [0.5, -2.5])
+    sgd.apply(p, np.array([1.0, 1.0]), state)  # buf = 0.5 * 1 + 1 = 1.5
+    np.testing.assert_array_equal(p, [-0.25, -3.25])
+
+    p = np.array([3.0])
+    adam = Adam(lr=0.1, eps=0.0)
+    adam.apply(p, np.array([-4.0]), adam.make_state(p))  # first step is lr * sign(g)
+    np.testing.assert_allclose(p, [3.1], rtol=1e-15)
+
+    p = np.array([1.0])
+    adagrad = Adagrad(lr=1.0, eps=0.0, initial_accumulator_value=5.0)
+    adagrad.apply(p, np.array([2.0]), adagrad.make_state(p))  # 1 - 2 / sqrt(5 + 4)
+    np.testing.assert_allclose(p, [1 - 2 / 3], rtol=1e-15)
+
+
+# --- in place ------------------------------------------------------------------------------
+
+ALL_OPTIMIZERS = [
+    SGD(lr=0.1),
+    SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    Adam(lr=0.1, weight_decay=0.01),
+    Adagrad(lr=0.1, lr_decay=0.01, weight_decay=0.01),
+]
+
+
+@pytest.mark.parametrize("opt", ALL_OPTIMIZERS, ids=repr)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_apply_updates_in_place(opt: Optimizer, dtype: type) -> None:
+    storage: np.ndarray = np.ones(12, dtype=dtype)
+    param = storage[2:8].reshape(2, 3)  # a view, as a shard's slice of a larger buffer may be
+    grad = np.arange(6, dtype=dtype).reshape(2, 3) - 2.5
+    grad_before = grad.copy()
+    state = opt.make_state(param)
+    for _ in range(3):
+        opt.apply(param, grad, state)
+    assert param.base is not None and np.shares_memory(param, storage)
+    assert param.dtype == dtype
+    # Every element with a nonzero gradient moved; the storage outside the view did not.
+    assert (storage[2:8] != 1).all()
+    np.testing.assert_array_equal(storage[:2], 1)
+    np.testing.assert_array_equal(storage[8:], 1)
+    np.testing.assert_array_equal(grad, grad_before)
+
+
+@pytest.mark.parametrize("opt", ALL_OPTIMIZERS, ids=repr)
+def test_states_are_independent_per_variable(opt: Optimizer) -> None:
+    a, b = np.zeros(4), np.zeros(4)
+    sa, sb = opt.make_state(a), opt.make_state(b)
+    for _ in range(3):
+        opt.apply(a, np.ones(4), sa)
+    opt.apply(b, np.ones(4), sb)
+    fresh = np.zeros(4)
+    opt.apply(fresh, np.ones(4), opt.make_state(fresh))
+    np.testing.assert_array_equal(b, fresh)
+    assert not np.array_equal(a, b)
+
+
+# --- optimizer_from_spec -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_spec_round_trips(case: tuple[type[Optimizer], dict[str, Any]]) -> None:
+    cls, hp = case
+    opt = cls(**hp)
+    params = opt.params()
+    assert all(type(v) is float for v in params.values())
+    assert set(params) == {f.name for f in dataclasses.fields(cls)}
+    again = optimizer_from_spec(cls.name, params)
+    assert type(again) is cls
+    assert again == opt
+    assert again.params() == params
+
+
+def test_spec_defaults_and_partial_params() -> None:
+    assert sorted(OPTIMIZERS) == ["adagrad", "adam", "sgd"]
+    for name, cls in OPTIMIZERS.items():
+        assert optimizer_from_spec(name, {}) == cls()
+    assert optimizer_from_spec("adam", {"lr": 0.5}) == Adam(lr=0.5)
+    sgd = optimizer_from_spec("sgd", {"momentum": 0.9, "nesterov": 1.0})
+    assert sgd.nesterov is True  # type: ignore[attr-defined]
+
+
+def test_spec_rejects_an_unknown_optimizer() -> None:
+    with pytest.raises(InvalidRequestError, match=r"'rmsprop'.*adagrad.*adam.*sgd"):
+        optimizer_from_spec("rmsprop", {})
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "detail"),
+    [
+        ("sgd", {"beta1": 0.9}, "no parameter 'beta1'"),
+        ("adam", {"momentum": 0.9}, "no parameter 'momentum'"),
+        ("adagrad", {"name": 1.0}, "no parameter 'name'"),
+        ("sgd", {"lr": math.nan}, "'lr' is nan"),
+        ("adam", {"eps": math.inf}, "'eps' is inf"),
+        ("adagrad", {"lr_decay": -math.inf}, "'lr_decay' is -inf"),
+        ("sgd", {"nesterov": 1.0}, "nesterov"),  # needs momentum
+        ("sgd", {"momentum": 0.9, "dampening": 0.1, "nesterov": 1.0}, "nesterov"),
+        ("sgd", {"nesterov": 0.5}, "'nesterov' is a flag"),
+        ("sgd", {"lr": -0.1}, "lr"),
+        ("sgd", {"momentum": -0.5}, "momentum"),
+        ("sgd", {"weight_decay": -1.0}, "weight_decay"),
+        ("adam", {"beta1": 1.0}, "beta1"),
+        ("adam", {"beta2": -0.1}, "beta2"),
+        ("adam", {"eps": -1e-8}, "eps"),
+        ("adagrad", {"initial_accumulator_value": -1.0}, "initial_accumulator_value"),
+        ("adagrad", {"lr_decay": -0.1}, "lr_decay"),
+    ],
+)
+def test_spec_rejects_bad_params(name: str, params: dict[str, float], detail: str) -> None:
+    with pytest.raises(InvalidRequestError, match=detail) as info:
+        optimizer_from_spec(name, params)
+    assert repr(name) in str(info.value)
+
+
+def test_torch_rejects_the_same_ranges() -> None:
+    """The range checks are torch's: each bad value above is also refused by torch.optim."""
+    torch = pytest.importorskip("torch")
+    w = [torch.zeros(2, requires_grad=True)]
+    bad = [
+        lambda: torch.optim.SGD(w, lr=-0.1),
+        lambda: torch.optim.SGD(w, lr=0.1, momentum=-0.5),
+        lambda: torch.optim.SGD(w, lr=0.1, weight_decay=-1.0),
+        lambda: torch.optim.SGD(w, lr=0.1, nesterov=True),
+        lambda: torch.optim.Adam(w, betas=(1.0, 0.999)),
+        lambda: torch.optim.Adam(w, betas=(0.9, -0.1)),
+        lambda: torch.optim.Adam(w, eps=-1e-8),
+        lambda: torch.optim.Adagrad(w, initial_accumulator_value=-1.0),
+        lambda: torch.optim.Adagrad(w, lr_decay=-0.1),
+    ]
+    for make in bad:
+        with pytest.raises(ValueError):
+            make()
