@@ -29,7 +29,7 @@ def job_from_proto(spec: ps_pb2.JobSpec) -> Job:
         check_dtype(v.dtype, v.name)
         if any(d < 0 for d in v.shape):
             raise InvalidRequestError(f"variable '{v.name}' has a negative dim in {tuple(v.shape)}")
-        variables.append(VarSpec(v.name, tuple(int(d) for d in v.shape), v.dtype))
+        variables.append(VarSpec(v.name, tuple(int(d) for d in v.shape), v.dtype, v.average))
     return Job(
         mode=spec.mode,
         staleness=int(spec.staleness),
@@ -47,7 +47,8 @@ def job_to_proto(job: Job) -> ps_pb2.JobSpec:
         num_workers=job.num_workers,
         optimizer=ps_pb2.OptimizerSpec(name=job.optimizer.name, params=job.optimizer.params()),
         variables=[
-            ps_pb2.VariableSpec(name=v.key, dtype=v.dtype, shape=v.shape) for v in job.variables
+            ps_pb2.VariableSpec(name=v.key, dtype=v.dtype, shape=v.shape, average=v.average)
+            for v in job.variables
         ],
         model_digest=job.model_digest,
     )

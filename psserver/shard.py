@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from psserver.consistency import Clocks, ConsistencyPolicy, make_policy
+from pswire.codec import check_tensor
 from pswire.errors import (
     InvalidRequestError,
     ModelMismatchError,
     NotInitializedError,
-    ShapeMismatchError,
     TooLargeError,
     UnknownVariableError,
     WaitTimeoutError,
@@ -28,9 +28,12 @@ from pswire.optim import Optimizer
 
 @dataclass(frozen=True)
 class VarSpec:
+    """A variable (or slice) on this shard; ``average``: a buffer, not trained (see _apply)."""
+
     key: str
     shape: tuple[int, ...]
     dtype: str
+    average: bool = False
 
 
 @dataclass(frozen=True)
@@ -187,7 +190,11 @@ class Shard:
                 key: np.array(values[key], dtype=np.dtype(spec.dtype), copy=True)
                 for key, spec in self._specs.items()
             }
-            self._slots = {k: job.optimizer.make_state(v) for k, v in self._vars.items()}
+            self._slots = {
+                k: job.optimizer.make_state(v)
+                for k, v in self._vars.items()
+                if not self._specs[k].average
+            }
             self._ready = True
             self._cond.notify_all()
             return True
@@ -217,7 +224,7 @@ class Shard:
         for key, spec in specs.items():
             if key not in values:
                 raise InvalidRequestError(f"initial values lack variable '{key}'")
-            self._check_tensor(spec, values[key], "initial value")
+            check_tensor(key, spec.shape, spec.dtype, values[key], "initial value")
 
     # -- pull / push ------------------------------------------------------------------------
 
@@ -276,7 +283,9 @@ class Shard:
             spec = self._specs.get(key)
             if spec is None:
                 raise UnknownVariableError(self._unknown(key))
-            self._check_tensor(spec, grad, "gradient")
+            check_tensor(
+                key, spec.shape, spec.dtype, grad, "buffer value" if spec.average else "gradient"
+            )
         with self._cond:
             self._wait_values(timeout)
             policy = self._policy
@@ -306,7 +315,12 @@ class Shard:
         assert self._job is not None
         opt = self._job.optimizer
         for key, grad in update.items():
-            opt.apply(self._vars[key], grad, self._slots[key])
+            if self._specs[key].average:
+                # A buffer (e.g. BatchNorm running stats): the pushed values (averaged over the
+                # round in sync mode) replace the stored ones; no optimizer.
+                np.copyto(self._vars[key], grad, casting="unsafe")
+            else:
+                opt.apply(self._vars[key], grad, self._slots[key])
         self._updates += 1
 
     # -- status -----------------------------------------------------------------------------
@@ -371,21 +385,3 @@ class Shard:
         limit = self.limits.max_wait_s if timeout is None else min(timeout, self.limits.max_wait_s)
         if not self._cond.wait_for(ready, timeout=max(0.0, limit)):
             raise WaitTimeoutError(f"gave up after {limit:.1f}s waiting for {describe()}")
-
-    @staticmethod
-    def _check_tensor(spec: VarSpec, array: np.ndarray, what: str) -> None:
-        if array.dtype != np.dtype(spec.dtype):
-            raise InvalidRequestError(
-                f"variable '{spec.key}' has dtype {spec.dtype} on the server, {what} sent "
-                f"{array.dtype}"
-            )
-        if tuple(array.shape) != spec.shape:
-            raise ShapeMismatchError(
-                f"variable '{spec.key}' has shape {spec.shape} on the server, {what} sent "
-                f"{tuple(array.shape)}"
-            )
-        if array.dtype.kind == "f" and not np.isfinite(array).all():
-            bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
-            raise InvalidRequestError(
-                f"variable '{spec.key}': {what} has {bad} non-finite values (NaN or Inf)"
-            )

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from pswire.errors import InvalidRequestError, TooLargeError
+from pswire.errors import InvalidRequestError, ShapeMismatchError, TooLargeError
 from pswire.proto import ps_pb2
 
 # 1 MiB chunks: on loopback a stream of 1 MiB messages moves ~4x the bytes/s of one huge unary
@@ -55,6 +55,31 @@ def tensor_nbytes(name: str, dtype: str, shape: Iterable[int], limit: int | None
             f"variable '{name}' of shape {dims} is {nbytes} bytes, over the limit of {limit}"
         )
     return nbytes
+
+
+def check_tensor(
+    name: str, shape: tuple[int, ...], dtype: str, array: np.ndarray, what: str
+) -> None:
+    """Checks ``array`` against a variable's declared shape and dtype, and for NaN/Inf.
+
+    Raises:
+        InvalidRequestError: wrong dtype or non-finite floats.
+        ShapeMismatchError: wrong shape.
+    """
+    if array.dtype != np.dtype(dtype):
+        raise InvalidRequestError(
+            f"variable '{name}' has dtype {dtype} on the server, {what} sent {array.dtype}"
+        )
+    if tuple(array.shape) != tuple(shape):
+        raise ShapeMismatchError(
+            f"variable '{name}' has shape {tuple(shape)} on the server, {what} sent "
+            f"{tuple(array.shape)}"
+        )
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
+        raise InvalidRequestError(
+            f"variable '{name}': {what} has {bad} non-finite values (NaN or Inf)"
+        )
 
 
 def tensor_to_chunks(

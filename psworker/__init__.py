@@ -13,12 +13,15 @@ from pswire.errors import (
 )
 from pswire.optim import SGD, Adagrad, Adam, Optimizer
 from psworker.client import PSClient, connect
+from psworker.data import shard
+from psworker.local import LocalClient
 
 __all__ = [
     "SGD",
     "Adagrad",
     "Adam",
     "InvalidRequestError",
+    "LocalClient",
     "ModelMismatchError",
     "NotInitializedError",
     "Optimizer",
@@ -30,4 +33,5 @@ __all__ = [
     "UnknownVariableError",
     "WaitTimeoutError",
     "connect",
+    "shard",
 ]

@@ -18,6 +18,7 @@ from pswire.optim import Optimizer
 from pswire.partition import DEFAULT_SPLIT_BYTES, ShardMap, VarInfo, plan
 from pswire.proto import ps_pb2, ps_pb2_grpc
 from pswire.status import from_rpc_error
+from psworker.local import LocalClient
 
 T = TypeVar("T")
 MODES = ("sync", "async", "ssp")
@@ -80,18 +81,25 @@ class PSClient:
 
     # -- API --------------------------------------------------------------------------------
 
-    def init(self, variables: Mapping[str, np.ndarray], optimizer: Optimizer) -> None:
+    def init(
+        self,
+        variables: Mapping[str, np.ndarray],
+        optimizer: Optimizer,
+        buffers: Sequence[str] = (),
+    ) -> None:
         """Agrees on the job with every shard; worker 0 sends the initial values.
 
         Every worker passes the same model (names, shapes, dtypes); worker 0's values become
         the starting weights, other workers' are not sent. A worker that restarts resumes at
-        the step the shards recorded for it.
+        the step the shards recorded for it. Variables named in ``buffers`` are not trained:
+        pushes carry their values, and the shards keep the pushed values (in ``sync`` mode
+        their mean over the step's workers).
 
         Raises:
             ModelMismatchError: a shard holds a different model, mode or optimizer.
             PSError: any other failure, with its gRPC status on ``.code``.
         """
-        arrays = {name: np.ascontiguousarray(v) for name, v in variables.items()}
+        arrays = {name: np.asarray(v) for name, v in variables.items()}
         infos = [VarInfo(n, tuple(a.shape), a.dtype.name) for n, a in arrays.items()]
         try:
             shard_map = plan(infos, len(self.addresses), self.split_bytes)
@@ -99,6 +107,7 @@ class PSClient:
             raise InvalidRequestError(str(exc)) from exc
         send_values = self.worker_id == 0
         pieces = shard_map.split(arrays)
+        averaged = set(buffers)
 
         def register(shard: int) -> int:
             reply = self._call(
@@ -121,7 +130,9 @@ class PSClient:
                 num_workers=self.num_workers,
                 optimizer=ps_pb2.OptimizerSpec(name=optimizer.name, params=optimizer.params()),
                 variables=[
-                    ps_pb2.VariableSpec(name=p.key, dtype=p.dtype, shape=p.shape)
+                    ps_pb2.VariableSpec(
+                        name=p.key, dtype=p.dtype, shape=p.shape, average=p.var in averaged
+                    )
                     for p in shard_map.on_shard(shard)
                 ],
                 model_digest=shard_map.digest(),
@@ -195,7 +206,7 @@ class PSClient:
         """
         shard_map = self._require_map()
         step = self.step if step is None else step
-        arrays = {name: np.ascontiguousarray(g) for name, g in grads.items()}
+        arrays = {name: np.asarray(g) for name, g in grads.items()}
         pieces = shard_map.split(arrays)
 
         def push_one(shard: int) -> bool:
@@ -284,34 +295,42 @@ def connect(
     staleness: int | None = None,
     cluster: str | None = None,
     **options: Any,
-) -> PSClient:
-    """Connects a worker to the job's shards.
+) -> PSClient | LocalClient:
+    """Connects a worker to the job's shards, or returns an in-process client.
 
     With no ``addresses``, the cluster comes from ``cluster`` (TF_CONFIG JSON or a file path)
     or the ``TF_CONFIG`` environment variable: shards from ``cluster.ps``, this worker's id from
     ``task.index``, the worker count from ``cluster.worker``. ``mode`` and ``staleness`` default
-    to ``$PS_MODE`` / ``$PS_STALENESS``, else ``sync`` / 0.
+    to ``$PS_MODE`` / ``$PS_STALENESS``, else ``sync`` / 0. ``mode="local"``, or no mode and no
+    cluster at all, gives a ``LocalClient``: the same script then trains in one process.
 
     Raises:
-        ValueError: no cluster could be found, or arguments are inconsistent.
+        ValueError: a parameter-server mode with no cluster, or inconsistent arguments.
     """
+    mode = mode or os.environ.get("PS_MODE") or None
+    if mode == "local":
+        return LocalClient()
     if addresses is None:
         spec = ClusterSpec.load(cluster)
         if spec is None:
-            raise ValueError("connect() needs shard addresses, cluster=..., or $TF_CONFIG")
+            if mode is None:
+                return LocalClient()
+            raise ValueError(
+                f"mode {mode!r} needs shard addresses, cluster=..., or $TF_CONFIG "
+                "(or use mode='local')"
+            )
         if not spec.ps:
             raise ValueError("the cluster spec lists no parameter servers (cluster.ps)")
         addresses = spec.ps
         worker_id = spec.task_index if worker_id is None else worker_id
         num_workers = (len(spec.workers) or 1) if num_workers is None else num_workers
-    mode = mode or os.environ.get("PS_MODE", "sync")
     if staleness is None:
         staleness = int(os.environ.get("PS_STALENESS") or 0)
     return PSClient(
         addresses,
         worker_id=0 if worker_id is None else worker_id,
         num_workers=1 if num_workers is None else num_workers,
-        mode=mode,
+        mode=mode or "sync",
         staleness=staleness,
         **options,
     )

@@ -45,7 +45,7 @@ class SyncPolicy(ConsistencyPolicy):
         for key, grad in grads.items():
             acc = self._sum.get(key)
             if acc is None:
-                self._sum[key] = np.array(grad, copy=True)
+                self._sum[key] = np.array(grad, copy=True)  # owns memory: the push's may not
             else:
                 acc += grad
         self._pushed.add(worker)
@@ -59,8 +59,11 @@ class SyncPolicy(ConsistencyPolicy):
             return None
         count = len(self._pushed)
         mean = self._sum
-        for acc in mean.values():
-            acc /= acc.dtype.type(count)
+        for key, acc in mean.items():
+            if acc.dtype.kind == "f":
+                acc /= acc.dtype.type(count)
+            else:  # integer buffers such as BatchNorm's num_batches_tracked
+                mean[key] = acc // count
         self._sum = {}
         self._pushed = set()
         return mean

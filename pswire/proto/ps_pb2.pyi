@@ -74,8 +74,13 @@ class VariableSpec(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
     SHAPE_FIELD_NUMBER: _builtins.int
+    AVERAGE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     dtype: _builtins.str
+    average: _builtins.bool
+    """A buffer (e.g. BatchNorm running statistics), not trained: pushes carry values, and the
+    shard stores them (in sync mode their mean over the round) instead of applying the optimizer.
+    """
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -84,10 +89,11 @@ class VariableSpec(_message.Message):
         name: _builtins.str = ...,
         dtype: _builtins.str = ...,
         shape: _abc.Iterable[_builtins.int] | None = ...,
+        average: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "name", b"name", "shape", b"shape"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["average", b"average", "dtype", b"dtype", "name", b"name", "shape", b"shape"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,106 @@
+"""``mode="local"``: one process, no network; the optimizer runs in place with the shards' math."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from pswire.codec import check_tensor
+from pswire.errors import NotInitializedError, UnknownVariableError
+from pswire.optim import Optimizer
+
+
+class LocalClient:
+    """Same API as ``PSClient`` for a single worker: the reference every mode is tested against.
+
+    Pushes are applied at once, like a one-worker ``sync`` job, with the same optimizer code the
+    shards run.
+    """
+
+    mode = "local"
+    staleness = 0
+    worker_id = 0
+    num_workers = 1
+    addresses: list[str] = []
+
+    def __init__(self) -> None:
+        self.step = 0
+        self._vars: dict[str, np.ndarray] = {}
+        self._slots: dict[str, dict] = {}
+        self._buffers: set[str] = set()
+        self._optimizer: Optimizer | None = None
+
+    def __enter__(self) -> LocalClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Nothing to release; present for API parity."""
+
+    def init(
+        self,
+        variables: Mapping[str, np.ndarray],
+        optimizer: Optimizer,
+        buffers: Sequence[str] = (),
+    ) -> None:
+        """Copies the starting values and creates the optimizer state."""
+        self._vars = {k: np.array(v, copy=True) for k, v in variables.items()}
+        self._buffers = set(buffers)
+        self._optimizer = optimizer
+        self._slots = {
+            k: optimizer.make_state(v) for k, v in self._vars.items() if k not in self._buffers
+        }
+
+    def pull(self, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Copies of the current values.
+
+        Raises:
+            UnknownVariableError: a name not in the model.
+        """
+        self._require_init()
+        wanted = list(names) if names is not None else list(self._vars)
+        for name in wanted:
+            if name not in self._vars:
+                raise UnknownVariableError(
+                    f"variable '{name}' is not in the model; known: {list(self._vars)[:20]}"
+                )
+        return {k: self._vars[k].copy() for k in wanted}
+
+    def push(self, grads: Mapping[str, np.ndarray], step: int | None = None) -> bool:
+        """Applies one step's gradients (buffers: stores the values) at once.
+
+        Raises:
+            UnknownVariableError, InvalidRequestError: as a shard would; nothing changes then.
+        """
+        opt = self._require_init()
+        step = self.step if step is None else step
+        if step < self.step:
+            return False  # already applied, as a shard acknowledges a retried push
+        for name, grad in grads.items():
+            var = self._vars.get(name)
+            if var is None:
+                raise UnknownVariableError(
+                    f"variable '{name}' is not in the model; known: {list(self._vars)[:20]}"
+                )
+            check_tensor(name, var.shape, var.dtype.name, np.asarray(grad), "push")
+        for name, grad in grads.items():
+            if name in self._buffers:
+                np.copyto(self._vars[name], grad, casting="unsafe")
+            else:
+                opt.apply(self._vars[name], np.asarray(grad), self._slots[name])
+        self.step = step + 1
+        return True
+
+    def heartbeat(self) -> None:
+        """No servers to tell."""
+
+    def status(self) -> list:
+        return []
+
+    def _require_init(self) -> Optimizer:
+        if self._optimizer is None:
+            raise NotInitializedError("call client.init(variables, optimizer) before pull or push")
+        return self._optimizer

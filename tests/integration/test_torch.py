@@ -1,0 +1,172 @@
+"""DistributedOptimizer: sync with 2 workers equals local with the combined batch; buffers, None."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import psworker  # noqa: E402
+from psworker.torch import DistributedOptimizer  # noqa: E402
+
+STEPS, BATCH = 30, 8
+
+
+def make_model(seed: int, batchnorm: bool = False) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = [torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.ReLU()]
+    if batchnorm:
+        layers.append(torch.nn.BatchNorm2d(4))
+    layers += [torch.nn.Flatten(), torch.nn.Linear(4 * 8 * 8, 10)]
+    return torch.nn.Sequential(*layers)
+
+
+def data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def train(opt: DistributedOptimizer, x: torch.Tensor, y: torch.Tensor, steps: int, lo, hi) -> None:
+    for t in range(steps):
+        opt.zero_grad()
+        a, b = lo(t), hi(t)
+        torch.nn.functional.cross_entropy(opt.model(x[a:b]), y[a:b]).backward()
+        opt.step()
+
+
+def run_threads(fns) -> None:
+    errors: list[BaseException] = []
+
+    def wrap(fn):
+        try:
+            fn()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wrap, args=(f,), daemon=True) for f in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a worker did not finish"
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize(
+    "optimizer", [psworker.SGD(lr=0.1, momentum=0.9), psworker.Adam(lr=0.01)], ids=["sgd", "adam"]
+)
+def test_sync_two_workers_equal_local_with_the_combined_batch(shards, optimizer):
+    x, y = data(STEPS * 2 * BATCH)
+    local_model = make_model(0)
+    with psworker.connect(mode="local") as local:
+        opt = DistributedOptimizer(local_model, local, optimizer)
+        train(opt, x, y, STEPS, lambda t: 2 * BATCH * t, lambda t: 2 * BATCH * (t + 1))
+
+    addrs = [s.address for s in shards(2)]
+    models = {0: make_model(0), 1: make_model(123)}  # worker 1 starts elsewhere: init must fix it
+
+    def worker(i: int):
+        def run():
+            with psworker.connect(
+                addrs, worker_id=i, num_workers=2, mode="sync", split_bytes=512
+            ) as client:
+                opt = DistributedOptimizer(models[i], client, optimizer)
+                lo = lambda t: 2 * BATCH * t + i * BATCH  # noqa: E731
+                train(opt, x, y, STEPS, lo, lambda t: lo(t) + BATCH)
+
+        return run
+
+    run_threads([worker(0), worker(1)])
+    reference = local_model.state_dict()
+    for i, model in models.items():
+        for name, value in model.state_dict().items():
+            diff = (value - reference[name]).abs().max().item()
+            assert diff < 1e-5, f"worker {i} {name}: max abs diff {diff}"
+
+
+def test_local_mode_matches_torch_optim():
+    x, y = data(20 * BATCH)
+    ours, theirs = make_model(0), make_model(0)
+    with psworker.connect(mode="local") as client:
+        opt = DistributedOptimizer(ours, client, psworker.SGD(lr=0.05, momentum=0.9, nesterov=True))
+        train(opt, x, y, 20, lambda t: BATCH * t, lambda t: BATCH * (t + 1))
+    ref = torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+    for t in range(20):
+        ref.zero_grad()
+        a = BATCH * t
+        torch.nn.functional.cross_entropy(theirs(x[a : a + BATCH]), y[a : a + BATCH]).backward()
+        ref.step()
+    for (name, a), b in zip(ours.state_dict().items(), theirs.state_dict().values(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6), name
+
+
+def test_batchnorm_buffers_are_averaged_across_sync_workers(shards):
+    addrs = [s.address for s in shards(1)]
+    x, y = data(4 * BATCH)
+    models = {0: make_model(0, batchnorm=True), 1: make_model(0, batchnorm=True)}
+    expected_mean = torch.zeros(4)
+    with torch.no_grad():  # what each worker's first forward does to running_mean, averaged
+        for i in range(2):
+            feats = torch.relu(models[0][0](x[i * BATCH : (i + 1) * BATCH]))
+            expected_mean += 0.5 * 0.1 * feats.mean(dim=(0, 2, 3))
+
+    def worker(i: int):
+        def run():
+            with psworker.connect(addrs, worker_id=i, num_workers=2, mode="sync") as client:
+                opt = DistributedOptimizer(models[i], client, psworker.SGD(lr=0.0))
+                train(opt, x, y, 1, lambda t: i * BATCH, lambda t: (i + 1) * BATCH)
+
+        return run
+
+    run_threads([worker(0), worker(1)])
+    bn0, bn1 = models[0][2], models[1][2]
+    assert torch.equal(bn0.running_mean, bn1.running_mean)
+    assert torch.equal(bn0.running_var, bn1.running_var)
+    assert int(bn0.num_batches_tracked) == 1
+    assert torch.allclose(bn0.running_mean, expected_mean, atol=1e-6)
+
+
+def test_unused_parameters_with_none_gradients_are_left_alone():
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 1), "unused": torch.nn.Linear(3, 1)})
+    before = model["unused"].weight.detach().clone()
+    with psworker.connect(mode="local") as client:
+        opt = DistributedOptimizer(model, client, psworker.SGD(lr=0.1))
+        for _ in range(3):
+            opt.zero_grad()
+            model["used"](torch.ones(2, 3)).sum().backward()
+            assert model["unused"].weight.grad is None
+            opt.step()
+        assert opt.state_dict()["step"] == 3
+    assert torch.equal(model["unused"].weight, before)
+    assert not torch.equal(model["used"].bias, torch.zeros(1))
+
+
+def test_state_dict_round_trips_the_step_and_rejects_another_optimizer():
+    model = torch.nn.Linear(2, 1)
+    with psworker.connect(mode="local") as client:
+        opt = DistributedOptimizer(model, client, psworker.SGD(lr=0.1))
+        opt.load_state_dict({**opt.state_dict(), "step": 5})
+        assert client.step == 5
+        with pytest.raises(ValueError, match="adam"):
+            opt.load_state_dict({"step": 1, "optimizer": {"name": "adam", "lr": 0.1}})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; the CPU path runs above")
+def test_cuda_parameters_train_through_reused_pinned_buffers():
+    x, y = data(10 * BATCH)
+    cpu_model, gpu_model = make_model(0), make_model(0).cuda()
+    with psworker.connect(mode="local") as c1, psworker.connect(mode="local") as c2:
+        cpu_opt = DistributedOptimizer(cpu_model, c1, psworker.SGD(lr=0.1, momentum=0.9))
+        gpu_opt = DistributedOptimizer(gpu_model, c2, psworker.SGD(lr=0.1, momentum=0.9))
+        pointers = {n: t.data_ptr() for n, t in gpu_opt._staging.out.items()}
+        assert all(t.is_pinned() for t in gpu_opt._staging.out.values())
+        train(cpu_opt, x, y, 10, lambda t: BATCH * t, lambda t: BATCH * (t + 1))
+        train(gpu_opt, x.cuda(), y.cuda(), 10, lambda t: BATCH * t, lambda t: BATCH * (t + 1))
+        assert pointers == {n: t.data_ptr() for n, t in gpu_opt._staging.out.items()}
+    for (name, a), b in zip(
+        cpu_model.state_dict().items(), gpu_model.state_dict().values(), strict=True
+    ):
+        assert torch.allclose(a, b.cpu(), atol=1e-4), name
