@@ -1,0 +1,583 @@
+"""The ring all-reduce between worker processes: a RingPeer gRPC server each, streams rightwards."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent import futures
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from pswire.channel import MAX_MESSAGE_BYTES, OPTIONS, insecure_channel, wait_ready
+from pswire.codec import DEFAULT_CHUNK_BYTES, DTYPES, tensor_from_proto, tensor_to_proto
+from pswire.errors import (
+    InvalidRequestError,
+    PSError,
+    UnavailableError,
+    WaitTimeoutError,
+    error_for_status,
+)
+from pswire.proto import ring_pb2, ring_pb2_grpc
+from pswire.status import from_rpc_error, rpc_errors
+from psworker import ring
+from psworker.ring import DEFAULT_BUCKET_BYTES, BucketPlan, Failure, Mailbox, Peer, Tag
+
+T = TypeVar("T")
+SERVICE_NAME = "pswire.v1.RingPeer"
+DEFAULT_TIMEOUT_S = ring.DEFAULT_TIMEOUT_S
+# A failure seen first-hand (a refused or dropped connection, a malformed chunk) outweighs any
+# verdict reached only by waiting, however far it travelled.
+CERTAIN = 1 << 16
+# Dtypes the codec cannot name travel as raw bytes and are viewed back; only bfloat16 bits need it.
+_VIEW_DTYPES = frozenset({"uint16"})
+_TENSOR_NAME = "ring"
+_END = None  # ends a request stream
+
+
+def _describe_default(rank: int) -> str:
+    return f"rank {rank}"
+
+
+class RingServer:
+    """A worker's RingPeer server: files the chunks its left neighbour streams into a mailbox.
+
+    Start it before the ``Ring`` when the port is chosen by the OS (bind port 0), so its
+    address can be shared with the other workers; the ``Ring`` then takes it over.
+    """
+
+    def __init__(self, bind: str = "127.0.0.1:0", threads: int = 8) -> None:
+        """Binds ``host:port`` (port 0 picks a free one) and starts serving.
+
+        Raises:
+            RuntimeError: the address could not be bound.
+        """
+        self.mailbox = Mailbox()
+        self.rank: int | None = None
+        self.world_size = 0
+        self.describe: Callable[[int], str] = _describe_default
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ring-peer"),
+            options=OPTIONS,
+        )
+        ring_pb2_grpc.add_RingPeerServicer_to_server(_RingPeerServicer(self), self._server)
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        port = self._server.add_insecure_port(bind)
+        if port == 0:
+            raise RuntimeError(f"could not bind {bind}")
+        self._server.start()
+        for name in ("", SERVICE_NAME):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.port = port
+        self.address = f"{bind.rsplit(':', 1)[0]}:{port}"
+
+    def attach(self, rank: int, world_size: int, describe: Callable[[int], str]) -> None:
+        """Tells the server whose it is, so it can check senders and name them in errors."""
+        self.rank, self.world_size, self.describe = rank, world_size, describe
+
+    def stop(self, grace: float = 0.5) -> None:
+        self._health.enter_graceful_shutdown()
+        self._server.stop(grace).wait(grace + 1.0)
+
+
+class _RingPeerServicer(ring_pb2_grpc.RingPeerServicer):
+    """Decodes each chunk and files it; any trouble fails the mailbox so no wait lingers."""
+
+    def __init__(self, owner: RingServer) -> None:
+        self._owner = owner
+
+    @rpc_errors
+    def Send(
+        self, request_iterator: Iterator[ring_pb2.RingChunk], context: grpc.ServicerContext
+    ) -> ring_pb2.SendAck:
+        owner = self._owner
+        received = 0
+        last: ring_pb2.RingChunk | None = None
+        try:
+            for chunk in request_iterator:
+                received += 1
+                last = chunk
+                self._take(chunk)
+        except grpc.RpcError:
+            # The stream broke without the sender closing it: its process died or dropped us.
+            if last is not None:
+                me = owner.describe(owner.rank) if owner.rank is not None else "this rank"
+                detail = (
+                    f"{owner.describe(last.sender)} disconnected from {me} during collective "
+                    f"{last.op}"
+                )
+                owner.mailbox.fail(Failure(UnavailableError(detail), CERTAIN, last.sender, detail))
+        except PSError as exc:
+            sender = owner.describe(last.sender) if last is not None else "a peer"
+            detail = f"{sender} sent a malformed ring chunk: {exc}"
+            origin = last.sender if last is not None else -1
+            owner.mailbox.fail(Failure(InvalidRequestError(detail), CERTAIN, origin, detail))
+            raise
+        return ring_pb2.SendAck(received=received)
+
+    def _take(self, chunk: ring_pb2.RingChunk) -> None:
+        owner = self._owner
+        if owner.rank is not None and owner.world_size > 1:
+            left = (owner.rank - 1) % owner.world_size
+            if chunk.sender != left:
+                raise InvalidRequestError(
+                    f"rank {chunk.sender} sent to {owner.describe(owner.rank)}, whose left "
+                    f"neighbour is {owner.describe(left)}; do all workers use the same list of "
+                    "addresses?"
+                )
+        body = chunk.WhichOneof("body")
+        if body == "abort":
+            self._take_abort(chunk.abort)
+            return
+        if body != "tensor":
+            raise InvalidRequestError(f"ring chunk of collective {chunk.op} carries no tensor")
+        array = tensor_from_proto(chunk.tensor)
+        if chunk.view_dtype:
+            if chunk.view_dtype not in _VIEW_DTYPES or array.dtype != np.uint8:
+                raise InvalidRequestError(
+                    f"ring chunk views {array.dtype} data as {chunk.view_dtype!r}; only uint8 "
+                    f"data viewed as {sorted(_VIEW_DTYPES)} is accepted"
+                )
+            view = np.dtype(chunk.view_dtype).newbyteorder("<")
+            if array.size % view.itemsize:
+                raise InvalidRequestError(
+                    f"ring chunk of {array.size} bytes cannot be viewed as {chunk.view_dtype}"
+                )
+            array = array.view(view)
+        owner.mailbox.put((chunk.op, chunk.step, chunk.segment, chunk.index), array)
+
+    def _take_abort(self, abort: ring_pb2.RingAbort) -> None:
+        owner = self._owner
+        if abort.origin == owner.rank:
+            return  # our own verdict came all the way round the ring
+        weight = CERTAIN if abort.certain else abort.hops + 1
+        error = error_for_status(abort.status, f"the ring failed elsewhere: {abort.message}")
+        owner.mailbox.fail(Failure(error, weight, abort.origin, abort.message))
+
+
+class _OpPeer:
+    """One collective's links: tags carry the op number; sends stream lazily to the right.
+
+    Arrays are encoded in gRPC's request thread as the stream drains, so posting a send costs
+    the algorithm nothing; ``finish`` waits until the right neighbour has taken everything.
+    """
+
+    def __init__(self, owner: Ring, op: int) -> None:
+        self._ring = owner
+        self._op = op
+        self._queue: queue.SimpleQueue[Any] | None = None
+        self._call: grpc.Future | None = None
+        self._sent = 0
+        self._aborting = False
+        self.recv_timeout: WaitTimeoutError | None = None
+
+    @property
+    def rank(self) -> int:
+        return self._ring.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._ring.world_size
+
+    @property
+    def left(self) -> str:
+        return self._ring.describe(self._ring.left_rank)
+
+    def send_to_right(self, tag: Tag, array: np.ndarray) -> None:
+        self._stream().put((tag, array))
+
+    def recv_from_left(self, tag: Tag, timeout: float) -> np.ndarray:
+        array = self._ring._server.mailbox.get((self._op, *tag), timeout)
+        if array is None:
+            self.recv_timeout = WaitTimeoutError(
+                f"{self._ring.describe(self.rank)} got no data from {self.left} within "
+                f"{timeout:g} s (collective {self._op}, step {tag.step}, segment {tag.segment}, "
+                f"chunk {tag.chunk}); is that worker dead, stuck, or not in this collective?"
+            )
+            raise self.recv_timeout
+        return array
+
+    def abort(self, failure: Failure) -> None:
+        """Tells the right neighbour this rank gave up, and why."""
+        certain = failure.weight >= CERTAIN
+        message = ring_pb2.RingAbort(
+            status=failure.error.status,
+            message=failure.detail,
+            certain=certain,
+            hops=0 if certain else failure.weight,
+            origin=failure.origin,
+        )
+        self._aborting = True
+        self._stream().put(ring_pb2.RingChunk(op=self._op, sender=self.rank, abort=message))
+
+    def finish(self, timeout: float) -> None:
+        """Closes the stream and waits until the right neighbour acknowledges all of it.
+
+        Raises:
+            WaitTimeoutError: the neighbour took nothing for ``timeout`` seconds.
+            PSError: the stream failed (the neighbour is gone, or rejected a chunk).
+        """
+        call = self._call
+        if call is None:
+            return
+        self.end()
+        progress = self._sent
+        while True:
+            try:
+                call.result(timeout=timeout)
+                return
+            except grpc.FutureTimeoutError:
+                if self._sent == progress:
+                    right = self._ring.describe(self._ring.right_rank)
+                    raise WaitTimeoutError(
+                        f"{self._ring.describe(self.rank)}: {right} took no data for "
+                        f"{timeout:g} s (collective {self._op}); is that worker stuck?"
+                    ) from None
+                progress = self._sent
+            except grpc.RpcError as exc:
+                raise self._send_error(exc) from None
+
+    def end(self) -> None:
+        """Half-closes the current stream (a clean end, unlike a cancelled one)."""
+        if self._queue is not None:
+            self._queue.put(_END)
+            self._queue = None
+
+    def _stream(self) -> queue.SimpleQueue[Any]:
+        if self._queue is None:
+            requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+            assert self._ring._stub is not None
+            call = self._ring._stub.Send.future(self._requests(requests))
+            self._ring._calls.append(call)
+            call.add_done_callback(self._on_done)
+            self._queue, self._call = requests, call
+        return self._queue
+
+    def _requests(self, requests: queue.SimpleQueue[Any]) -> Iterator[ring_pb2.RingChunk]:
+        while True:
+            item = requests.get()
+            if item is _END:
+                return
+            self._sent += 1
+            yield item if isinstance(item, ring_pb2.RingChunk) else self._encode(*item)
+
+    def _encode(self, tag: Tag, array: np.ndarray) -> ring_pb2.RingChunk:
+        view = ""
+        if array.dtype.name not in DTYPES:
+            view, array = array.dtype.name, array.view(np.uint8)
+        return ring_pb2.RingChunk(
+            op=self._op,
+            sender=self.rank,
+            step=tag.step,
+            segment=tag.segment,
+            index=tag.chunk,
+            tensor=tensor_to_proto(_TENSOR_NAME, array),
+            view_dtype=view,
+        )
+
+    def _send_error(self, exc: grpc.RpcError) -> PSError:
+        right = self._ring.describe(self._ring.right_rank)
+        return from_rpc_error(exc, f"{self._ring.describe(self.rank)} could not send to {right}")
+
+    def _on_done(self, call: grpc.Future) -> None:
+        # A stream carrying only our own abort may fail because the right is already gone;
+        # that must not displace the verdict the abort carried.
+        if call.cancelled() or self._aborting:
+            return
+        exc = call.exception()
+        if isinstance(exc, grpc.RpcError):
+            error = self._send_error(exc)
+            self._ring._server.mailbox.fail(Failure(error, CERTAIN, self.rank, str(error)))
+
+
+class Ring:
+    """A worker's place in a ring of workers that all-reduce over gRPC.
+
+    Every worker builds one with its rank and the same address list (index = rank), then all
+    call the same collectives in the same order. Every wait is bounded by ``timeout`` seconds;
+    a dead or silent peer makes each rank raise an error naming it (rank and address) instead
+    of hanging. After a failed collective the ring is unusable: close it and build another.
+    Not thread-safe: one collective at a time per ring.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        addresses: Sequence[str],
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        server: RingServer | None = None,
+        bind: str | None = None,
+    ) -> None:
+        """Starts (or takes over) this rank's server and connects to the right neighbour.
+
+        Args:
+            rank: this worker's index in ``addresses``.
+            addresses: ``host:port`` of every worker's ring server, in rank order.
+            timeout: seconds any one wait may take (connecting, receiving, delivering).
+            chunk_bytes: bytes per message; a message's send overlaps the next one's reduction.
+            server: an already started server (needed when it bound port 0); the ring owns
+                it from now on and stops it on close.
+            bind: where to listen when no server is given; defaults to ``addresses[rank]``.
+
+        Raises:
+            ValueError: bad rank, empty addresses, non-positive timeout, or chunk_bytes out of
+                range.
+            UnavailableError: the right neighbour accepted no connection within ``timeout``.
+            RuntimeError: the server could not bind.
+        """
+        if not addresses:
+            raise ValueError("a ring needs at least one worker address")
+        if not 0 <= rank < len(addresses):
+            raise ValueError(f"rank must be in [0, {len(addresses)}), got {rank}")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0, got {timeout}")
+        if not 1 <= chunk_bytes <= MAX_MESSAGE_BYTES // 2:
+            raise ValueError(f"chunk_bytes must be in [1, {MAX_MESSAGE_BYTES // 2}]")
+        self.rank = rank
+        self.addresses = list(addresses)
+        self.world_size = len(self.addresses)
+        self.timeout = float(timeout)
+        self.chunk_bytes = chunk_bytes
+        # Long enough for a verdict from further upstream to overtake ours, short against timeout.
+        self._grace = min(1.0, self.timeout / 4)
+        self._server = server if server is not None else RingServer(bind or self.addresses[rank])
+        self._server.attach(rank, self.world_size, self.describe)
+        self._lock = threading.Lock()
+        self._next_op = 0
+        self._failure: Failure | None = None
+        self._closed = False
+        self._calls: list[grpc.Future] = []
+        self._channel: grpc.Channel | None = None
+        self._stub: ring_pb2_grpc.RingPeerStub | None = None
+        if self.world_size > 1:
+            channel = insecure_channel(self.addresses[self.right_rank])
+            try:
+                wait_ready(channel, self.timeout)
+            except grpc.FutureTimeoutError:
+                channel.close()
+                self._server.stop(0)
+                raise UnavailableError(
+                    f"{self.describe(rank)}: {self.describe(self.right_rank)} accepted no "
+                    f"connection within {self.timeout:g} s; is that worker running?"
+                ) from None
+            self._channel = channel
+            self._stub = ring_pb2_grpc.RingPeerStub(channel)
+
+    # -- who is who --------------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        """Where this rank's server listens."""
+        return self._server.address
+
+    @property
+    def left_rank(self) -> int:
+        return (self.rank - 1) % self.world_size
+
+    @property
+    def right_rank(self) -> int:
+        return (self.rank + 1) % self.world_size
+
+    def describe(self, rank: int) -> str:
+        """How errors name a rank: "rank 2 at 10.0.0.3:7070"."""
+        if 0 <= rank < self.world_size:
+            return f"rank {rank} at {self.addresses[rank]}"
+        return f"rank {rank}"
+
+    # -- collectives -------------------------------------------------------------------------
+
+    def allreduce(
+        self, array: np.ndarray, *, inplace: bool = False, bfloat16: bool = False
+    ) -> np.ndarray:
+        """The sum of ``array`` over all ranks (the caller divides for a mean).
+
+        Args:
+            array: float16/float32/float64 of any shape, identical shape and dtype on every
+                rank; or uint16 bfloat16 bit patterns with ``bfloat16=True``.
+            inplace: write the sum into ``array`` (which must be C-contiguous and writeable)
+                instead of a copy.
+            bfloat16: ``array`` holds bfloat16 values as uint16 bit patterns.
+
+        Returns:
+            The sum, with ``array``'s shape and dtype; bit-identical on every rank.
+
+        Raises:
+            ValueError: ``inplace`` with an array that cannot be written in place.
+            InvalidRequestError: unsupported dtype, or ranks disagree on shape or dtype.
+            WaitTimeoutError, UnavailableError: a peer is silent or gone; the message names it.
+        """
+        arr = np.asarray(array)
+        ring.check_sum_dtype(arr.dtype, bfloat16)
+        buffer = self._flat(arr, inplace)
+        self._collective(
+            lambda peer: ring.allreduce(
+                peer,
+                buffer,
+                timeout=self.timeout,
+                chunk_bytes=self.chunk_bytes,
+                bfloat16=bfloat16,
+            )
+        )
+        return arr if inplace else buffer.reshape(arr.shape)
+
+    def broadcast(self, array: np.ndarray, root: int = 0, *, inplace: bool = False) -> np.ndarray:
+        """``root``'s ``array`` on every rank, bit for bit (e.g. to start replicas identical).
+
+        Args:
+            array: any dtype and shape, identical on every rank (the content matters only on
+                ``root``).
+            root: the rank whose values win.
+            inplace: overwrite ``array`` on the other ranks instead of returning a copy.
+
+        Raises:
+            ValueError: ``root`` out of range, or ``inplace`` with an unwritable array.
+            InvalidRequestError: ranks disagree on the array's size.
+            WaitTimeoutError, UnavailableError: a peer is silent or gone; the message names it.
+        """
+        if not 0 <= root < self.world_size:
+            raise ValueError(f"root must be in [0, {self.world_size}), got {root}")
+        arr = np.asarray(array)
+        buffer = self._flat(arr, inplace)
+        self._collective(
+            lambda peer: ring.broadcast(
+                peer, buffer, root, timeout=self.timeout, chunk_bytes=self.chunk_bytes
+            )
+        )
+        return arr if inplace else buffer.reshape(arr.shape)
+
+    def barrier(self) -> None:
+        """Returns once every rank has entered the barrier.
+
+        Raises:
+            InvalidRequestError: the ranks disagree on the world size.
+            WaitTimeoutError, UnavailableError: a peer is silent or gone; the message names it.
+        """
+        count = self.allreduce(np.ones(1, dtype=np.float64))
+        if count[0] != self.world_size:
+            raise InvalidRequestError(
+                f"barrier counted {count[0]:g} ranks, this rank expects {self.world_size}; do "
+                "all workers use the same list of addresses?"
+            )
+
+    def allreduce_buckets(
+        self,
+        tensors: Mapping[str, np.ndarray],
+        plan: BucketPlan | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> dict[str, np.ndarray]:
+        """Sums many named tensors over all ranks, a few flat buckets at a time.
+
+        Args:
+            tensors: name -> array, the same names, shapes and dtypes on every rank.
+            plan: a plan made once and reused every step; built from ``tensors`` if None.
+            bucket_bytes: bucket size when the plan is built here.
+
+        Returns:
+            name -> summed array (views into the bucket buffers).
+
+        Raises:
+            UnknownVariableError, ShapeMismatchError, InvalidRequestError: the tensors do not
+                fit the plan.
+            WaitTimeoutError, UnavailableError: a peer is silent or gone.
+        """
+        plan = plan if plan is not None else BucketPlan.for_arrays(tensors, bucket_bytes)
+        buffers = plan.flatten(tensors)
+        for buffer in buffers:
+            self.allreduce(buffer, inplace=True)
+        return plan.unflatten(buffers)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def close(self, grace: float = 1.0) -> None:
+        """Lets pending aborts reach the right neighbour, then stops the server and channel."""
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + grace
+        for call in self._calls:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            # Whatever became of it, the call has had its chance to deliver.
+            with contextlib.suppress(
+                grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError
+            ):
+                call.result(timeout=remaining)
+        if self._channel is not None:
+            self._channel.close()
+        self._server.stop(grace)
+
+    def __enter__(self) -> Ring:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _flat(arr: np.ndarray, inplace: bool) -> np.ndarray:
+        if not inplace:
+            return np.array(arr, order="C", copy=True).reshape(-1)
+        if not arr.flags.c_contiguous or not arr.flags.writeable:
+            raise ValueError("inplace needs a C-contiguous, writeable array")
+        return arr.reshape(-1)
+
+    def _collective(self, body: Callable[[Peer], T]) -> T:
+        with self._lock:
+            if self._closed:
+                raise ValueError("the ring is closed")
+            if self._failure is not None:
+                cls = type(self._failure.error)
+                raise cls(f"the ring failed earlier and cannot be used: {self._failure.error}")
+            self._calls = [c for c in self._calls if not c.done()]
+            op = self._next_op
+            self._next_op += 1
+            peer = _OpPeer(self, op)
+            try:
+                result = body(peer)
+                peer.finish(self.timeout)
+                return result
+            except Exception as exc:
+                failure = self._settle(peer, exc)
+                self._failure = failure
+                if failure.error is exc:
+                    raise
+                raise failure.error from exc
+            finally:
+                peer.end()
+
+    def _settle(self, peer: _OpPeer, exc: Exception) -> Failure:
+        """Agrees on the best explanation of a failure and passes it to the right neighbour.
+
+        A rank that merely waited in vain for its left neighbour may be one of several stalled
+        behind the real culprit; it waits a short grace for a verdict from further upstream,
+        which names the culprit, before raising.
+        """
+        mailbox = self._server.mailbox
+        held = mailbox.failure
+        if held is None or held.error is not exc:
+            error = exc if isinstance(exc, PSError) else PSError(f"{exc!r}")
+            weight = 0 if exc is peer.recv_timeout else CERTAIN
+            mailbox.fail(Failure(error, weight, self.rank, str(error)))
+        failure = mailbox.failure
+        assert failure is not None
+        if self._stub is None:
+            return failure
+        peer.abort(failure)
+        deadline = time.monotonic() + self._grace
+        while failure.weight < CERTAIN:
+            better = mailbox.wait_failure(failure.weight, deadline - time.monotonic())
+            if better is None:
+                break
+            failure = better
+            peer.abort(failure)
+        return failure

@@ -1,0 +1,596 @@
+"""Ring all-reduce and broadcast over an abstract peer, plus gradient buckets; no networking."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import numpy as np
+from numpy.typing import DTypeLike
+
+from pswire.codec import DEFAULT_CHUNK_BYTES
+from pswire.errors import (
+    InvalidRequestError,
+    PSError,
+    ShapeMismatchError,
+    UnknownVariableError,
+    WaitTimeoutError,
+)
+
+# torch DDP's default bucket_cap_mb: large enough that per-collective overhead is amortised,
+# small enough that a model's first buckets can be reduced while later ones are being filled.
+DEFAULT_BUCKET_BYTES = 25 << 20
+DEFAULT_TIMEOUT_S = 30.0
+_F16 = np.dtype(np.float16)
+_F32 = np.dtype(np.float32)
+_F64 = np.dtype(np.float64)
+_BF16_BITS = np.dtype(np.uint16)
+
+
+class Tag(NamedTuple):
+    """Names one message of a collective: ring step, buffer segment and sub-chunk within it."""
+
+    step: int
+    segment: int
+    chunk: int
+
+
+class Peer(Protocol):
+    """One rank's links in a ring: it sends only to its right and receives only from its left.
+
+    ``send_to_right`` must not block on the receiver (the pipeline relies on posting a send and
+    reducing the next chunk meanwhile), so it may keep a view and encode it later. The
+    algorithms below overwrite a sent slice only after receiving data that could not exist
+    unless the right neighbour had already received that slice, so such views stay valid.
+    ``recv_from_left`` returns the array the left neighbour sent under ``tag``, whatever order
+    messages arrive in, or raises a ``PSError`` (``WaitTimeoutError`` after ``timeout`` seconds).
+    """
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def left(self) -> str:
+        """The left neighbour, as error messages name it (e.g. "rank 2 at 10.0.0.3:7070")."""
+        ...
+
+    def send_to_right(self, tag: Tag, array: np.ndarray) -> None: ...
+
+    def recv_from_left(self, tag: Tag, timeout: float) -> np.ndarray: ...
+
+
+# -- bfloat16 as uint16 bit patterns ---------------------------------------------------------
+
+
+def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """Widens bfloat16 bit patterns (uint16) to float32 exactly: they are float32's top half."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def float32_to_bfloat16(values: np.ndarray) -> np.ndarray:
+    """Rounds float32 to bfloat16 bit patterns (uint16) to nearest even, as torch does.
+
+    Overflow rounds to infinity; any NaN becomes the quiet NaN 0x7FC0 (torch's vectorised path
+    gives other NaN bits, equally NaN).
+    """
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    # Adding 0x7FFF plus the lowest kept bit, then truncating, is round-half-to-even. It can
+    # wrap only for NaN bit patterns, which are replaced below.
+    lsb = (bits >> np.uint32(16)) & np.uint32(1)
+    rounded = ((bits + np.uint32(0x7FFF) + lsb) >> np.uint32(16)).astype(np.uint16)
+    return np.where(np.isnan(values), np.uint16(0x7FC0), rounded).astype(np.uint16)
+
+
+# -- a keyed mailbox: what a transport thread hands to the algorithm thread -----------------
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a ring cannot go on: the error to raise, and how much to trust it over others.
+
+    ``weight`` orders competing explanations: a rank that only waited in vain for its left
+    neighbour knows less than one further upstream that did the same (its silence explains
+    ours), and both know less than a rank that saw a peer refuse or drop a connection.
+    ``origin`` is the rank that detected it; ``detail`` its message before any forwarding.
+    """
+
+    error: PSError
+    weight: int
+    origin: int
+    detail: str
+
+
+class Mailbox:
+    """Arrays filed under hashable keys, each key a FIFO; waits are bounded and can be failed.
+
+    Thread-safe. Once ``fail`` is called every ``get`` raises the weightiest failure so far.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._items: dict[Hashable, collections.deque[np.ndarray]] = {}
+        self._failure: Failure | None = None
+
+    def put(self, key: Hashable, array: np.ndarray) -> None:
+        with self._cond:
+            self._items.setdefault(key, collections.deque()).append(array)
+            self._cond.notify_all()
+
+    def fail(self, failure: Failure) -> bool:
+        """Records a failure unless a weightier (or equal, earlier) one is already held.
+
+        Returns:
+            Whether this failure is now the one ``get`` raises.
+        """
+        with self._cond:
+            if self._failure is not None and self._failure.weight >= failure.weight:
+                return False
+            self._failure = failure
+            self._items.clear()  # nothing queued will be read again
+            self._cond.notify_all()
+            return True
+
+    @property
+    def failure(self) -> Failure | None:
+        with self._cond:
+            return self._failure
+
+    def wait_failure(self, weight: int, timeout: float) -> Failure | None:
+        """Waits up to ``timeout`` s for a failure weightier than ``weight``; returns it or None."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._failure is None or self._failure.weight <= weight:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+            return self._failure
+
+    def get(self, key: Hashable, timeout: float) -> np.ndarray | None:
+        """Takes the oldest array under ``key``, waiting up to ``timeout`` s; None on timeout.
+
+        Raises:
+            PSError: the mailbox was failed (the recorded error).
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._failure is not None:
+                    raise self._failure.error
+                queue = self._items.get(key)
+                if queue:
+                    array = queue.popleft()
+                    if not queue:
+                        del self._items[key]
+                    return array
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+
+    def __len__(self) -> int:
+        with self._cond:
+            return sum(len(q) for q in self._items.values())
+
+
+class LocalPeer:
+    """A ring member whose neighbours are threads of this process (for tests and reference).
+
+    With ``copy=False`` a send passes a view, so a test sees it if an algorithm ever changes
+    an array it has sent before the receiver read it (what a lazily encoding network peer
+    relies on).
+    """
+
+    def __init__(self, rank: int, mailboxes: Sequence[Mailbox], copy: bool = True) -> None:
+        self._rank = rank
+        self._boxes = mailboxes
+        self._copy = copy
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return len(self._boxes)
+
+    @property
+    def left(self) -> str:
+        return f"rank {(self._rank - 1) % self.world_size}"
+
+    def send_to_right(self, tag: Tag, array: np.ndarray) -> None:
+        right = self._boxes[(self._rank + 1) % self.world_size]
+        right.put(tag, array.copy() if self._copy else array)
+
+    def recv_from_left(self, tag: Tag, timeout: float) -> np.ndarray:
+        array = self._boxes[self._rank].get(tag, timeout)
+        if array is None:
+            raise WaitTimeoutError(
+                f"rank {self._rank}: no data from {self.left} within {timeout:g} s "
+                f"(step {tag.step}, segment {tag.segment}, chunk {tag.chunk})"
+            )
+        return array
+
+    def fail(self, failure: Failure) -> None:
+        """Fails this rank's pending and future receives (a test's stand-in for a dead peer)."""
+        self._boxes[self._rank].fail(failure)
+
+
+def local_peers(world_size: int, copy: bool = True) -> list[LocalPeer]:
+    """A ring of ``world_size`` in-memory peers, one per thread, rank i at index i.
+
+    Raises:
+        ValueError: ``world_size`` < 1.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    boxes = [Mailbox() for _ in range(world_size)]
+    return [LocalPeer(rank, boxes, copy) for rank in range(world_size)]
+
+
+# -- the algorithms --------------------------------------------------------------------------
+
+
+def segment_bounds(length: int, world_size: int) -> np.ndarray:
+    """Start offsets of ``world_size`` near-equal segments of ``length`` elements, then the end.
+
+    Segment i is ``[b[i], b[i+1])``; sizes differ by at most one, and some are empty when
+    ``length`` < ``world_size``.
+    """
+    return np.arange(world_size + 1, dtype=np.int64) * length // world_size
+
+
+def _chunks(bounds: np.ndarray, segment: int, chunk: int) -> Iterator[tuple[int, int, int]]:
+    lo, hi = int(bounds[segment]), int(bounds[segment + 1])
+    for k, start in enumerate(range(lo, hi, chunk)):
+        yield k, start, min(start + chunk, hi)
+
+
+def _receive(peer: Peer, tag: Tag, timeout: float, count: int, dtype: np.dtype) -> np.ndarray:
+    got = peer.recv_from_left(tag, timeout)
+    if got.dtype != dtype or got.shape != (count,):
+        raise InvalidRequestError(
+            f"rank {peer.rank}: {peer.left} sent {got.size} elements of {got.dtype} for step "
+            f"{tag.step}, segment {tag.segment}, chunk {tag.chunk}; expected {count} of {dtype}. "
+            "Do all ranks pass buffers of the same length and dtype?"
+        )
+    return got
+
+
+def _check_buffer(buffer: np.ndarray, writeable: bool) -> None:
+    if buffer.ndim != 1 or not buffer.flags.c_contiguous:
+        raise ValueError(
+            f"the ring needs a contiguous 1-D buffer, got shape {buffer.shape} "
+            f"(contiguous: {buffer.flags.c_contiguous}); use .reshape(-1) on a contiguous array"
+        )
+    if writeable and not buffer.flags.writeable:
+        raise ValueError("the ring writes its result into the buffer, which is read-only")
+
+
+def check_sum_dtype(dtype: np.dtype, bfloat16: bool = False) -> None:
+    """Checks that ``allreduce`` can sum this dtype.
+
+    Raises:
+        InvalidRequestError: not float16/float32/float64, nor uint16 bits with ``bfloat16``.
+    """
+    if bfloat16:
+        if dtype != _BF16_BITS:
+            raise InvalidRequestError(f"bfloat16 buffers travel as uint16 bits, got {dtype}")
+    elif dtype not in (_F16, _F32, _F64):
+        raise InvalidRequestError(
+            f"all-reduce sums float16, bfloat16, float32 or float64, got {dtype}"
+        )
+
+
+def allreduce(
+    peer: Peer,
+    buffer: np.ndarray,
+    *,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    bfloat16: bool = False,
+) -> np.ndarray:
+    """Sums ``buffer`` over every rank of the ring, in place: reduce-scatter, then all-gather.
+
+    The buffer is cut into ``world_size`` segments; after ``world_size - 1`` reduce-scatter steps
+    rank r holds the full sum of segment r+1, and ``world_size - 1`` all-gather steps pass each
+    finished segment around. Each segment travels in sub-chunks of about ``chunk_bytes``, and a
+    sub-chunk is sent on as soon as it is reduced, so the send of one overlaps the reduction of
+    the next and the two phases overlap too. float16 and bfloat16 are summed in float32 (partial
+    sums travel as float32; finished segments in the buffer's own 16 bits); float32 and float64
+    in their own precision. Every rank ends with identical bits.
+
+    Args:
+        peer: this rank's links; every rank must call with the same length, dtype and options.
+        buffer: contiguous 1-D float16/float32/float64 array, or uint16 bfloat16 bit patterns
+            with ``bfloat16=True``. Overwritten with the sum.
+        timeout: seconds any single receive may wait.
+        chunk_bytes: sub-chunk size in bytes of the accumulator dtype.
+        bfloat16: ``buffer`` holds bfloat16 values as uint16 bit patterns.
+
+    Returns:
+        ``buffer``, now holding the sum over ranks.
+
+    Raises:
+        ValueError: the buffer is not contiguous, 1-D and writeable, or ``chunk_bytes`` < 1.
+        InvalidRequestError: unsupported dtype, or a neighbour sent a chunk of another size or
+            dtype (ranks disagree on the buffer).
+        PSError: whatever the peer raises (``WaitTimeoutError`` for a silent neighbour).
+    """
+    _check_buffer(buffer, writeable=True)
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    check_sum_dtype(buffer.dtype, bfloat16)
+    world, rank = peer.world_size, peer.rank
+    if world == 1 or buffer.size == 0:
+        return buffer
+    acc: np.ndarray
+    if bfloat16:
+        acc = bfloat16_to_float32(buffer)
+    elif buffer.dtype == _F16:
+        acc = buffer.astype(_F32)
+    else:
+        acc = buffer  # summed in place in its own precision
+
+    def finish(lo: int, hi: int) -> None:
+        if acc is buffer:
+            return
+        buffer[lo:hi] = float32_to_bfloat16(acc[lo:hi]) if bfloat16 else acc[lo:hi]
+
+    bounds = segment_bounds(buffer.size, world)
+    chunk = max(1, chunk_bytes // acc.itemsize)
+    last_step = 2 * world - 3
+    # Reduce-scatter: step s receives segment r-s-1, adds it, and passes it on at step s+1.
+    for k, lo, hi in _chunks(bounds, rank, chunk):
+        peer.send_to_right(Tag(0, rank, k), acc[lo:hi])
+    for step in range(world - 1):
+        segment = (rank - step - 1) % world
+        for k, lo, hi in _chunks(bounds, segment, chunk):
+            got = _receive(peer, Tag(step, segment, k), timeout, hi - lo, acc.dtype)
+            np.add(acc[lo:hi], got, out=acc[lo:hi])
+            if step < world - 2:
+                peer.send_to_right(Tag(step + 1, segment, k), acc[lo:hi])
+            else:
+                # segment == r+1 is complete here: store it and start its all-gather at once.
+                finish(lo, hi)
+                peer.send_to_right(Tag(world - 1, segment, k), buffer[lo:hi])
+    # All-gather: step world-1+j receives finished segment r-j and passes it on.
+    for step in range(world - 1, last_step + 1):
+        segment = (rank - (step - world + 1)) % world
+        for k, lo, hi in _chunks(bounds, segment, chunk):
+            buffer[lo:hi] = _receive(peer, Tag(step, segment, k), timeout, hi - lo, buffer.dtype)
+            if step < last_step:
+                peer.send_to_right(Tag(step + 1, segment, k), buffer[lo:hi])
+    return buffer
+
+
+def broadcast(
+    peer: Peer,
+    buffer: np.ndarray,
+    root: int = 0,
+    *,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> np.ndarray:
+    """Copies ``root``'s buffer into every rank's, in place, pipelined chunk by chunk.
+
+    Bytes are copied as they are, so any dtype works (bit-identical replicas).
+
+    Args:
+        peer: this rank's links.
+        buffer: contiguous 1-D array of the same length and dtype on every rank; written on
+            all ranks but ``root``.
+        root: the rank whose buffer every rank ends with.
+        timeout: seconds any single receive may wait.
+        chunk_bytes: bytes per message.
+
+    Returns:
+        ``buffer``.
+
+    Raises:
+        ValueError: bad buffer, ``root`` out of range or ``chunk_bytes`` < 1.
+        InvalidRequestError: a neighbour sent a chunk of another size (ranks disagree).
+        PSError: whatever the peer raises.
+    """
+    world, rank = peer.world_size, peer.rank
+    _check_buffer(buffer, writeable=rank != root)
+    if not 0 <= root < world:
+        raise ValueError(f"root must be in [0, {world}), got {root}")
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    if world == 1:
+        return buffer
+    data = buffer.view(np.uint8)
+    bounds = np.array([0, data.size], dtype=np.int64)
+    forward = (rank + 1) % world != root
+    for k, lo, hi in _chunks(bounds, 0, chunk_bytes):
+        if rank != root:
+            data[lo:hi] = _receive(peer, Tag(0, root, k), timeout, hi - lo, data.dtype)
+        if rank == root or forward:
+            peer.send_to_right(Tag(0, root, k), data[lo:hi])
+    return buffer
+
+
+# -- gradient buckets ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one tensor lives in its bucket: elements ``[offset, offset + size)``."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A flat buffer of one dtype holding several tensors, reduced as one unit."""
+
+    dtype: np.dtype
+    slots: tuple[Slot, ...]
+    size: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """Packs named tensors into few flat buffers and back; the same on every worker.
+
+    The plan depends only on the names, shapes and dtypes (sorted by dtype, then name), never
+    on dict order, so workers holding the same model agree without talking.
+    """
+
+    buckets: tuple[Bucket, ...]
+
+    @classmethod
+    def build(
+        cls,
+        specs: Mapping[str, tuple[Sequence[int], DTypeLike]],
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> BucketPlan:
+        """Plans buckets of at most ``bucket_bytes`` (a larger tensor gets a bucket alone).
+
+        Args:
+            specs: name -> (shape, dtype).
+            bucket_bytes: the most bytes a bucket holds unless one tensor alone is larger.
+
+        Raises:
+            ValueError: ``bucket_bytes`` < 1 or a negative dim.
+        """
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        entries = []
+        for name, (shape, dtype) in specs.items():
+            dims = tuple(int(d) for d in shape)
+            if any(d < 0 for d in dims):
+                raise ValueError(f"tensor '{name}' has a negative dim in shape {dims}")
+            entries.append((np.dtype(dtype), name, dims))
+        entries.sort(key=lambda e: (e[0].str, e[1]))
+        buckets: list[Bucket] = []
+        slots: list[Slot] = []
+        size = 0
+        current: np.dtype | None = None
+        for dtype, name, dims in entries:
+            count = int(np.prod(dims, dtype=np.int64))
+            full = size > 0 and (size + count) * dtype.itemsize > bucket_bytes
+            if current is not None and (dtype != current or full):
+                buckets.append(Bucket(current, tuple(slots), size))
+                slots, size = [], 0
+            current = dtype
+            slots.append(Slot(name, dims, size, count))
+            size += count
+        if current is not None:
+            buckets.append(Bucket(current, tuple(slots), size))
+        return cls(tuple(buckets))
+
+    @classmethod
+    def for_arrays(
+        cls, tensors: Mapping[str, np.ndarray], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> BucketPlan:
+        """The plan for these arrays' names, shapes and dtypes (see ``build``)."""
+        return cls.build({n: (t.shape, t.dtype) for n, t in tensors.items()}, bucket_bytes)
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for b in self.buckets for s in b.slots]
+
+    def flatten(self, tensors: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """Copies the tensors into new flat buffers, one per bucket.
+
+        Raises:
+            UnknownVariableError: a planned tensor is missing or an unplanned one is given.
+            ShapeMismatchError: a tensor's shape differs from the plan.
+            InvalidRequestError: a tensor's dtype differs from the plan.
+        """
+        extra = set(tensors) - set(self.names)
+        if extra:
+            raise UnknownVariableError(f"tensors {sorted(extra)} are not in the bucket plan")
+        buffers = []
+        for bucket in self.buckets:
+            buffer = np.empty(bucket.size, dtype=bucket.dtype)
+            for slot in bucket.slots:
+                if slot.name not in tensors:
+                    raise UnknownVariableError(
+                        f"tensor '{slot.name}' is in the bucket plan but was not given"
+                    )
+                tensor = np.asarray(tensors[slot.name])
+                if tensor.shape != slot.shape:
+                    raise ShapeMismatchError(
+                        f"tensor '{slot.name}' has shape {tensor.shape}, the bucket plan "
+                        f"expects {slot.shape}"
+                    )
+                if tensor.dtype != bucket.dtype:
+                    raise InvalidRequestError(
+                        f"tensor '{slot.name}' has dtype {tensor.dtype}, the bucket plan "
+                        f"expects {bucket.dtype}"
+                    )
+                buffer[slot.offset : slot.offset + slot.size] = tensor.reshape(-1)
+            buffers.append(buffer)
+        return buffers
+
+    def unflatten(self, buffers: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+        """Splits bucket buffers back into named tensors (views into the buffers, no copy).
+
+        Raises:
+            InvalidRequestError: the buffers do not match the plan's count, sizes or dtypes.
+        """
+        if len(buffers) != len(self.buckets):
+            raise InvalidRequestError(
+                f"got {len(buffers)} buffers for a plan of {len(self.buckets)} buckets"
+            )
+        out: dict[str, np.ndarray] = {}
+        for i, (bucket, buffer) in enumerate(zip(self.buckets, buffers, strict=True)):
+            if buffer.shape != (bucket.size,) or buffer.dtype != bucket.dtype:
+                raise InvalidRequestError(
+                    f"bucket {i} is {buffer.shape} {buffer.dtype}, the plan expects "
+                    f"({bucket.size},) {bucket.dtype}"
+                )
+            for slot in bucket.slots:
+                out[slot.name] = buffer[slot.offset : slot.offset + slot.size].reshape(slot.shape)
+        return out
+
+
+def run_local(
+    world_size: int, body: Callable[[LocalPeer], np.ndarray], copy: bool = True
+) -> list[np.ndarray]:
+    """Runs ``body(peer)`` for every rank of an in-memory ring, one thread each; rank order.
+
+    Raises:
+        PSError: the first rank's error when any rank failed (the others are failed with it so
+            no thread is left waiting).
+    """
+    peers = local_peers(world_size, copy)
+    results: list[np.ndarray | None] = [None] * world_size
+    errors: list[BaseException] = []  # in the order they happened: the first is the cause
+    lock = threading.Lock()
+
+    def run(peer: LocalPeer) -> None:
+        try:
+            results[peer.rank] = body(peer)
+        except BaseException as exc:
+            with lock:
+                errors.append(exc)
+            error = exc if isinstance(exc, PSError) else PSError(f"rank {peer.rank}: {exc!r}")
+            for other in peers:
+                other.fail(Failure(error, 1, peer.rank, str(exc)))
+
+    threads = [threading.Thread(target=run, args=(p,), daemon=True) for p in peers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return [r for r in results if r is not None]
