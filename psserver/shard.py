@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from psserver.consistency import Clocks, ConsistencyPolicy, make_policy
+from psserver.membership import Membership
 from pswire.codec import check_tensor
 from pswire.errors import (
     InvalidRequestError,
@@ -24,6 +26,8 @@ from pswire.errors import (
     WaitTimeoutError,
 )
 from pswire.optim import Optimizer
+
+OBSERVER = -1  # worker_id of a reader that is not one of the job's workers
 
 
 @dataclass(frozen=True)
@@ -46,11 +50,12 @@ class Job:
     optimizer: Optimizer
     variables: tuple[VarSpec, ...]
     model_digest: str
+    quorum: int = 0
 
     def differences(self, other: Job) -> list[str]:
         """Human-readable list of what differs from ``other`` (the shard's job)."""
         out = []
-        for attr in ("mode", "staleness", "num_workers", "model_digest"):
+        for attr in ("mode", "staleness", "num_workers", "model_digest", "quorum"):
             mine, theirs = getattr(self, attr), getattr(other, attr)
             if mine != theirs:
                 out.append(f"{attr}: shard has {theirs!r}, worker sent {mine!r}")
@@ -74,19 +79,34 @@ class Limits:
     max_variables: int = 100_000
     max_request_bytes: int = 8 << 30
     max_wait_s: float = 300.0
+    heartbeat_timeout_s: float = 30.0  # silent this long: out of the sync/ssp quorum; 0: never
 
 
 @dataclass
 class PushResult:
     applied: bool
-    reason: str
+    reason: str  # "duplicate" or "late" when not applied
     clock: int
+    durable_step: int
 
 
-@dataclass
-class WorkerInfo:
-    worker_id: int
-    last_seen: float = field(default_factory=time.monotonic)
+@dataclass(frozen=True)
+class Registration:
+    clock: int  # the step the worker (re)joins at
+    initialized: bool
+    durable_step: int
+
+
+@dataclass(frozen=True)
+class ShardState:
+    """Everything a checkpoint holds: enough for a restarted shard to go on exactly."""
+
+    job: Job
+    variables: dict[str, np.ndarray]
+    slots: dict[str, dict]
+    updates: int
+    finished: dict[int, int]
+    counters: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -95,9 +115,13 @@ class ShardStatus:
     job: Job | None
     clock: int
     workers: dict[int, tuple[int, float]]  # worker -> (steps finished, seconds since heard)
+    live: frozenset[int]
     total_bytes: int
     pushes_applied: int
     pushes_duplicate: int
+    pushes_late: int
+    checkpoint_step: int
+    checkpoint_age_s: float
 
 
 class Shard:
@@ -105,6 +129,8 @@ class Shard:
 
     def __init__(self, limits: Limits | None = None, clock: Callable[[], float] = time.monotonic):
         self.limits = limits or Limits()
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.checkpointing = False  # set by the server when a checkpointer is attached
         self._now = clock
         self._cond = threading.Condition()
         self._job: Job | None = None
@@ -113,16 +139,18 @@ class Shard:
         self._slots: dict[str, dict] = {}
         self._specs: dict[str, VarSpec] = {}
         self._finished: dict[int, int] = {}
-        self._workers: dict[int, WorkerInfo] = {}
+        self._members = Membership(self.limits.heartbeat_timeout_s)
         self._ready = False  # initial values installed
         self._updates = 0
-        self._applied = 0
-        self._duplicates = 0
+        self._counters = {"applied": 0, "duplicate": 0, "late": 0}
+        self._durable: dict[int, int] = {}  # worker -> its steps in the newest checkpoint
+        self._checkpoint_step = -1
+        self._checkpoint_time: float | None = None
 
     # -- membership -------------------------------------------------------------------------
 
-    def register_worker(self, worker_id: int, num_workers: int) -> tuple[int, bool]:
-        """Records a worker; returns (steps it has finished here, whether values are present).
+    def register_worker(self, worker_id: int, num_workers: int) -> Registration:
+        """Records a worker (new, restarted or reconnecting); says where it (re)joins.
 
         Raises:
             InvalidRequestError: ids out of range.
@@ -144,16 +172,27 @@ class Shard:
                     f"worker {worker_id} says num_workers {num_workers}; the job on this shard "
                     f"has {self._job.num_workers}"
                 )
-            self._workers[worker_id] = WorkerInfo(worker_id, self._now())
-            return self._finished.get(worker_id, 0), self._ready
+            self._touch(worker_id)
+            if self._policy is not None:
+                # A worker that fell behind (dropped, restarted) resumes at the current step.
+                joined = self._policy.join_clock(self._clocks(), worker_id)
+                self._finished[worker_id] = max(self._finished.get(worker_id, 0), joined)
+            return Registration(
+                self._finished.get(worker_id, 0), self._ready, self._durable.get(worker_id, 0)
+            )
 
     def heartbeat(self, worker_id: int) -> int:
-        """Marks a worker alive; returns the steps it has finished here."""
+        """Marks a worker alive; returns the steps it has finished here.
+
+        Raises:
+            InvalidRequestError: an id outside the job's workers (before a job: the limit).
+        """
         with self._cond:
-            info = self._workers.get(worker_id)
-            if info is None:
-                self._workers[worker_id] = info = WorkerInfo(worker_id)
-            info.last_seen = self._now()
+            job = self._job
+            self._check_worker(
+                worker_id, job.num_workers if job else self.limits.max_workers, "heartbeat"
+            )
+            self._touch(worker_id)
             return self._finished.get(worker_id, 0)
 
     # -- init -------------------------------------------------------------------------------
@@ -170,13 +209,12 @@ class Shard:
             TooLargeError: more variables than the shard's limit.
         """
         self._check_job(job)
+        self._check_worker(worker_id, job.num_workers, "init")
         if values is not None:
             self._check_values(job, values)
         with self._cond:
             if self._job is None:
-                self._job = job
-                self._policy = make_policy(job.mode, job.staleness)
-                self._specs = {v.key: v for v in job.variables}
+                self._set_job(job)
             else:
                 diffs = job.differences(self._job)
                 if diffs:
@@ -184,6 +222,7 @@ class Shard:
                         f"worker {worker_id}'s job differs from the one this shard holds: "
                         + "; ".join(diffs[:10])
                     )
+            self._touch(worker_id)
             if values is None or self._ready:
                 return False
             self._vars = {
@@ -199,12 +238,18 @@ class Shard:
             self._cond.notify_all()
             return True
 
+    def _set_job(self, job: Job) -> None:
+        self._job = job
+        self._policy = make_policy(job.mode, job.staleness, job.quorum)
+        self._specs = {v.key: v for v in job.variables}
+        self._members.start(job.num_workers, self._now())
+
     def _check_job(self, job: Job) -> None:
         if job.num_workers < 1 or job.num_workers > self.limits.max_workers:
             raise InvalidRequestError(
                 f"num_workers must be in [1, {self.limits.max_workers}], got {job.num_workers}"
             )
-        make_policy(job.mode, job.staleness)  # validates mode and staleness
+        make_policy(job.mode, job.staleness, job.quorum)  # validates mode, staleness, quorum
         if len(job.variables) > self.limits.max_variables:
             raise TooLargeError(
                 f"job declares {len(job.variables)} variables on this shard, over the limit "
@@ -233,26 +278,32 @@ class Shard:
     ) -> tuple[dict[str, np.ndarray], int]:
         """Snapshot of the variables once the consistency rule lets a worker at ``step`` read.
 
+        ``worker_id`` ``OBSERVER`` (-1) reads without counting as any worker (psctl export).
+
         Raises:
             NotInitializedError: no job yet.
+            InvalidRequestError: a worker id outside the job, or a negative step.
             UnknownVariableError: a name the shard does not hold.
             WaitTimeoutError: the rule or the initial values did not allow reading in time.
         """
         job = self._require_job()
+        if worker_id != OBSERVER:
+            self._check_worker(worker_id, job.num_workers, "pull")
+        if step < 0:
+            raise InvalidRequestError(f"pull by worker {worker_id} has negative step {step}")
         keys = list(names) if names else [v.key for v in job.variables]
         for key in keys:
             if key not in self._specs:
                 raise UnknownVariableError(self._unknown(key))
         with self._cond:
+            self._touch(worker_id)
             self._wait_values(timeout)
-            policy = self._policy
-            assert policy is not None
+            policy = self._require_policy()
             self._wait(
                 lambda: policy.read_ready(self._clocks(), step),
                 timeout,
                 lambda: f"pull by worker {worker_id}: " + policy.waiting_for(self._clocks(), step),
             )
-            self._touch(worker_id)
             return {k: self._vars[k].copy() for k in keys}, self._updates
 
     def push(
@@ -264,8 +315,10 @@ class Shard:
     ) -> PushResult:
         """Takes one worker's gradients for one step, applying them as the rule says.
 
-        A push is applied at most once per (worker, step); a duplicate is acknowledged with
-        ``applied=False``. Nothing changes unless every gradient is valid.
+        A push is applied at most once per (worker, step): a duplicate is acknowledged with
+        ``applied=False, reason="duplicate"``; in ``sync`` a push for a step that already
+        closed without it is dropped with ``reason="late"`` (and counted). Nothing changes
+        unless every gradient is valid.
 
         Raises:
             NotInitializedError: no job yet.
@@ -287,29 +340,38 @@ class Shard:
                 key, spec.shape, spec.dtype, grad, "buffer value" if spec.average else "gradient"
             )
         with self._cond:
-            self._wait_values(timeout)
-            policy = self._policy
-            assert policy is not None
             self._touch(worker_id)
-            if policy.is_duplicate(self._clocks(), worker_id, step):
-                self._duplicates += 1
-                return PushResult(False, "duplicate", self._updates)
+            self._wait_values(timeout)
+            policy = self._require_policy()
+            skipped = self._skip(policy, worker_id, step)
+            if skipped is not None:
+                return skipped
             self._wait(
                 lambda: policy.push_ready(self._clocks(), worker_id, step),
                 timeout,
                 lambda: f"push by worker {worker_id}: " + policy.waiting_for(self._clocks(), step),
             )
             # The wait released the lock: a retry of this push may have landed meanwhile.
-            if policy.is_duplicate(self._clocks(), worker_id, step):
-                self._duplicates += 1
-                return PushResult(False, "duplicate", self._updates)
+            skipped = self._skip(policy, worker_id, step)
+            if skipped is not None:
+                return skipped
             update = policy.submit(self._clocks(), worker_id, step, grads)
             self._finished[worker_id] = max(self._finished.get(worker_id, 0), step + 1)
-            self._applied += 1
+            self._counters["applied"] += 1
             if update is not None:
                 self._apply(update)
             self._cond.notify_all()
-            return PushResult(True, "", self._updates)
+            return self._result(True, "", worker_id)
+
+    def _skip(self, policy: ConsistencyPolicy, worker_id: int, step: int) -> PushResult | None:
+        reason = policy.classify(self._clocks(), worker_id, step)
+        if reason is None:
+            return None
+        self._counters[reason] += 1
+        return self._result(False, reason, worker_id)
+
+    def _result(self, applied: bool, reason: str, worker_id: int) -> PushResult:
+        return PushResult(applied, reason, self._updates, self._durable.get(worker_id, 0))
 
     def _apply(self, update: Mapping[str, np.ndarray]) -> None:
         assert self._job is not None
@@ -323,41 +385,104 @@ class Shard:
                 opt.apply(self._vars[key], grad, self._slots[key])
         self._updates += 1
 
-    # -- status -----------------------------------------------------------------------------
+    # -- status and state -------------------------------------------------------------------
 
     def status(self) -> ShardStatus:
         with self._cond:
             now = self._now()
+            self._expire()
             workers = {
-                w: (self._finished.get(w, 0), now - info.last_seen)
-                for w, info in sorted(self._workers.items())
+                w: (self._finished.get(w, 0), self._members.seconds_since(w, now))
+                for w in self._members.known()
             }
+            age = -1.0 if self._checkpoint_time is None else now - self._checkpoint_time
             return ShardStatus(
                 initialized=self._ready,
                 job=self._job,
                 clock=self._updates,
                 workers=workers,
+                live=self._members.live,
                 total_bytes=sum(v.nbytes for v in self._vars.values()),
-                pushes_applied=self._applied,
-                pushes_duplicate=self._duplicates,
+                pushes_applied=self._counters["applied"],
+                pushes_duplicate=self._counters["duplicate"],
+                pushes_late=self._counters["late"],
+                checkpoint_step=self._checkpoint_step,
+                checkpoint_age_s=age,
             )
 
     def snapshot(self) -> dict[str, np.ndarray]:
-        """Copies of every variable (for tests and checkpoints)."""
+        """Copies of every variable (for tests and exports)."""
         with self._cond:
             return {k: v.copy() for k, v in self._vars.items()}
+
+    def export_state(self) -> ShardState | None:
+        """A consistent copy of everything a checkpoint needs; None before initial values.
+
+        Taken between updates, so a sync step is either wholly in it or not at all: pushes to
+        the open step are left out (their workers' clocks say so) and get re-sent by the
+        workers after a restart.
+        """
+        with self._cond:
+            if not self._ready:
+                return None
+            assert self._job is not None
+            policy = self._require_policy()
+            finished = {
+                w: policy.durable_clock(self._updates, f) for w, f in self._finished.items()
+            }
+            return ShardState(
+                job=self._job,
+                variables={k: v.copy() for k, v in self._vars.items()},
+                slots={k: _copy_slots(s) for k, s in self._slots.items()},
+                updates=self._updates,
+                finished=finished,
+                counters=dict(self._counters),
+            )
+
+    def mark_checkpoint(self, state: ShardState) -> None:
+        """Records that ``state`` is durable: workers may forget pushes it covers."""
+        with self._cond:
+            self._durable = dict(state.finished)
+            self._checkpoint_step = state.updates
+            self._checkpoint_time = self._now()
+
+    def restore(self, state: ShardState) -> None:
+        """Becomes the shard that saved ``state`` (on a fresh shard, before serving).
+
+        Raises:
+            InvalidRequestError: the state does not match its own job.
+        """
+        self._check_values(state.job, state.variables)
+        with self._cond:
+            self._set_job(state.job)
+            self._vars = {k: np.array(v, copy=True) for k, v in state.variables.items()}
+            self._slots = {k: _copy_slots(s) for k, s in state.slots.items()}
+            self._updates = state.updates
+            self._finished = dict(state.finished)
+            self._counters.update(state.counters)
+            self._ready = True
+            self._cond.notify_all()
+        self.mark_checkpoint(state)
 
     # -- internals --------------------------------------------------------------------------
 
     def _clocks(self) -> Clocks:
-        assert self._job is not None
-        return Clocks(self._updates, dict(self._finished), frozenset(range(self._job.num_workers)))
+        return Clocks(self._updates, dict(self._finished), self._members.live)
 
     def _touch(self, worker_id: int) -> None:
-        info = self._workers.get(worker_id)
-        if info is None:
-            self._workers[worker_id] = info = WorkerInfo(worker_id)
-        info.last_seen = self._now()
+        if worker_id == OBSERVER:
+            return  # a reader such as psctl export is no worker: it must not join the quorum
+        if self._members.touch(worker_id, self._now()):
+            self._cond.notify_all()
+
+    def _expire(self) -> None:
+        """Drops silent workers; a sync step waiting only on them closes now."""
+        if self._policy is None or not self._members.expire(self._now()):
+            return
+        update = self._policy.membership_changed(self._clocks())
+        if update is not None:
+            self._apply(update)
+        self._cond.notify_all()
 
     def _require_job(self) -> Job:
         job = self._job
@@ -366,6 +491,18 @@ class Shard:
                 "this shard holds no job yet: a worker must call init before pull or push"
             )
         return job
+
+    def _check_worker(self, worker_id: int, num_workers: int, what: str) -> None:
+        # Checked before any bookkeeping: an unknown id recorded as a member would join the
+        # quorum, and a sync step would wait for a worker that does not exist.
+        if not 0 <= worker_id < num_workers:
+            raise InvalidRequestError(
+                f"{what} from worker {worker_id}, but worker ids are 0..{num_workers - 1}"
+            )
+
+    def _require_policy(self) -> ConsistencyPolicy:
+        assert self._policy is not None
+        return self._policy
 
     def _unknown(self, key: str) -> str:
         known = sorted(self._specs)
@@ -382,6 +519,25 @@ class Shard:
     def _wait(
         self, ready: Callable[[], bool], timeout: float | None, describe: Callable[[], str]
     ) -> None:
+        """Waits (lock held) until ``ready()``, dropping silent workers meanwhile.
+
+        Raises:
+            WaitTimeoutError: not ready within the deadline; the message says what was missing.
+        """
         limit = self.limits.max_wait_s if timeout is None else min(timeout, self.limits.max_wait_s)
-        if not self._cond.wait_for(ready, timeout=max(0.0, limit)):
-            raise WaitTimeoutError(f"gave up after {limit:.1f}s waiting for {describe()}")
+        deadline = time.monotonic() + max(0.0, limit)
+        # Wake up often enough to notice a worker passing its heartbeat timeout.
+        hb = self.limits.heartbeat_timeout_s
+        tick = min(1.0, hb / 4) if hb > 0 else 1.0
+        while not ready():
+            self._expire()
+            if ready():
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WaitTimeoutError(f"gave up after {limit:.1f}s waiting for {describe()}")
+            self._cond.wait(min(remaining, tick))
+
+
+def _copy_slots(slots: dict) -> dict:
+    return {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in slots.items()}

@@ -11,14 +11,18 @@ from pswire.errors import InvalidRequestError
 MODES = ("sync", "async", "ssp")
 
 
-def make_policy(mode: str, staleness: int = 0) -> ConsistencyPolicy:
+def make_policy(mode: str, staleness: int = 0, quorum: int = 0) -> ConsistencyPolicy:
     """Builds the policy for a job's mode.
 
     Raises:
-        InvalidRequestError: unknown mode or a negative staleness.
+        InvalidRequestError: unknown mode, a negative staleness or quorum.
     """
+    if quorum < 0:
+        raise InvalidRequestError(f"quorum must be >= 0, got {quorum}")
+    if quorum and mode != "sync":
+        raise InvalidRequestError(f"quorum (backup workers) is a sync option; mode is {mode!r}")
     if mode == "sync":
-        return SyncPolicy()
+        return SyncPolicy(quorum)
     if mode == "async":
         return AsyncPolicy()
     if mode == "ssp":

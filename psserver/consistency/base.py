@@ -45,9 +45,18 @@ class ConsistencyPolicy(ABC):
         """Says, for an error message, what a wait at ``step`` is waiting for."""
         return "nothing"
 
-    def is_duplicate(self, clocks: Clocks, worker: int, step: int) -> bool:
-        """A push this worker already made (a retry): acknowledged, not applied again."""
-        return step < clocks.finished.get(worker, 0)
+    def classify(self, clocks: Clocks, worker: int, step: int) -> str | None:
+        """Why a push must not be applied: "duplicate" (already applied: a retry) or "late"
+        (its step closed without it); None to take it."""
+        return "duplicate" if step < clocks.finished.get(worker, 0) else None
+
+    def join_clock(self, clocks: Clocks, worker: int) -> int:
+        """The step a worker (re)joining now resumes at."""
+        return clocks.finished.get(worker, 0)
+
+    def durable_clock(self, updates: int, finished: int) -> int:
+        """A worker's finished steps as a checkpoint taken now records them."""
+        return finished
 
     @abstractmethod
     def submit(

@@ -33,6 +33,13 @@ class StalenessPolicy(ConsistencyPolicy):
             f"finished {need} steps; behind (worker: steps finished): {lag}"
         )
 
+    def join_clock(self, clocks: Clocks, worker: int) -> int:
+        # A (re)joining worker starts level with the slowest of the others, so it neither
+        # blocks them nor runs ahead of the bound.
+        others = [clocks.finished.get(w, 0) for w in clocks.live if w != worker]
+        mine = clocks.finished.get(worker, 0)
+        return max(mine, min(others)) if others else mine
+
     def submit(
         self, clocks: Clocks, worker: int, step: int, grads: Mapping[str, np.ndarray]
     ) -> Mapping[str, np.ndarray] | None:

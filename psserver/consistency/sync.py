@@ -1,7 +1,9 @@
 """Synchronous rule: one optimizer update per step from the average of every live worker's push.
 
-The round is accumulated under the shard's lock; the push that completes it averages, and the
-shard applies once and advances its clock, which releases pulls waiting for the next step.
+The round's pushes are held under the shard's lock; the push that completes it averages them
+in worker order (so the result is bit-identical whatever order they arrived in, and a replayed
+round reproduces it exactly), and the shard applies once and advances its clock, which
+releases pulls waiting for the next step. An open round holds one gradient per pushed worker.
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ from psserver.consistency.base import Clocks, ConsistencyPolicy
 
 
 class SyncPolicy(ConsistencyPolicy):
+    """``quorum`` k > 0: a step closes after its first k pushes (backup workers); later pushes
+    for it are dropped as late. 0: it closes when every live worker has pushed."""
+
     name = "sync"
 
-    def __init__(self) -> None:
-        self._sum: dict[str, np.ndarray] = {}
-        self._pushed: set[int] = set()
+    def __init__(self, quorum: int = 0) -> None:
+        self.quorum = quorum
+        self._pushes: dict[int, Mapping[str, np.ndarray]] = {}
 
     def push_ready(self, clocks: Clocks, worker: int, step: int) -> bool:
         # A push for a later step waits for the current round to close.
@@ -28,45 +33,58 @@ class SyncPolicy(ConsistencyPolicy):
         return clocks.updates >= step
 
     def waiting_for(self, clocks: Clocks, step: int) -> str:
-        missing = sorted(clocks.live - self._pushed)
+        missing = sorted(clocks.live - self._pushes.keys())
+        need = f"{self.quorum} pushes" if self.quorum else "every live worker's push"
         return (
-            f"sync barrier: step {step} needs round {clocks.updates} complete; "
-            f"pushed: {sorted(self._pushed)}, still waiting for workers {missing}"
+            f"sync barrier: step {step} needs round {clocks.updates} complete ({need}); "
+            f"pushed: {sorted(self._pushes)}, still waiting for workers {missing}"
         )
 
-    def is_duplicate(self, clocks: Clocks, worker: int, step: int) -> bool:
+    def classify(self, clocks: Clocks, worker: int, step: int) -> str | None:
         if step < clocks.updates:
-            return True  # round already closed: a retry, or a late push from a dropped worker
-        return step == clocks.updates and worker in self._pushed
+            # The step already closed: a retry if this worker was in it, else a late push.
+            return "duplicate" if step < clocks.finished.get(worker, 0) else "late"
+        if step == clocks.updates and worker in self._pushes:
+            return "duplicate"
+        return None
+
+    def join_clock(self, clocks: Clocks, worker: int) -> int:
+        return max(clocks.finished.get(worker, 0), clocks.updates)
+
+    def durable_clock(self, updates: int, finished: int) -> int:
+        # Pushes into the open step are not in a checkpoint taken now.
+        return min(finished, updates)
 
     def submit(
         self, clocks: Clocks, worker: int, step: int, grads: Mapping[str, np.ndarray]
     ) -> Mapping[str, np.ndarray] | None:
-        for key, grad in grads.items():
-            acc = self._sum.get(key)
-            if acc is None:
-                self._sum[key] = np.array(grad, copy=True)  # owns memory: the push's may not
-            else:
-                acc += grad
-        self._pushed.add(worker)
+        self._pushes[worker] = grads
         return self._close_if_complete(clocks)
 
     def membership_changed(self, clocks: Clocks) -> Mapping[str, np.ndarray] | None:
-        return self._close_if_complete(clocks) if self._pushed else None
+        return self._close_if_complete(clocks) if self._pushes else None
 
     def _close_if_complete(self, clocks: Clocks) -> Mapping[str, np.ndarray] | None:
-        if not clocks.live <= self._pushed:
+        pushed = self._pushes.keys()
+        enough = self.quorum > 0 and len(pushed) >= self.quorum
+        if not (enough or clocks.live <= pushed):
             return None
-        count = len(self._pushed)
-        mean = self._sum
+        count = len(self._pushes)
+        mean: dict[str, np.ndarray] = {}
+        for worker in sorted(self._pushes):
+            for key, grad in self._pushes[worker].items():
+                acc = mean.get(key)
+                if acc is None:
+                    mean[key] = np.array(grad, copy=True)
+                else:
+                    acc += grad
         for key, acc in mean.items():
             if acc.dtype.kind == "f":
                 acc /= acc.dtype.type(count)
             else:  # integer buffers such as BatchNorm's num_batches_tracked
                 mean[key] = acc // count
-        self._sum = {}
-        self._pushed = set()
+        self._pushes = {}
         return mean
 
     def pending_bytes(self) -> int:
-        return sum(a.nbytes for a in self._sum.values())
+        return sum(g.nbytes for grads in self._pushes.values() for g in grads.values())

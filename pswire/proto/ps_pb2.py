@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pswire/proto/ps.proto\x12\tpswire.v1\"l\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\"K\n\x0cVariableSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0f\n\x07\x61verage\x18\x04 \x01(\x08\"\x82\x01\n\rOptimizerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x34\n\x06params\x18\x02 \x03(\x0b\x32$.pswire.v1.OptimizerSpec.ParamsEntry\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xae\x01\n\x07JobSpec\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x11\n\tstaleness\x18\x02 \x01(\x03\x12\x13\n\x0bnum_workers\x18\x03 \x01(\x05\x12+\n\toptimizer\x18\x04 \x01(\x0b\x32\x18.pswire.v1.OptimizerSpec\x12*\n\tvariables\x18\x05 \x03(\x0b\x32\x17.pswire.v1.VariableSpec\x12\x14\n\x0cmodel_digest\x18\x06 \x01(\t\"?\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x02 \x01(\x05\"<\n\x16RegisterWorkerResponse\x12\r\n\x05\x63lock\x18\x01 \x01(\x03\x12\x13\n\x0binitialized\x18\x02 \x01(\x08\"%\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\"\"\n\x11HeartbeatResponse\x12\r\n\x05\x63lock\x18\x01 \x01(\x03\"g\n\x0bInitRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.pswire.v1.InitHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.pswire.v1.TensorChunkH\x00\x42\x06\n\x04\x62ody\"T\n\nInitHeader\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x1f\n\x03job\x18\x02 \x01(\x0b\x32\x12.pswire.v1.JobSpec\x12\x12\n\nhas_values\x18\x03 \x01(\x08\"\'\n\x0cInitResponse\x12\x17\n\x0fvalues_accepted\x18\x01 \x01(\x08\"=\n\x0bPullRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05names\x18\x03 \x03(\t\"D\n\x0cPullResponse\x12%\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.pswire.v1.TensorChunk\x12\r\n\x05\x63lock\x18\x02 \x01(\x03\"g\n\x0bPushRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.pswire.v1.PushHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.pswire.v1.TensorChunkH\x00\x42\x06\n\x04\x62ody\"-\n\nPushHeader\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\">\n\x0cPushResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x63lock\x18\x03 \x01(\x03\"\x0f\n\rStatusRequest\"Q\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\r\n\x05\x63lock\x18\x02 \x01(\x03\x12\x1f\n\x17seconds_since_heartbeat\x18\x03 \x01(\x01\"\xc6\x01\n\x0eStatusResponse\x12\x13\n\x0binitialized\x18\x01 \x01(\x08\x12\x1f\n\x03job\x18\x02 \x01(\x0b\x32\x12.pswire.v1.JobSpec\x12\r\n\x05\x63lock\x18\x03 \x01(\x03\x12(\n\x07workers\x18\x04 \x03(\x0b\x32\x17.pswire.v1.WorkerStatus\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x16\n\x0epushes_applied\x18\x06 \x01(\x03\x12\x18\n\x10pushes_duplicate\x18\x07 \x01(\x03\x32\xa0\x03\n\x0fParameterServer\x12U\n\x0eRegisterWorker\x12 .pswire.v1.RegisterWorkerRequest\x1a!.pswire.v1.RegisterWorkerResponse\x12\x46\n\tHeartbeat\x12\x1b.pswire.v1.HeartbeatRequest\x1a\x1c.pswire.v1.HeartbeatResponse\x12\x39\n\x04Init\x12\x16.pswire.v1.InitRequest\x1a\x17.pswire.v1.InitResponse(\x01\x12\x39\n\x04Pull\x12\x16.pswire.v1.PullRequest\x1a\x17.pswire.v1.PullResponse0\x01\x12\x39\n\x04Push\x12\x16.pswire.v1.PushRequest\x1a\x17.pswire.v1.PushResponse(\x01\x12=\n\x06Status\x12\x18.pswire.v1.StatusRequest\x1a\x19.pswire.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pswire/proto/ps.proto\x12\tpswire.v1\"l\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\"K\n\x0cVariableSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0f\n\x07\x61verage\x18\x04 \x01(\x08\"\x82\x01\n\rOptimizerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x34\n\x06params\x18\x02 \x03(\x0b\x32$.pswire.v1.OptimizerSpec.ParamsEntry\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xbe\x01\n\x07JobSpec\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x11\n\tstaleness\x18\x02 \x01(\x03\x12\x13\n\x0bnum_workers\x18\x03 \x01(\x05\x12+\n\toptimizer\x18\x04 \x01(\x0b\x32\x18.pswire.v1.OptimizerSpec\x12*\n\tvariables\x18\x05 \x03(\x0b\x32\x17.pswire.v1.VariableSpec\x12\x14\n\x0cmodel_digest\x18\x06 \x01(\t\x12\x0e\n\x06quorum\x18\x07 \x01(\x05\"?\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x02 \x01(\x05\"~\n\x16RegisterWorkerResponse\x12\r\n\x05\x63lock\x18\x01 \x01(\x03\x12\x13\n\x0binitialized\x18\x02 \x01(\x08\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x14\n\x0c\x64urable_step\x18\x04 \x01(\x03\x12\x15\n\rcheckpointing\x18\x05 \x01(\x08\"%\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\"\"\n\x11HeartbeatResponse\x12\r\n\x05\x63lock\x18\x01 \x01(\x03\"g\n\x0bInitRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.pswire.v1.InitHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.pswire.v1.TensorChunkH\x00\x42\x06\n\x04\x62ody\"T\n\nInitHeader\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x1f\n\x03job\x18\x02 \x01(\x0b\x32\x12.pswire.v1.JobSpec\x12\x12\n\nhas_values\x18\x03 \x01(\x08\"\'\n\x0cInitResponse\x12\x17\n\x0fvalues_accepted\x18\x01 \x01(\x08\"=\n\x0bPullRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05names\x18\x03 \x03(\t\"D\n\x0cPullResponse\x12%\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.pswire.v1.TensorChunk\x12\r\n\x05\x63lock\x18\x02 \x01(\x03\"g\n\x0bPushRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.pswire.v1.PushHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.pswire.v1.TensorChunkH\x00\x42\x06\n\x04\x62ody\"-\n\nPushHeader\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\"i\n\x0cPushResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x63lock\x18\x03 \x01(\x03\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\x14\n\x0c\x64urable_step\x18\x05 \x01(\x03\"\x0f\n\rStatusRequest\"Q\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\r\n\x05\x63lock\x18\x02 \x01(\x03\x12\x1f\n\x17seconds_since_heartbeat\x18\x03 \x01(\x01\"\xb9\x02\n\x0eStatusResponse\x12\x13\n\x0binitialized\x18\x01 \x01(\x08\x12\x1f\n\x03job\x18\x02 \x01(\x0b\x32\x12.pswire.v1.JobSpec\x12\r\n\x05\x63lock\x18\x03 \x01(\x03\x12(\n\x07workers\x18\x04 \x03(\x0b\x32\x17.pswire.v1.WorkerStatus\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x16\n\x0epushes_applied\x18\x06 \x01(\x03\x12\x18\n\x10pushes_duplicate\x18\x07 \x01(\x03\x12\x13\n\x0bpushes_late\x18\x08 \x01(\x03\x12\x14\n\x0clive_workers\x18\t \x03(\x05\x12\x13\n\x0bincarnation\x18\n \x01(\t\x12\x17\n\x0f\x63heckpoint_step\x18\x0b \x01(\x03\x12\x18\n\x10\x63heckpoint_age_s\x18\x0c \x01(\x01\"\x13\n\x11\x43heckpointRequest\"0\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x32\xeb\x03\n\x0fParameterServer\x12U\n\x0eRegisterWorker\x12 .pswire.v1.RegisterWorkerRequest\x1a!.pswire.v1.RegisterWorkerResponse\x12\x46\n\tHeartbeat\x12\x1b.pswire.v1.HeartbeatRequest\x1a\x1c.pswire.v1.HeartbeatResponse\x12\x39\n\x04Init\x12\x16.pswire.v1.InitRequest\x1a\x17.pswire.v1.InitResponse(\x01\x12\x39\n\x04Pull\x12\x16.pswire.v1.PullRequest\x1a\x17.pswire.v1.PullResponse0\x01\x12\x39\n\x04Push\x12\x16.pswire.v1.PushRequest\x1a\x17.pswire.v1.PushResponse(\x01\x12=\n\x06Status\x12\x18.pswire.v1.StatusRequest\x1a\x19.pswire.v1.StatusResponse\x12I\n\nCheckpoint\x12\x1c.pswire.v1.CheckpointRequest\x1a\x1d.pswire.v1.CheckpointResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,37 +42,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OPTIMIZERSPEC_PARAMSENTRY']._serialized_start=309
   _globals['_OPTIMIZERSPEC_PARAMSENTRY']._serialized_end=354
   _globals['_JOBSPEC']._serialized_start=357
-  _globals['_JOBSPEC']._serialized_end=531
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=533
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=596
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=598
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=658
-  _globals['_HEARTBEATREQUEST']._serialized_start=660
-  _globals['_HEARTBEATREQUEST']._serialized_end=697
-  _globals['_HEARTBEATRESPONSE']._serialized_start=699
-  _globals['_HEARTBEATRESPONSE']._serialized_end=733
-  _globals['_INITREQUEST']._serialized_start=735
-  _globals['_INITREQUEST']._serialized_end=838
-  _globals['_INITHEADER']._serialized_start=840
-  _globals['_INITHEADER']._serialized_end=924
-  _globals['_INITRESPONSE']._serialized_start=926
-  _globals['_INITRESPONSE']._serialized_end=965
-  _globals['_PULLREQUEST']._serialized_start=967
-  _globals['_PULLREQUEST']._serialized_end=1028
-  _globals['_PULLRESPONSE']._serialized_start=1030
-  _globals['_PULLRESPONSE']._serialized_end=1098
-  _globals['_PUSHREQUEST']._serialized_start=1100
-  _globals['_PUSHREQUEST']._serialized_end=1203
-  _globals['_PUSHHEADER']._serialized_start=1205
-  _globals['_PUSHHEADER']._serialized_end=1250
-  _globals['_PUSHRESPONSE']._serialized_start=1252
-  _globals['_PUSHRESPONSE']._serialized_end=1314
-  _globals['_STATUSREQUEST']._serialized_start=1316
-  _globals['_STATUSREQUEST']._serialized_end=1331
-  _globals['_WORKERSTATUS']._serialized_start=1333
-  _globals['_WORKERSTATUS']._serialized_end=1414
-  _globals['_STATUSRESPONSE']._serialized_start=1417
-  _globals['_STATUSRESPONSE']._serialized_end=1615
-  _globals['_PARAMETERSERVER']._serialized_start=1618
-  _globals['_PARAMETERSERVER']._serialized_end=2034
+  _globals['_JOBSPEC']._serialized_end=547
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=549
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=612
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=614
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=740
+  _globals['_HEARTBEATREQUEST']._serialized_start=742
+  _globals['_HEARTBEATREQUEST']._serialized_end=779
+  _globals['_HEARTBEATRESPONSE']._serialized_start=781
+  _globals['_HEARTBEATRESPONSE']._serialized_end=815
+  _globals['_INITREQUEST']._serialized_start=817
+  _globals['_INITREQUEST']._serialized_end=920
+  _globals['_INITHEADER']._serialized_start=922
+  _globals['_INITHEADER']._serialized_end=1006
+  _globals['_INITRESPONSE']._serialized_start=1008
+  _globals['_INITRESPONSE']._serialized_end=1047
+  _globals['_PULLREQUEST']._serialized_start=1049
+  _globals['_PULLREQUEST']._serialized_end=1110
+  _globals['_PULLRESPONSE']._serialized_start=1112
+  _globals['_PULLRESPONSE']._serialized_end=1180
+  _globals['_PUSHREQUEST']._serialized_start=1182
+  _globals['_PUSHREQUEST']._serialized_end=1285
+  _globals['_PUSHHEADER']._serialized_start=1287
+  _globals['_PUSHHEADER']._serialized_end=1332
+  _globals['_PUSHRESPONSE']._serialized_start=1334
+  _globals['_PUSHRESPONSE']._serialized_end=1439
+  _globals['_STATUSREQUEST']._serialized_start=1441
+  _globals['_STATUSREQUEST']._serialized_end=1456
+  _globals['_WORKERSTATUS']._serialized_start=1458
+  _globals['_WORKERSTATUS']._serialized_end=1539
+  _globals['_STATUSRESPONSE']._serialized_start=1542
+  _globals['_STATUSRESPONSE']._serialized_end=1855
+  _globals['_CHECKPOINTREQUEST']._serialized_start=1857
+  _globals['_CHECKPOINTREQUEST']._serialized_end=1876
+  _globals['_CHECKPOINTRESPONSE']._serialized_start=1878
+  _globals['_CHECKPOINTRESPONSE']._serialized_end=1926
+  _globals['_PARAMETERSERVER']._serialized_start=1929
+  _globals['_PARAMETERSERVER']._serialized_end=2420
 # @@protoc_insertion_point(module_scope)

@@ -156,6 +156,7 @@ class JobSpec(_message.Message):
     OPTIMIZER_FIELD_NUMBER: _builtins.int
     VARIABLES_FIELD_NUMBER: _builtins.int
     MODEL_DIGEST_FIELD_NUMBER: _builtins.int
+    QUORUM_FIELD_NUMBER: _builtins.int
     mode: _builtins.str
     """"sync", "async" or "ssp" """
     staleness: _builtins.int
@@ -163,6 +164,8 @@ class JobSpec(_message.Message):
     num_workers: _builtins.int
     model_digest: _builtins.str
     """digest of the whole model's (name, shape, dtype) list"""
+    quorum: _builtins.int
+    """sync: apply a step after its first `quorum` pushes, dropping"""
     @_builtins.property
     def optimizer(self) -> Global___OptimizerSpec: ...
     @_builtins.property
@@ -178,10 +181,11 @@ class JobSpec(_message.Message):
         optimizer: Global___OptimizerSpec | None = ...,
         variables: _abc.Iterable[Global___VariableSpec] | None = ...,
         model_digest: _builtins.str = ...,
+        quorum: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["optimizer", b"optimizer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "model_digest", b"model_digest", "num_workers", b"num_workers", "optimizer", b"optimizer", "staleness", b"staleness", "variables", b"variables"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "model_digest", b"model_digest", "num_workers", b"num_workers", "optimizer", b"optimizer", "quorum", b"quorum", "staleness", b"staleness", "variables", b"variables"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -215,19 +219,31 @@ class RegisterWorkerResponse(_message.Message):
 
     CLOCK_FIELD_NUMBER: _builtins.int
     INITIALIZED_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    DURABLE_STEP_FIELD_NUMBER: _builtins.int
+    CHECKPOINTING_FIELD_NUMBER: _builtins.int
     clock: _builtins.int
-    """steps this worker has finished on this shard (0 when new)"""
+    """the step this worker (re)joins at on this shard"""
     initialized: _builtins.bool
     """the shard holds variable values"""
+    incarnation: _builtins.str
+    """changes whenever the shard process restarts"""
+    durable_step: _builtins.int
+    """this worker's steps covered by the shard's last checkpoint"""
+    checkpointing: _builtins.bool
+    """the shard checkpoints: keep pushes after durable_step to replay"""
     def __init__(
         self,
         *,
         clock: _builtins.int = ...,
         initialized: _builtins.bool = ...,
+        incarnation: _builtins.str = ...,
+        durable_step: _builtins.int = ...,
+        checkpointing: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["clock", b"clock", "initialized", b"initialized"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpointing", b"checkpointing", "clock", b"clock", "durable_step", b"durable_step", "incarnation", b"incarnation", "initialized", b"initialized"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -457,20 +473,29 @@ class PushResponse(_message.Message):
     APPLIED_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     CLOCK_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    DURABLE_STEP_FIELD_NUMBER: _builtins.int
     applied: _builtins.bool
     """false for a duplicate (already applied) or a dropped late push"""
     reason: _builtins.str
+    """"duplicate" or "late" when not applied"""
     clock: _builtins.int
+    """sync: the round the shard is in now; else updates applied"""
+    incarnation: _builtins.str
+    durable_step: _builtins.int
+    """this worker's steps covered by the shard's last checkpoint"""
     def __init__(
         self,
         *,
         applied: _builtins.bool = ...,
         reason: _builtins.str = ...,
         clock: _builtins.int = ...,
+        incarnation: _builtins.str = ...,
+        durable_step: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "clock", b"clock", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "clock", b"clock", "durable_step", b"durable_step", "incarnation", b"incarnation", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -527,16 +552,29 @@ class StatusResponse(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     PUSHES_APPLIED_FIELD_NUMBER: _builtins.int
     PUSHES_DUPLICATE_FIELD_NUMBER: _builtins.int
+    PUSHES_LATE_FIELD_NUMBER: _builtins.int
+    LIVE_WORKERS_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_STEP_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_AGE_S_FIELD_NUMBER: _builtins.int
     initialized: _builtins.bool
     clock: _builtins.int
     """sync: rounds applied; otherwise total pushes applied"""
     total_bytes: _builtins.int
     pushes_applied: _builtins.int
     pushes_duplicate: _builtins.int
+    pushes_late: _builtins.int
+    """dropped: arrived after their sync step closed"""
+    incarnation: _builtins.str
+    checkpoint_step: _builtins.int
+    """clock of the newest checkpoint; -1 when none"""
+    checkpoint_age_s: _builtins.float
     @_builtins.property
     def job(self) -> Global___JobSpec: ...
     @_builtins.property
     def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerStatus]: ...
+    @_builtins.property
+    def live_workers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -547,11 +585,53 @@ class StatusResponse(_message.Message):
         total_bytes: _builtins.int = ...,
         pushes_applied: _builtins.int = ...,
         pushes_duplicate: _builtins.int = ...,
+        pushes_late: _builtins.int = ...,
+        live_workers: _abc.Iterable[_builtins.int] | None = ...,
+        incarnation: _builtins.str = ...,
+        checkpoint_step: _builtins.int = ...,
+        checkpoint_age_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["clock", b"clock", "initialized", b"initialized", "job", b"job", "pushes_applied", b"pushes_applied", "pushes_duplicate", b"pushes_duplicate", "total_bytes", b"total_bytes", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_age_s", b"checkpoint_age_s", "checkpoint_step", b"checkpoint_step", "clock", b"clock", "incarnation", b"incarnation", "initialized", b"initialized", "job", b"job", "live_workers", b"live_workers", "pushes_applied", b"pushes_applied", "pushes_duplicate", b"pushes_duplicate", "pushes_late", b"pushes_late", "total_bytes", b"total_bytes", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
+
+@_typing.final
+class CheckpointRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointRequest: _TypeAlias = CheckpointRequest  # noqa: Y015
+
+@_typing.final
+class CheckpointResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    step: _builtins.int
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointResponse: _TypeAlias = CheckpointResponse  # noqa: Y015

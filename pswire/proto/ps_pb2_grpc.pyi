@@ -41,6 +41,7 @@ class ParameterServerStub:
     Pull: _grpc.UnaryStreamMultiCallable[_ps_pb2.PullRequest, _ps_pb2.PullResponse]
     Push: _grpc.StreamUnaryMultiCallable[_ps_pb2.PushRequest, _ps_pb2.PushResponse]
     Status: _grpc.UnaryUnaryMultiCallable[_ps_pb2.StatusRequest, _ps_pb2.StatusResponse]
+    Checkpoint: _grpc.UnaryUnaryMultiCallable[_ps_pb2.CheckpointRequest, _ps_pb2.CheckpointResponse]
 
 @_typing.type_check_only
 class ParameterServerAsyncStub(ParameterServerStub):
@@ -51,6 +52,7 @@ class ParameterServerAsyncStub(ParameterServerStub):
     Pull: _aio.UnaryStreamMultiCallable[_ps_pb2.PullRequest, _ps_pb2.PullResponse]  # type: ignore[assignment]
     Push: _aio.StreamUnaryMultiCallable[_ps_pb2.PushRequest, _ps_pb2.PushResponse]  # type: ignore[assignment]
     Status: _aio.UnaryUnaryMultiCallable[_ps_pb2.StatusRequest, _ps_pb2.StatusResponse]  # type: ignore[assignment]
+    Checkpoint: _aio.UnaryUnaryMultiCallable[_ps_pb2.CheckpointRequest, _ps_pb2.CheckpointResponse]  # type: ignore[assignment]
 
 class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -94,5 +96,12 @@ class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
         request: _ps_pb2.StatusRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_ps_pb2.StatusResponse, _abc.Awaitable[_ps_pb2.StatusResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Checkpoint(
+        self,
+        request: _ps_pb2.CheckpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ps_pb2.CheckpointResponse, _abc.Awaitable[_ps_pb2.CheckpointResponse]]: ...
 
 def add_ParameterServerServicer_to_server(servicer: ParameterServerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,496 @@
+"""Shard checkpoints: atomic safetensors files, the newest valid one restored, saves scheduled."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors
+import safetensors.numpy
+
+from psserver.consistency import make_policy
+from psserver.shard import Job, Shard, ShardState, VarSpec
+from pswire.codec import check_dtype, check_tensor
+from pswire.errors import NotInitializedError, PSError
+from pswire.optim import optimizer_from_spec
+
+log = logging.getLogger(__name__)
+
+FORMAT = "psgrpc-shard-checkpoint"
+VERSION = 1
+_STATE_KEY = "psgrpc.state"
+_DIGEST_KEY = "psgrpc.sha256"
+_NAME = re.compile(r"ckpt-(\d{10,})\.safetensors")
+_TMP_PREFIX = ".ckpt-"
+_TMP_SUFFIX = ".tmp"
+_LOCK_FILE = ".lock"
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint file that is truncated, altered, or does not describe a consistent shard."""
+
+
+def checkpoint_name(updates: int) -> str:
+    """The file name of the checkpoint taken at shard clock ``updates``."""
+    return f"ckpt-{updates:010d}.safetensors"
+
+
+class Checkpointer:
+    """Saves shard states into ``directory`` atomically and finds the newest valid one.
+
+    A save writes a temporary file in the same directory, fsyncs it, renames it over
+    ``ckpt-<updates>.safetensors`` and fsyncs the directory: a crash at any point leaves either
+    the old set of files or the new one, never a torn checkpoint under a real name. Each file
+    holds every array (``var/<key>``, ``slot/<key>/<slot>``) and, in the safetensors header,
+    the job, clocks and counters as JSON with a SHA-256 over all of it, so bit rot is caught
+    on load too. Nothing is pickled. Saves are serialized; ``keep`` bounds the files kept.
+    """
+
+    def __init__(self, directory: str | Path, keep: int = 3) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.directory = Path(directory)
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._dir_lock: int | None = None
+
+    def lock(self) -> None:
+        """Claims the directory for this process and removes temp files a crashed save left.
+
+        Two shards writing one directory would overwrite each other's checkpoints (the names
+        carry only the clock), so a second daemon on the same directory must not start.
+
+        Raises:
+            RuntimeError: another process holds the directory.
+            OSError: the directory cannot be created or locked.
+        """
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.directory / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RuntimeError(
+                f"checkpoint directory {self.directory} is in use by another process "
+                "(give each shard its own --checkpoint-dir)"
+            ) from None
+        self._dir_lock = fd
+        # Only now, holding the directory, is no other save writing these.
+        for path in self.directory.glob(f"{_TMP_PREFIX}*{_TMP_SUFFIX}"):
+            log.warning("removing %s, left by a save that did not finish", path)
+            path.unlink(missing_ok=True)
+
+    def unlock(self) -> None:
+        """Releases the directory claimed by ``lock`` (also released when the process exits)."""
+        if self._dir_lock is not None:
+            os.close(self._dir_lock)
+            self._dir_lock = None
+
+    def paths(self) -> list[Path]:
+        """Checkpoint files in the directory, newest (highest clock) first."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for path in self.directory.iterdir():
+            match = _NAME.fullmatch(path.name)
+            if match:
+                found.append((int(match[1]), path.name, path))
+        return [path for _, _, path in sorted(found, reverse=True)]
+
+    def save(self, state: ShardState, incarnation: str = "") -> Path:
+        """Writes ``state`` as ``ckpt-<updates>.safetensors``, durably; returns its path.
+
+        Raises:
+            OSError: the file could not be written; any earlier checkpoint is untouched.
+            ValueError: a slot holds a value that is neither an array nor a JSON number.
+        """
+        tensors, text = _encode(state, incarnation)
+        metadata = {_STATE_KEY: text, _DIGEST_KEY: _digest(text, tensors)}
+        final = self.directory / checkpoint_name(state.updates)
+        with self._lock:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=_TMP_SUFFIX, dir=self.directory)
+            os.close(fd)
+            try:
+                safetensors.numpy.save_file(tensors, tmp, metadata=metadata)
+                _fsync(tmp, os.O_RDONLY)
+                os.replace(tmp, final)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            # The rename is durable only once the directory entry is.
+            _fsync(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+            self._prune(final)
+        return final
+
+    def load(self, path: str | Path) -> ShardState:
+        """Reads and fully validates one checkpoint file.
+
+        Raises:
+            CorruptCheckpointError: unreadable, truncated, altered or inconsistent.
+        """
+        try:
+            with safetensors.safe_open(str(path), framework="numpy") as f:
+                metadata = f.metadata() or {}
+                tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+        except (OSError, safetensors.SafetensorError, ValueError) as exc:
+            raise CorruptCheckpointError(f"{path}: unreadable safetensors file: {exc}") from exc
+        text = metadata.get(_STATE_KEY)
+        if text is None:
+            raise CorruptCheckpointError(f"{path}: no {_STATE_KEY} entry in its header")
+        if metadata.get(_DIGEST_KEY) != _digest(text, tensors):
+            raise CorruptCheckpointError(f"{path}: SHA-256 mismatch; the file was altered")
+        try:
+            return _decode(text, tensors)
+        except (KeyError, TypeError, ValueError, PSError) as exc:
+            raise CorruptCheckpointError(f"{path}: inconsistent contents: {exc}") from exc
+
+    def load_latest(self) -> ShardState | None:
+        """The newest checkpoint that loads and validates; older ones cover for corrupt ones.
+
+        Returns None when the directory holds no valid checkpoint. Every file skipped is
+        logged with the reason.
+        """
+        for path in self.paths():
+            try:
+                state = self.load(path)
+            except CorruptCheckpointError as exc:
+                log.error("skipping checkpoint: %s", exc)
+                continue
+            log.info("loaded checkpoint %s (shard clock %d)", path, state.updates)
+            return state
+        return None
+
+    def _prune(self, just_saved: Path) -> None:
+        """Keeps the file just written and the ``keep - 1`` newest others."""
+        # The new file is kept even when an older run left higher-numbered (invalid or
+        # foreign) files: those must not push the only good checkpoint out.
+        others = [p for p in self.paths() if p != just_saved]
+        for path in others[self.keep - 1 :]:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("could not remove old checkpoint %s: %s", path, exc)
+
+
+def _fsync(path: str | Path, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _digest(text: str, tensors: Mapping[str, np.ndarray]) -> str:
+    """SHA-256 over the JSON state and every tensor's name, dtype, shape and bytes."""
+    h = hashlib.sha256(text.encode())
+    for name in sorted(tensors):
+        array = _contiguous(tensors[name])
+        h.update(json.dumps([name, array.dtype.str, list(array.shape)]).encode())
+        h.update(array.data)
+    return h.hexdigest()
+
+
+def _contiguous(array: np.ndarray) -> np.ndarray:
+    # Not np.ascontiguousarray: it turns a 0-d array into shape (1,).
+    return array if array.flags.c_contiguous else array.copy(order="C")
+
+
+def _var_tensor(key: str) -> str:
+    return f"var/{key}"
+
+
+def _slot_tensor(key: str, slot: str) -> str:
+    return f"slot/{key}/{slot}"
+
+
+def _encode(state: ShardState, incarnation: str) -> tuple[dict[str, np.ndarray], str]:
+    """Splits a state into named arrays and the JSON that describes the rest."""
+    tensors: dict[str, np.ndarray] = {}
+    for key, value in state.variables.items():
+        tensors[_var_tensor(key)] = _contiguous(value)
+    slot_arrays: dict[str, list[str]] = {}
+    slot_values: dict[str, dict[str, Any]] = {}
+    for key, slots in state.slots.items():
+        slot_arrays[key], slot_values[key] = [], {}
+        for slot, value in slots.items():
+            if isinstance(value, np.ndarray):
+                tensors[_slot_tensor(key, slot)] = _contiguous(value)
+                slot_arrays[key].append(slot)
+            elif value is None or isinstance(value, bool | int | float):
+                slot_values[key][slot] = value
+            else:
+                raise ValueError(
+                    f"optimizer slot '{slot}' of variable '{key}' holds a {type(value).__name__}, "
+                    "which a checkpoint cannot store"
+                )
+    job = state.job
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "incarnation": incarnation,
+        "saved_at": time.time(),
+        "job": {
+            "mode": job.mode,
+            "staleness": job.staleness,
+            "num_workers": job.num_workers,
+            "quorum": job.quorum,
+            "model_digest": job.model_digest,
+            "optimizer": {"name": job.optimizer.name, "params": job.optimizer.params()},
+            "variables": [
+                {"key": v.key, "shape": list(v.shape), "dtype": v.dtype, "average": v.average}
+                for v in job.variables
+            ],
+        },
+        "updates": state.updates,
+        "finished": {str(w): n for w, n in state.finished.items()},
+        "counters": dict(state.counters),
+        "slot_arrays": slot_arrays,
+        "slot_values": slot_values,
+    }
+    return tensors, json.dumps(doc, sort_keys=True, allow_nan=False)
+
+
+def _decode(text: str, tensors: Mapping[str, np.ndarray]) -> ShardState:
+    """Rebuilds and validates a state; every mismatch raises.
+
+    Raises:
+        ValueError, KeyError, TypeError, PSError: the contents do not describe one shard.
+    """
+    doc = json.loads(text)
+    if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+        raise ValueError(
+            f"format {doc.get('format')!r} version {doc.get('version')!r}; this build reads "
+            f"{FORMAT!r} version {VERSION}"
+        )
+    spec = doc["job"]
+    variables = []
+    for v in spec["variables"]:
+        check_dtype(v["dtype"], v["key"])
+        variables.append(
+            VarSpec(v["key"], tuple(int(d) for d in v["shape"]), v["dtype"], bool(v["average"]))
+        )
+    job = Job(
+        mode=spec["mode"],
+        staleness=int(spec["staleness"]),
+        num_workers=int(spec["num_workers"]),
+        optimizer=optimizer_from_spec(spec["optimizer"]["name"], spec["optimizer"]["params"]),
+        variables=tuple(variables),
+        model_digest=spec["model_digest"],
+        quorum=int(spec["quorum"]),
+    )
+    make_policy(job.mode, job.staleness, job.quorum)  # raises on a mode this build lacks
+    expected = {_var_tensor(v.key) for v in variables}
+    values = {}
+    for v in variables:
+        array = tensors[_var_tensor(v.key)]
+        check_tensor(v.key, v.shape, v.dtype, array, "checkpoint")
+        values[v.key] = array
+    slot_arrays, slot_values = doc["slot_arrays"], doc["slot_values"]
+    trained = {v.key for v in variables if not v.average}
+    if set(slot_arrays) != trained or set(slot_values) != trained:
+        raise ValueError(
+            f"optimizer state covers {sorted(slot_arrays)}, the trained variables are "
+            f"{sorted(trained)}"
+        )
+    slots: dict[str, dict] = {}
+    for key in sorted(trained):
+        template = job.optimizer.make_state(values[key])
+        state = {**slot_values[key]}
+        for slot in slot_arrays[key]:
+            name = _slot_tensor(key, slot)
+            expected.add(name)
+            state[slot] = tensors[name]
+        _check_slots(key, values[key], template, state)
+        slots[key] = state
+    extra = sorted(set(tensors) - expected)
+    if extra:
+        raise ValueError(f"tensors the metadata does not describe: {extra[:10]}")
+    return ShardState(
+        job=job,
+        variables=values,
+        slots=slots,
+        updates=int(doc["updates"]),
+        finished={int(w): int(n) for w, n in doc["finished"].items()},
+        counters={str(k): int(n) for k, n in doc["counters"].items()},
+    )
+
+
+def _check_slots(key: str, param: np.ndarray, template: dict, state: dict) -> None:
+    """Checks one variable's restored slots against what its optimizer makes.
+
+    Raises:
+        ValueError: a slot missing, extra, of the wrong kind or shape.
+    """
+    if set(state) != set(template):
+        raise ValueError(
+            f"variable '{key}' has optimizer slots {sorted(state)}, expected {sorted(template)}"
+        )
+    for slot, fresh in template.items():
+        value = state[slot]
+        if isinstance(value, np.ndarray):
+            # None marks a slot made lazily on the first step (SGD's momentum buffer).
+            if not (fresh is None or isinstance(fresh, np.ndarray)):
+                raise ValueError(f"slot '{slot}' of '{key}' is an array, expected a number")
+            check_tensor(f"{key}:{slot}", param.shape, param.dtype.name, value, "checkpoint")
+        elif isinstance(fresh, np.ndarray) or type(value) is not type(fresh):
+            raise ValueError(
+                f"slot '{slot}' of '{key}' holds {value!r}, expected a {type(fresh).__name__}"
+            )
+
+
+class CheckpointScheduler:
+    """Saves a shard's state every N steps and/or S seconds, on demand, and when closing.
+
+    ``export_state`` copies under the shard's lock; the file is written outside it, so
+    training continues during the write; ``mark_checkpoint`` follows once the file is
+    durable. One save runs at a time. A failed periodic save is logged and retried with
+    backoff; it never stops the shard.
+    """
+
+    def __init__(
+        self,
+        shard: Shard,
+        checkpointer: Checkpointer,
+        every_steps: int = 0,
+        every_secs: float = 0.0,
+        poll_s: float = 0.1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if every_steps < 0 or every_secs < 0:
+            raise ValueError(f"intervals must be >= 0, got {every_steps} steps, {every_secs}s")
+        self.shard = shard
+        self.checkpointer = checkpointer
+        self.every_steps = every_steps
+        self.every_secs = every_secs
+        self.poll_s = poll_s
+        self._now = clock
+        self._save_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_clock, self._last_sig = self._status_signature()
+        self._last_time = clock()
+        self._retry_at = 0.0
+        self._backoff_s = 1.0
+
+    def resume(self) -> ShardState | None:
+        """Restores the shard from the newest valid checkpoint, if any (before serving).
+
+        Raises:
+            InvalidRequestError: the checkpoint's state does not fit a shard (never expected:
+                loading validates it).
+        """
+        state = self.checkpointer.load_latest()
+        if state is None:
+            return None
+        self.shard.restore(state)
+        self._last_clock, self._last_sig = self._status_signature()
+        self._last_time = self._now()
+        return state
+
+    def start(self) -> None:
+        """Starts the periodic saves (a no-op when neither interval is set)."""
+        if self._thread is None and (self.every_steps or self.every_secs):
+            self._thread = threading.Thread(target=self._run, name="checkpoint", daemon=True)
+            self._thread.start()
+
+    def checkpoint(self) -> tuple[str, int]:
+        """Saves now, changed or not; returns (path, shard clock). For the Checkpoint RPC.
+
+        Raises:
+            NotInitializedError: the shard holds no values yet.
+            PSError: the file could not be written.
+        """
+        try:
+            saved = self._save(force=True, level=logging.INFO)
+        except OSError as exc:
+            raise PSError(
+                f"could not write a checkpoint in {self.checkpointer.directory}: {exc}"
+            ) from exc
+        if saved is None:
+            raise NotInitializedError("this shard holds no values yet: nothing to checkpoint")
+        return str(saved[0]), saved[1]
+
+    def close(self, timeout: float = 60.0) -> Path | None:
+        """Stops the periodic saves and saves a last time if anything changed since the last.
+
+        Waits at most about ``timeout`` seconds for a save in progress; returns the final
+        checkpoint's path, or None when nothing new needed saving or it failed (logged).
+        """
+        self._stop.set()
+        deadline = time.monotonic() + timeout
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if not self._save_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            log.error("a checkpoint save still runs after %.0fs; no final checkpoint", timeout)
+            return None
+        self._save_lock.release()
+        try:
+            saved = self._save(force=False, level=logging.INFO)
+        except Exception:
+            log.exception("final checkpoint failed; the previous one is kept")
+            return None
+        if saved is None:
+            log.info("no final checkpoint needed: nothing changed since the last one")
+            return None
+        return saved[0]
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _status_signature(self) -> tuple[int, tuple]:
+        st = self.shard.status()
+        sig = (st.initialized, st.clock, st.pushes_applied, st.pushes_duplicate, st.pushes_late)
+        return st.clock, sig
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            now = self._now()
+            if now < self._retry_at:
+                continue
+            try:
+                clock, sig = self._status_signature()
+                steps_due = self.every_steps and clock - self._last_clock >= self.every_steps
+                secs_due = self.every_secs and now - self._last_time >= self.every_secs
+                if sig != self._last_sig and (steps_due or secs_due):
+                    self._save(force=False, level=logging.DEBUG)
+                self._backoff_s = 1.0
+            except Exception:
+                log.exception("periodic checkpoint failed; retrying in %.0fs", self._backoff_s)
+                self._retry_at = now + self._backoff_s
+                self._backoff_s = min(60.0, self._backoff_s * 2)
+
+    def _save(self, force: bool, level: int) -> tuple[Path, int] | None:
+        """Exports, writes and marks one checkpoint; None when there is nothing (new) to save."""
+        with self._save_lock:
+            _, sig = self._status_signature()
+            if not force and sig == self._last_sig:
+                return None
+            state = self.shard.export_state()
+            if state is None:
+                return None
+            started = time.monotonic()
+            path = self.checkpointer.save(state, incarnation=self.shard.incarnation)
+            self.shard.mark_checkpoint(state)
+            # The signature read before the export may lag it; a save it missed is only late.
+            self._last_clock, self._last_sig, self._last_time = state.updates, sig, self._now()
+            log.log(
+                level,
+                "checkpoint at shard clock %d written to %s in %.2fs",
+                state.updates,
+                path,
+                time.monotonic() - started,
+            )
+            return path, state.updates

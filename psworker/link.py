@@ -1,0 +1,163 @@
+"""One shard as a worker sees it: retries with backoff, restart detection, and push replay."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import TypeVar
+
+import grpc
+import numpy as np
+
+from pswire.codec import tensor_to_chunks
+from pswire.errors import UnavailableError
+from pswire.proto import ps_pb2, ps_pb2_grpc
+from pswire.status import from_rpc_error
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+BACKOFF_BASE_S = 0.1
+BACKOFF_CAP_S = 2.0
+
+
+def backoff(attempt: int, rng: random.Random) -> float:
+    """Jittered exponential backoff: up to 0.1 s, 0.2 s, ... capped at 2 s, times U(0.5, 1)."""
+    return min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt) * rng.uniform(0.5, 1.0)
+
+
+def push_stream(
+    worker_id: int, step: int, pieces: Mapping[str, np.ndarray], chunk_bytes: int
+) -> Iterator[ps_pb2.PushRequest]:
+    """A Push request stream: the header, then every piece as chunks."""
+    yield ps_pb2.PushRequest(header=ps_pb2.PushHeader(worker_id=worker_id, step=step))
+    for key, array in pieces.items():
+        for chunk in tensor_to_chunks(key, array, chunk_bytes):
+            yield ps_pb2.PushRequest(chunk=chunk)
+
+
+class ShardLink:
+    """A worker's connection to one shard.
+
+    Calls that fail with UNAVAILABLE are retried with jittered exponential backoff for up to
+    ``retry_s`` seconds. Before each retry the link re-registers; if the shard's incarnation
+    changed (it restarted, from its last checkpoint), the link first re-sends the pushes this
+    worker made after that checkpoint, so those steps are recomputed rather than lost. A
+    shard that restarted with no checkpoint cannot be recovered: that is a clear error.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        address: str,
+        channel: grpc.Channel,
+        worker_id: int,
+        num_workers: int,
+        timeout: float,
+        retry_s: float,
+        chunk_bytes: int,
+    ) -> None:
+        self.index = index
+        self.address = address
+        self.stub = ps_pb2_grpc.ParameterServerStub(channel)
+        self.worker_id = worker_id
+        self.num_workers = num_workers
+        self.timeout = timeout
+        self.retry_s = retry_s
+        self.chunk_bytes = chunk_bytes
+        self.incarnation: str | None = None
+        self.checkpointing = False
+        self.durable = 0
+        self.log: dict[int, dict[str, np.ndarray]] = {}  # step -> pieces pushed, for replay
+        self.recoveries = 0
+        self._rng = random.Random(worker_id * 7919 + index)
+
+    def where(self, rpc: str) -> str:
+        return f"{rpc} on shard {self.index} ({self.address})"
+
+    def call(self, rpc: str, fn: Callable[[ps_pb2_grpc.ParameterServerStub], T]) -> T:
+        """Runs ``fn(stub)``, retrying through UNAVAILABLE until ``retry_s`` is spent.
+
+        Raises:
+            PSError: the call failed for another reason, or the shard stayed unreachable.
+        """
+        deadline = time.monotonic() + self.retry_s
+        attempt = 0
+        while True:
+            try:
+                if attempt:
+                    self._resync()
+                return fn(self.stub)
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                if code != grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline:
+                    raise from_rpc_error(exc, self.where(rpc)) from None
+                pause = min(backoff(attempt, self._rng), max(0.0, deadline - time.monotonic()))
+                log.info("%s unavailable; retry %d in %.2fs", self.where(rpc), attempt + 1, pause)
+                time.sleep(pause)
+                attempt += 1
+
+    def register(self) -> ps_pb2.RegisterWorkerResponse:
+        """RegisterWorker on this shard, remembering what it says about durability."""
+        reply = self.stub.RegisterWorker(
+            ps_pb2.RegisterWorkerRequest(worker_id=self.worker_id, num_workers=self.num_workers),
+            timeout=self.timeout,
+        )
+        self.checkpointing = reply.checkpointing
+        self.durable = reply.durable_step
+        return reply
+
+    def note_push(self, step: int, pieces: Mapping[str, np.ndarray]) -> None:
+        """Keeps a copy of a push until a checkpoint covers it (only if the shard checkpoints)."""
+        if self.checkpointing:
+            self.log[step] = {k: np.array(v, copy=True) for k, v in pieces.items()}
+
+    def note_reply(self, incarnation: str, durable_step: int) -> None:
+        """Forgets pushes the shard's newest checkpoint holds."""
+        if self.incarnation is None:
+            self.incarnation = incarnation
+        self.durable = max(self.durable, durable_step)
+        for step in [s for s in self.log if s < self.durable]:
+            del self.log[step]
+
+    def _resync(self) -> None:
+        """Re-registers; replays logged pushes if the shard restarted since we last saw it.
+
+        Raises:
+            grpc.RpcError: the shard is still unreachable (the caller retries).
+            UnavailableError: it restarted without the state needed to continue.
+        """
+        reply = self.register()
+        if self.incarnation is None or reply.incarnation == self.incarnation:
+            self.incarnation = reply.incarnation
+            return
+        if not reply.initialized:
+            raise UnavailableError(
+                f"shard {self.index} ({self.address}) restarted without a checkpoint, so its "
+                "variables are gone; run psserver with --checkpoint-dir to survive restarts"
+            )
+        resume = reply.clock
+        steps = sorted(s for s in self.log if s >= resume)
+        missing = sorted(set(range(resume, max(self.log, default=resume - 1) + 1)) - set(steps))
+        if missing:
+            raise UnavailableError(
+                f"shard {self.index} ({self.address}) restarted at step {resume}, but this "
+                f"worker no longer holds its pushes for steps {missing[:5]}"
+            )
+        log.warning(
+            "shard %d (%s) restarted (incarnation %s -> %s) at step %d: replaying %d pushes",
+            self.index,
+            self.address,
+            self.incarnation,
+            reply.incarnation,
+            resume,
+            len(steps),
+        )
+        for step in steps:
+            self.stub.Push(
+                push_stream(self.worker_id, step, self.log[step], self.chunk_bytes),
+                timeout=self.timeout,
+            )
+        self.incarnation = reply.incarnation
+        self.recoveries += 1

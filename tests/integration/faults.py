@@ -1,0 +1,114 @@
+"""Scheduled fault injection for clients: drop, lose the reply of, duplicate or delay a call."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+
+import grpc
+
+
+class InjectedUnavailable(grpc.RpcError, grpc.Call):  # type: ignore[misc]
+    """What a dropped connection looks like to the caller: UNAVAILABLE."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self._what = what
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._what
+
+    def initial_metadata(self):  # pragma: no cover - grpc.Call interface
+        return None
+
+    def trailing_metadata(self):  # pragma: no cover
+        return None
+
+    def is_active(self) -> bool:  # pragma: no cover
+        return False
+
+    def time_remaining(self):  # pragma: no cover
+        return None
+
+    def cancel(self) -> bool:  # pragma: no cover
+        return False
+
+    def add_callback(self, callback) -> bool:  # pragma: no cover
+        return False
+
+
+class FaultPlan(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+):
+    """Applies ``action`` to the calls of ``rpc`` whose 1-based count is in ``nth``.
+
+    Actions: ``drop`` (never sent, caller sees UNAVAILABLE), ``lose_reply`` (sent and handled
+    by the server, but the caller sees UNAVAILABLE), ``duplicate`` (sent twice), ``delay``
+    (sent after ``delay_s``). Thread-safe; ``fired`` counts the faults applied.
+    """
+
+    def __init__(self, rpc: str, nth: Iterable[int], action: str, delay_s: float = 0.0) -> None:
+        if action not in ("drop", "lose_reply", "duplicate", "delay"):
+            raise ValueError(f"unknown action {action!r}")
+        self.rpc = rpc
+        self.nth = set(nth)
+        self.action = action
+        self.delay_s = delay_s
+        self.calls = 0
+        self.fired = 0
+        self._lock = threading.Lock()
+
+    def _should_fire(self, method: str) -> bool:
+        if not method.endswith("/" + self.rpc):
+            return False
+        with self._lock:
+            self.calls += 1
+            fire = self.calls in self.nth
+            self.fired += fire
+            return fire
+
+    def _run(
+        self,
+        continuation,
+        client_call_details,
+        request,
+        streaming_request: bool,
+        streaming_response: bool = False,
+    ):
+        if not self._should_fire(client_call_details.method):
+            return continuation(client_call_details, request)
+        what = f"injected {self.action} of {self.rpc} call {self.calls}"
+        if self.action == "drop":
+            raise InjectedUnavailable(what)
+        if streaming_request:
+            request = list(request)  # a stream can be sent only once: keep it to send again
+        again = iter(request) if streaming_request else request
+        if self.action == "delay":
+            time.sleep(self.delay_s)
+            return continuation(client_call_details, again)
+        response = continuation(client_call_details, again)
+        if self.action == "lose_reply":
+            # Let the server finish the call (a streamed reply is read to its end), then lose it.
+            if streaming_response:
+                list(response)
+            else:
+                response.result()
+            raise InjectedUnavailable(what)
+        # duplicate (unary replies only): the same call again, as a retrying network delivers it
+        response.result()
+        return continuation(client_call_details, iter(request) if streaming_request else request)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return self._run(continuation, client_call_details, request, False)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return self._run(continuation, client_call_details, request_iterator, True)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return self._run(continuation, client_call_details, request, False, True)

@@ -1,0 +1,104 @@
+"""psctl's admin calls against in-process shards: checkpoint every shard, export a state_dict."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import psworker
+from psserver.checkpoint import Checkpointer, CheckpointScheduler
+from psserver.server import RunningServer, start_server
+from psserver.shard import Shard
+from pswire.errors import ModelMismatchError, NotInitializedError, PSError
+from psworker.admin import checkpoint_all, export_state_dict
+
+
+@pytest.fixture
+def checkpointed(tmp_path: Path):
+    """Factory: n shard servers, each with its own checkpoint directory."""
+    started: list[RunningServer] = []
+
+    def make(n: int) -> list[RunningServer]:
+        for i in range(n):
+            shard = Shard()
+            saver = CheckpointScheduler(shard, Checkpointer(tmp_path / f"shard{i}"))
+            started.append(start_server(shard, checkpoint=saver.checkpoint))
+        return started
+
+    yield make
+    for server in started:
+        server.stop(grace=0.5)
+
+
+def train_two_steps(addresses: list[str]) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    model = {
+        "emb.weight": rng.standard_normal((40, 8)).astype(np.float32),
+        "fc.bias": np.zeros(8, np.float32),
+        "buffer:bn.running_mean": np.zeros(8, np.float32),
+    }
+    with psworker.connect(addresses, worker_id=0, num_workers=1, split_bytes=512) as client:
+        client.init(model, psworker.Adam(lr=0.01), buffers=["buffer:bn.running_mean"])
+        for _ in range(2):
+            grads = {k: np.ones_like(v) for k, v in model.items()}
+            client.push(grads)
+        assert client.shard_map is not None
+        assert any("/part" in p.key for p in client.shard_map.pieces), "emb.weight is split"
+        return client.pull()
+
+
+def test_checkpoint_all_saves_on_every_shard(checkpointed, tmp_path: Path) -> None:
+    addresses = [s.address for s in checkpointed(2)]
+    train_two_steps(addresses)
+    saved = checkpoint_all(addresses, timeout=10)
+    assert [s.address for s in saved] == addresses
+    assert [s.step for s in saved] == [2, 2]
+    for i, s in enumerate(saved):
+        assert Path(s.path).parent == tmp_path / f"shard{i}"
+        state = Checkpointer(tmp_path / f"shard{i}").load(s.path)
+        assert state.updates == 2
+
+
+def test_checkpoint_all_names_each_shard_that_cannot(shards) -> None:
+    addresses = [s.address for s in shards(2)]
+    with pytest.raises(PSError, match="--checkpoint-dir") as info:
+        checkpoint_all(addresses, timeout=10)
+    assert all(a in str(info.value) for a in addresses)
+    assert info.value.status == "FAILED_PRECONDITION"
+
+
+def test_export_writes_a_state_dict_that_loads_into_the_module(shards, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    addresses = [s.address for s in shards(2)]
+    pulled = train_two_steps(addresses)
+    done = export_state_dict(addresses, tmp_path / "model.pt", timeout=10)
+    assert (done.path, done.format, done.clocks) == (tmp_path / "model.pt", "torch", [2, 2])
+    state = torch.load(done.path, weights_only=True)
+    assert sorted(state) == ["bn.running_mean", "emb.weight", "fc.bias"]
+    for name, value in pulled.items():
+        assert torch.equal(state[name.removeprefix("buffer:")], torch.tensor(value)), name
+    module = torch.nn.ModuleDict(
+        {
+            "emb": torch.nn.Embedding(40, 8),
+            "fc": torch.nn.Linear(8, 8),
+            "bn": torch.nn.BatchNorm1d(8),
+        }
+    )
+    missing, _ = module.load_state_dict(state, strict=False)
+    assert "emb.weight" not in missing and "bn.running_mean" not in missing
+    assert torch.equal(module["emb"].weight.detach(), torch.tensor(pulled["emb.weight"]))
+
+
+def test_export_before_init_and_across_models_fails(shards, tmp_path: Path) -> None:
+    addresses = [s.address for s in shards(2)]
+    with pytest.raises(NotInitializedError, match="nothing to export"):
+        export_state_dict(addresses, tmp_path / "m.pt", timeout=10)
+    other = [s.address for s in shards(1)]
+    train_two_steps(addresses)
+    with psworker.connect(other, worker_id=0, num_workers=1) as client:
+        client.init({"x": np.zeros(3, np.float32)}, psworker.SGD(lr=0.1))
+    with pytest.raises(ModelMismatchError, match="different models"):
+        export_state_dict([addresses[0], other[0]], tmp_path / "m.pt", timeout=10)
+    assert not (tmp_path / "m.pt").exists()

@@ -1,0 +1,179 @@
+"""Worker failures, backup workers and injected RPC faults against real in-process shards."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from faults import FaultPlan
+
+import psworker
+from psserver.shard import Limits
+from pswire.optim import SGD
+
+SHAPES = {"w": (6, 4), "b": (4,)}
+
+
+def init_values() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def grad_for(worker: int, step: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1000 * worker + step)
+    return {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def run_all(targets, timeout: float = 60.0) -> None:
+    errors: list[BaseException] = []
+
+    def wrap(fn):
+        try:
+            fn()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wrap, args=(t,), daemon=True) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a worker did not finish"
+    if errors:
+        raise errors[0]
+
+
+def sync_run(addresses, steps: int, plans=None, **client_options) -> dict[str, np.ndarray]:
+    """Two sync workers pushing fixed gradients; returns worker 0's final weights."""
+    result: dict[str, np.ndarray] = {}
+
+    def worker(i: int):
+        def run():
+            with psworker.connect(
+                addresses,
+                worker_id=i,
+                num_workers=2,
+                mode="sync",
+                timeout=20,
+                interceptors=(plans or {}).get(i, ()),
+                **client_options,
+            ) as client:
+                client.init(init_values(), SGD(lr=0.1, momentum=0.9))
+                for step in range(steps):
+                    client.pull()
+                    client.push(grad_for(i, step))
+                if i == 0:
+                    result.update(client.pull())
+
+        return run
+
+    run_all([worker(0), worker(1)])
+    return result
+
+
+def test_duplicated_and_dropped_pushes_change_nothing_in_sync_mode(shards):
+    steps = 12
+    clean = sync_run([s.address for s in shards(2)], steps)
+    plans = {
+        0: [FaultPlan("Push", {3, 9, 15}, "lose_reply"), FaultPlan("Push", {5}, "duplicate")],
+        1: [FaultPlan("Push", {2, 8}, "drop"), FaultPlan("Pull", {4}, "lose_reply")],
+    }
+    servers = shards(2)
+    faulty = sync_run([s.address for s in servers], steps, plans)
+    assert all(p.fired for ps in plans.values() for p in ps), "every planned fault happened"
+    for k in clean:
+        assert clean[k].tobytes() == faulty[k].tobytes(), f"{k} differs from the fault-free run"
+    statuses = [s.shard.status() for s in servers]
+    assert all(st.clock == steps for st in statuses)
+    assert sum(st.pushes_duplicate for st in statuses) >= 4  # lost replies and the duplicate
+
+
+def test_a_silent_worker_leaves_the_quorum_and_the_rest_continue(shards):
+    (server,) = shards(1, Limits(heartbeat_timeout_s=1.0))
+    address = [server.address]
+    done = {0: 0, 1: 0}
+    killed_at = 3
+
+    def victim():
+        client = psworker.connect(address, worker_id=2, num_workers=3, mode="sync", timeout=20)
+        client.init(init_values(), SGD(lr=0.1))
+        for step in range(killed_at):
+            client.pull()
+            client.push(grad_for(2, step))
+        client.close()  # dies: no more pushes, no more heartbeats
+
+    def survivor(i: int):
+        def run():
+            with psworker.connect(
+                address, worker_id=i, num_workers=3, mode="sync", timeout=20, heartbeat_s=0.2
+            ) as client:
+                client.init(init_values(), SGD(lr=0.1))
+                for step in range(10):
+                    client.pull()
+                    client.push(grad_for(i, step))
+                    done[i] = step + 1
+
+        return run
+
+    start = time.monotonic()
+    run_all([victim, survivor(0), survivor(1)])
+    assert done == {0: 10, 1: 10}
+    # The survivors waited at most about one heartbeat timeout for the dead worker.
+    assert time.monotonic() - start < 15
+    status = server.shard.status()
+    assert status.clock == 10 and status.live == {0, 1}
+
+    # A restarted worker 2 rejoins at the current step, not at 0 or where it died.
+    with psworker.connect(address, worker_id=2, num_workers=3, mode="sync", timeout=20) as again:
+        again.init(init_values(), SGD(lr=0.1))
+        assert again.step == 10
+        assert 2 in server.shard.status().live
+
+
+def test_backup_workers_apply_the_first_k_pushes_and_drop_late_ones(shards):
+    (server,) = shards(1)
+    address = [server.address]
+    steps = 8
+    finished: dict[int, int] = {}
+
+    def worker(i: int):
+        def run():
+            with psworker.connect(
+                address, worker_id=i, num_workers=3, mode="sync", quorum=2, timeout=20
+            ) as client:
+                client.init(init_values(), SGD(lr=0.1))
+                while client.step < steps:
+                    client.pull()
+                    if i == 2:
+                        time.sleep(0.15)  # the straggler: injected delay
+                    client.push(grad_for(i, client.step))
+                finished[i] = client.step
+
+        return run
+
+    run_all([worker(0), worker(1), worker(2)])
+    status = server.shard.status()
+    assert status.clock >= steps
+    assert status.pushes_late > 0, "the straggler's pushes were dropped as late"
+    assert finished[2] >= steps  # the straggler skipped ahead instead of falling behind
+
+
+def test_quorum_outside_sync_mode_is_rejected(shards):
+    (server,) = shards(1)
+    with (
+        psworker.connect([server.address], worker_id=0, num_workers=1, mode="async", quorum=1) as c,
+        pytest.raises(psworker.InvalidRequestError, match="quorum"),
+    ):
+        c.init(init_values(), SGD(lr=0.1))
+
+
+def test_unreachable_shard_fails_with_a_clear_error_within_the_retry_window():
+    with psworker.connect(
+        ["127.0.0.1:1"], worker_id=0, num_workers=1, mode="async", timeout=1, retry_s=2
+    ) as client:
+        start = time.monotonic()
+        with pytest.raises(psworker.UnavailableError, match=r"shard 0 \(127.0.0.1:1\)"):
+            client.init(init_values(), SGD(lr=0.1))
+        assert time.monotonic() - start < 10
