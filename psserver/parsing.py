@@ -1,0 +1,90 @@
+"""Requests whose bytes do not parse get INVALID_ARGUMENT instead of grpc's bare INTERNAL."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from pswire.errors import InvalidRequestError
+
+
+class _Malformed:
+    """Stands in for a request message that failed to parse; carries why."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+class MalformedRequestInterceptor(grpc.ServerInterceptor):
+    """Turns undecodable request bytes into INVALID_ARGUMENT with a message naming the method.
+
+    grpc answers a request it cannot deserialize with INTERNAL ("Exception deserializing
+    request!") and logs a traceback, which blames the server for the client's bytes. Here the
+    deserializer returns a marker instead of raising, and the method sees the marker first: a
+    unary call is aborted before the handler runs; in a stream the marker raises
+    ``InvalidRequestError`` where the handler reads it, so the handler's one error mapping sends
+    it, and the handler's own validation (nothing applied until the stream is whole) keeps the
+    shard unchanged.
+    """
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        return _tolerant(handler, handler_call_details.method)
+
+
+def _tolerant(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    parse = handler.request_deserializer
+    assert parse is not None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as exc:  # protobuf's DecodeError, or anything a parser may raise
+            return _Malformed(
+                f"{method}: a request message of {len(data)} bytes does not parse "
+                f"({type(exc).__name__}: {exc})"
+            )
+
+    def unary(behavior: Callable[..., Any]) -> Callable[..., Any]:
+        def run(request: Any, context: grpc.ServicerContext) -> Any:
+            if isinstance(request, _Malformed):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            return behavior(request, context)
+
+        return run
+
+    def streaming(behavior: Callable[..., Any]) -> Callable[..., Any]:
+        def run(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            return behavior(_checked(requests), context)
+
+        return run
+
+    kwargs = {
+        "request_deserializer": deserialize,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kwargs)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(unary(handler.unary_stream), **kwargs)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(streaming(handler.stream_unary), **kwargs)
+    assert handler.stream_stream is not None
+    return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **kwargs)
+
+
+def _checked(requests: Iterator[Any]) -> Iterator[Any]:
+    for request in requests:
+        if isinstance(request, _Malformed):
+            raise InvalidRequestError(request.message)
+        yield request

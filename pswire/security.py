@@ -1,0 +1,243 @@
+"""TLS, mutual TLS and shared-token settings for both ends, and the channel factory using them."""
+
+from __future__ import annotations
+
+import os
+import string
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import grpc
+
+from pswire.channel import OPTIONS, insecure_channel
+
+# The header both ends use for the token: the HTTP convention, and what
+# grpc.access_token_call_credentials sends.
+TOKEN_HEADER = "authorization"
+TOKEN_SCHEME = "Bearer "
+# A token travels as an HTTP/2 header value: printable ASCII, no whitespace, so neither end
+# has to guess at trimming or encoding.
+_TOKEN_CHARS = frozenset(string.ascii_letters + string.digits + string.punctuation)
+
+
+def check_token(token: str, source: str = "token") -> str:
+    """Returns ``token`` if it can travel as a header value.
+
+    Raises:
+        ValueError: empty, or a character other than printable non-space ASCII; the message
+            names ``source`` but never echoes the token.
+    """
+    if not token:
+        raise ValueError(f"{source} is empty")
+    bad = sorted({c for c in token if c not in _TOKEN_CHARS})
+    if bad:
+        raise ValueError(
+            f"{source} holds {len(bad)} kind(s) of character that cannot travel in a header "
+            "(only printable ASCII without spaces is allowed)"
+        )
+    return token
+
+
+def read_token_file(path: str | Path) -> str:
+    """The token stored in ``path``, without the trailing newline editors add.
+
+    Raises:
+        ValueError: the file cannot be read or holds no valid token.
+    """
+    try:
+        text = Path(path).read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read token file {str(path)!r}: {exc}") from exc
+    return check_token(text.strip(), f"token file {str(path)!r}")
+
+
+def _read_pem(path: Path, what: str) -> bytes:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} {str(path)!r}: {exc}") from exc
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{what} {str(path)!r} is not a PEM file")
+    return data
+
+
+def _optional_path(value: str | Path | None) -> Path | None:
+    return Path(value) if value else None
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    """A daemon's credentials: ``cert``+``key`` turn on TLS; ``ca`` (with them) demands a client
+    certificate signed by it (mutual TLS); ``token`` makes every call but health checks carry it.
+    """
+
+    cert: Path | None = None
+    key: Path | None = None
+    ca: Path | None = None
+    # Kept out of repr: a logged config must not leak the secret.
+    token: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if (self.cert is None) != (self.key is None):
+            problems.append("--tls-cert and --tls-key go together")
+        if self.ca is not None and self.cert is None:
+            problems.append("--tls-ca (verify client certificates) needs --tls-cert and --tls-key")
+        if self.token is not None:
+            try:
+                check_token(self.token)
+            except ValueError as exc:
+                problems.append(str(exc))
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def tls(self) -> bool:
+        return self.cert is not None
+
+    @property
+    def mutual(self) -> bool:
+        return self.ca is not None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        """The TLS credentials for ``add_secure_port``, read from the PEM files now.
+
+        Raises:
+            ValueError: TLS is off, or a file cannot be read or is not PEM.
+        """
+        if self.cert is None or self.key is None:
+            raise ValueError("server TLS needs a certificate and a key")
+        pair = (_read_pem(self.key, "TLS key"), _read_pem(self.cert, "TLS certificate"))
+        ca = _read_pem(self.ca, "TLS CA certificate") if self.ca is not None else None
+        return grpc.ssl_server_credentials(
+            [pair], root_certificates=ca, require_client_auth=ca is not None
+        )
+
+    def describe(self) -> str:
+        """One line for the startup log: what is on, never the secrets."""
+        parts = ["mutual TLS" if self.mutual else "TLS" if self.tls else "plaintext"]
+        parts.append("token required" if self.token else "no token")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class ClientSecurity:
+    """A client's credentials: ``ca`` verifies the servers (TLS on); ``cert``+``key`` are the
+    client certificate for mutual TLS; ``token`` is sent with every call.
+
+    With ``cert`` but no ``ca`` the servers are verified against the system's root CAs.
+    """
+
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    # Kept out of repr: a logged config must not leak the secret.
+    token: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if (self.cert is None) != (self.key is None):
+            problems.append("tls_cert and tls_key go together")
+        if self.token is not None:
+            try:
+                check_token(self.token)
+            except ValueError as exc:
+                problems.append(str(exc))
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @classmethod
+    def from_env(
+        cls,
+        ca: str | Path | None = None,
+        cert: str | Path | None = None,
+        key: str | Path | None = None,
+        token: str | None = None,
+    ) -> ClientSecurity:
+        """Arguments, else ``$PS_TLS_CA``, ``$PS_TLS_CERT``, ``$PS_TLS_KEY``, ``$PS_TOKEN``
+        (or a file named by ``$PS_TOKEN_FILE``), else off.
+
+        Raises:
+            ValueError: inconsistent settings or an unreadable token file.
+        """
+        env = os.environ.get
+        if token is None:
+            token = env("PS_TOKEN") or None
+            if token is None and env("PS_TOKEN_FILE"):
+                token = read_token_file(env("PS_TOKEN_FILE", ""))
+        return cls(
+            ca=_optional_path(ca or env("PS_TLS_CA")),
+            cert=_optional_path(cert or env("PS_TLS_CERT")),
+            key=_optional_path(key or env("PS_TLS_KEY")),
+            token=token,
+        )
+
+    @property
+    def tls(self) -> bool:
+        return self.ca is not None or self.cert is not None
+
+    def channel(self, address: str) -> grpc.Channel:
+        """A channel to ``host:port`` with these credentials and the project's options.
+
+        Raises:
+            ValueError: a PEM file cannot be read.
+        """
+        if not self.tls:
+            if self.token is None:
+                return insecure_channel(address)
+            # gRPC refuses call credentials on a plaintext channel (it would leak them), so a
+            # token without TLS rides as metadata added by an interceptor: fine on a trusted
+            # network, which is the only place a plaintext cluster belongs.
+            return grpc.intercept_channel(insecure_channel(address), _TokenInterceptor(self.token))
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=_read_pem(self.ca, "TLS CA certificate") if self.ca else None,
+            private_key=_read_pem(self.key, "TLS key") if self.key else None,
+            certificate_chain=_read_pem(self.cert, "TLS certificate") if self.cert else None,
+        )
+        if self.token is not None:
+            creds = grpc.composite_channel_credentials(
+                creds, grpc.access_token_call_credentials(self.token)
+            )
+        return grpc.secure_channel(address, creds, options=OPTIONS)
+
+
+class _CallDetails(NamedTuple):
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: Any
+    wait_for_ready: bool | None
+    compression: Any
+
+
+class _TokenInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds ``authorization: Bearer <token>`` to every call on a plaintext channel."""
+
+    def __init__(self, token: str) -> None:
+        self._header = (TOKEN_HEADER, TOKEN_SCHEME + token)
+
+    def _details(self, details: Any) -> _CallDetails:
+        metadata = [*(details.metadata or ()), self._header]
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            metadata,
+            details.credentials,
+            details.wait_for_ready,
+            getattr(details, "compression", None),
+        )
+
+    def _intercept(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    intercept_unary_unary = _intercept
+    intercept_unary_stream = _intercept
+    intercept_stream_unary = _intercept
+    intercept_stream_stream = _intercept
