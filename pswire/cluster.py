@@ -4,8 +4,35 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+# A StatefulSet pod's hostname is "<set name>-<ordinal>".
+_ORDINAL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?-(?P<ordinal>\d+)$")
+
+
+def task_index_from_env(
+    environ: Mapping[str, str] | None = None, hostname: str | None = None
+) -> int | None:
+    """This pod's task index: ``$PS_TASK_INDEX``, else ``$JOB_COMPLETION_INDEX`` (a Kubernetes
+    Indexed Job sets it), else the ordinal ending a StatefulSet pod's hostname (``ps-1`` -> 1);
+    None when none of them says.
+
+    Raises:
+        ValueError: a variable is set but is not a non-negative integer.
+    """
+    env = os.environ if environ is None else environ
+    for name in ("PS_TASK_INDEX", "JOB_COMPLETION_INDEX"):
+        text = env.get(name, "").strip()
+        if text:
+            if not text.isdigit():
+                raise ValueError(f"${name}={text!r} is not a task index (a number >= 0)")
+            return int(text)
+    match = _ORDINAL.match(socket.gethostname() if hostname is None else hostname)
+    return int(match["ordinal"]) if match else None
 
 
 @dataclass(frozen=True)
@@ -18,11 +45,16 @@ class ClusterSpec:
     task_index: int
 
     @classmethod
-    def parse(cls, text: str) -> ClusterSpec:
+    def parse(cls, text: str, role: str | None = None) -> ClusterSpec:
         """Parses TF_CONFIG JSON.
 
+        A spec without a ``task`` (one spec shared by every pod, as in Kubernetes) names this
+        process by ``role`` (``"ps"`` or ``"worker"``) and ``task_index_from_env()``; without
+        ``role`` a missing task means worker 0, as before.
+
         Raises:
-            ValueError: not JSON, or lacking the cluster/task fields.
+            ValueError: not JSON, lacking the cluster/task fields, or no task and no task
+                index in the environment while ``role`` is given.
         """
         try:
             data = json.loads(text)
@@ -32,6 +64,15 @@ class ClusterSpec:
             raise ValueError('cluster spec needs a "cluster" object with "ps" and "worker" lists')
         cluster = data["cluster"]
         task = data.get("task") or {}
+        if not task and role is not None:
+            index = task_index_from_env()
+            if index is None:
+                raise ValueError(
+                    "the cluster spec names no task, and neither $PS_TASK_INDEX, "
+                    "$JOB_COMPLETION_INDEX nor a StatefulSet hostname (name-N) gives this "
+                    f"{role}'s index"
+                )
+            task = {"type": role, "index": index}
         ps = tuple(str(a) for a in cluster.get("ps", []))
         # A TF "chief" is worker 0 here; plain workers follow it.
         chief = [str(a) for a in cluster.get("chief", [])]
@@ -45,8 +86,10 @@ class ClusterSpec:
         return cls(ps, workers, task_type, index)
 
     @classmethod
-    def load(cls, source: str | None = None) -> ClusterSpec | None:
+    def load(cls, source: str | None = None, role: str | None = None) -> ClusterSpec | None:
         """From ``source`` (JSON text or a file path), else ``$TF_CONFIG``; None if neither.
+
+        ``role`` names this process when the spec has no task (see ``parse``).
 
         Raises:
             ValueError: the source is unreadable or malformed.
@@ -60,7 +103,7 @@ class ClusterSpec:
             if not path.is_file():
                 raise ValueError(f"cluster spec {stripped!r} is neither JSON nor a readable file")
             stripped = path.read_text()
-        return cls.parse(stripped)
+        return cls.parse(stripped, role)
 
     def to_json(self) -> str:
         return json.dumps(

@@ -1,0 +1,290 @@
+"""``psctl status`` output: the cluster's shards and workers as tables, or as JSON for scripts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pswire.errors import PSError
+from pswire.proto import ps_pb2
+from pswire.security import ClientSecurity
+from psworker.client import status as shard_status
+
+UNREACHABLE = "UNREACHABLE"
+# Past this many variables the table says how many more there are; --json lists them all.
+MAX_VARIABLE_ROWS = 20
+
+# What one shard answered: its status, or why there is none.
+Status = ps_pb2.StatusResponse | str
+
+
+def gather(
+    addresses: Sequence[str], timeout: float = 5.0, security: ClientSecurity | None = None
+) -> tuple[list[str], list[Status]]:
+    """Each shard's grpc.health.v1 status name and its Status reply (or the error's text).
+
+    ``security`` defaults to ``$PS_TLS_*`` / ``$PS_TOKEN``, as ``psworker.connect`` does.
+
+    Raises:
+        ValueError: bad TLS or token settings.
+    """
+    security = security or ClientSecurity.from_env()
+    health: list[str] = []
+    statuses: list[Status] = []
+    for address in addresses:
+        health.append(_health(address, timeout, security))
+        if health[-1] == UNREACHABLE:
+            statuses.append(f"no answer from {address} within {timeout:g}s")
+            continue
+        try:
+            statuses.append(shard_status([address], timeout, security)[0])
+        except PSError as exc:
+            statuses.append(str(exc))
+    return health, statuses
+
+
+def _health(address: str, timeout: float, security: ClientSecurity) -> str:
+    with security.channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout
+            )
+        except grpc.RpcError:
+            return UNREACHABLE
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+def all_serving(health: Sequence[str], statuses: Sequence[Status]) -> bool:
+    """Whether every shard is SERVING and answered Status (``psctl status`` exits 0)."""
+    return all(h == "SERVING" for h in health) and not any(isinstance(s, str) for s in statuses)
+
+
+def to_data(
+    addresses: Sequence[str], statuses: Sequence[Status], health: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """The cluster as plain data: ``{"shards": [...], "workers": [...]}``.
+
+    Each shard has its address, health, job (mode, ``staleness``: the ssp bound), clock,
+    variables, bytes, push counts, ``max_staleness`` (clock spread of the live workers),
+    workers (clock, staleness, live, seconds since heard) and newest checkpoint, or ``error``.
+    The workers list merges the shards' views of each worker.
+    """
+    health = list(health) if health is not None else ["UNKNOWN"] * len(addresses)
+    shards = [
+        _shard_data(i, a, h, s)
+        for i, (a, h, s) in enumerate(zip(addresses, health, statuses, strict=True))
+    ]
+    return {"shards": shards, "workers": _merge_workers(shards)}
+
+
+def _shard_data(index: int, address: str, health: str, status: Status) -> dict[str, Any]:
+    data: dict[str, Any] = {"shard": index, "address": address, "health": health}
+    if isinstance(status, str):
+        data["error"] = status
+        return data
+    job = status.job if status.HasField("job") else None
+    clocks = {w.worker_id: int(w.clock) for w in status.workers}
+    newest = max(clocks.values(), default=0)
+    live = set(status.live_workers)
+    data.update(
+        error=None,
+        initialized=status.initialized,
+        incarnation=status.incarnation,
+        mode=job.mode if job else None,
+        staleness=job.staleness if job else None,  # the ssp bound the job declared
+        num_workers=job.num_workers if job else None,
+        optimizer=(
+            {"name": job.optimizer.name, **dict(sorted(job.optimizer.params.items()))}
+            if job
+            else None
+        ),
+        clock=int(status.clock),
+        num_variables=len(job.variables) if job else 0,
+        variables=[
+            {"name": v.name, "dtype": v.dtype, "shape": [int(d) for d in v.shape]}
+            for v in (job.variables if job else [])
+        ],
+        total_bytes=int(status.total_bytes),
+        pushes_applied=int(status.pushes_applied),
+        pushes_duplicate=int(status.pushes_duplicate),
+        pushes_late=int(status.pushes_late),
+        live_workers=sorted(live),
+        max_staleness=(
+            max(clocks[w] for w in live if w in clocks)
+            - min(clocks[w] for w in live if w in clocks)
+            if live & clocks.keys()
+            else 0
+        ),
+        workers=[
+            {
+                "worker_id": w.worker_id,
+                "clock": int(w.clock),
+                "staleness": newest - int(w.clock),
+                "live": w.worker_id in live,
+                "seconds_since_heartbeat": round(w.seconds_since_heartbeat, 3),
+            }
+            for w in sorted(status.workers, key=lambda w: w.worker_id)
+        ],
+        checkpoint=(
+            {"step": int(status.checkpoint_step), "age_s": round(status.checkpoint_age_s, 3)}
+            if status.checkpoint_step >= 0
+            else None
+        ),
+    )
+    return data
+
+
+def _merge_workers(shards: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per worker: its clock on each shard (null where a shard does not know it or
+    did not answer), worst staleness, live on every shard, and when last heard."""
+    merged: dict[int, dict[str, Any]] = {}
+    answered = [s for s in shards if not s.get("error")]
+    for shard in answered:
+        for w in shard["workers"]:
+            entry = merged.setdefault(
+                w["worker_id"],
+                {
+                    "worker_id": w["worker_id"],
+                    "clocks": [None] * len(shards),
+                    "staleness": 0,
+                    "live": True,
+                    "seconds_since_heartbeat": w["seconds_since_heartbeat"],
+                },
+            )
+            entry["clocks"][shard["shard"]] = w["clock"]
+            entry["staleness"] = max(entry["staleness"], w["staleness"])
+            entry["live"] = entry["live"] and w["live"]
+            entry["seconds_since_heartbeat"] = min(
+                entry["seconds_since_heartbeat"], w["seconds_since_heartbeat"]
+            )
+    for entry in merged.values():
+        # A shard that never heard of the worker also counts against "live".
+        known = sum(entry["clocks"][s["shard"]] is not None for s in answered)
+        entry["live"] = entry["live"] and known == len(answered)
+    return [merged[w] for w in sorted(merged)]
+
+
+def render_json(
+    addresses: Sequence[str], statuses: Sequence[Status], health: Sequence[str] | None = None
+) -> str:
+    """``to_data`` as indented JSON."""
+    return json.dumps(to_data(addresses, statuses, health), indent=2)
+
+
+def render_table(
+    addresses: Sequence[str], statuses: Sequence[Status], health: Sequence[str] | None = None
+) -> str:
+    """Shards, then workers, then variables, as aligned text tables.
+
+    Per shard: health, mode, clock, variables, bytes, live workers, the clock spread between
+    live workers (staleness), pushes applied/duplicate/late, and the newest checkpoint. Per
+    worker: its clock on each shard, how far it is behind the newest worker, whether every
+    shard counts it live, and when it was last heard.
+    """
+    data = to_data(addresses, statuses, health)
+    shards, workers = data["shards"], data["workers"]
+    rows = []
+    for s in shards:
+        if s.get("error"):
+            rows.append([str(s["shard"]), s["address"], s["health"], *["-"] * 9])
+            continue
+        rows.append(
+            [
+                str(s["shard"]),
+                s["address"],
+                s["health"],
+                _mode(s),
+                str(s["clock"]),
+                str(s["num_variables"]),
+                _bytes(s["total_bytes"]),
+                f"{len(s['live_workers'])}/{s['num_workers'] or 0}",
+                str(s["max_staleness"]),
+                f"{s['pushes_applied']}/{s['pushes_duplicate']}",
+                str(s["pushes_late"]),
+                _checkpoint(s["checkpoint"]),
+            ]
+        )
+    headers = ["SHARD", "ADDRESS", "HEALTH", "MODE", "CLOCK", "VARS", "BYTES", "LIVE"]
+    headers += ["STALENESS", "PUSHES/DUP", "LATE", "LAST CHECKPOINT"]
+    lines = _table(headers, rows)
+    lines += [
+        f"shard {s['shard']} ({s['address']}): {s['error']}" for s in shards if s.get("error")
+    ]
+
+    answered = [s["shard"] for s in shards if not s.get("error")]
+    lines.append("")
+    if not workers:
+        lines.append("workers: none registered")
+    else:
+        worker_rows = [
+            [
+                str(w["worker_id"]),
+                " ".join("-" if w["clocks"][i] is None else str(w["clocks"][i]) for i in answered),
+                str(w["staleness"]),
+                "yes" if w["live"] else "no",
+                f"{w['seconds_since_heartbeat']:.1f}s ago",
+            ]
+            for w in workers
+        ]
+        clock_header = "CLOCK" if len(answered) == 1 else f"CLOCKS (shards {_ids(answered)})"
+        lines += _table(["WORKER", clock_header, "STALENESS", "LIVE", "LAST SEEN"], worker_rows)
+
+    variable_rows = [
+        [v["name"], str(s["shard"]), "x".join(map(str, v["shape"])) or "scalar", v["dtype"]]
+        for s in shards
+        if not s.get("error")
+        for v in s["variables"]
+    ]
+    if variable_rows:
+        lines.append("")
+        shown = variable_rows[:MAX_VARIABLE_ROWS]
+        lines += _table(["VARIABLE", "SHARD", "SHAPE", "DTYPE"], shown)
+        if len(variable_rows) > len(shown):
+            lines.append(f"... and {len(variable_rows) - len(shown)} more (--json lists all)")
+    return "\n".join(lines)
+
+
+def _mode(shard: dict[str, Any]) -> str:
+    if not shard["initialized"] and shard["mode"] is None:
+        return "(no job)"
+    mode = shard["mode"] or "-"
+    return f"ssp({shard['staleness']})" if mode == "ssp" else mode
+
+
+def _checkpoint(checkpoint: dict[str, Any] | None) -> str:
+    if checkpoint is None:
+        return "none"
+    return f"step {checkpoint['step']}, {_age(checkpoint['age_s'])} ago"
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def _ids(ids: Sequence[int]) -> str:
+    return ",".join(map(str, ids))
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(c) for c in col) for col in zip(headers, *rows, strict=True)]
+    return [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in [headers, *rows]
+    ]
+
+
+def _bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
