@@ -10,8 +10,10 @@ from pathlib import Path
 from psserver.shard import Limits
 from pswire import cli
 from pswire.cluster import ClusterSpec
+from pswire.security import ServerSecurity, read_token_file
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("text", "json")
 _DEFAULT_LIMITS = Limits()
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,14 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     grace_s: float = 5.0
     log_level: str = "INFO"
+    security: ServerSecurity = field(default_factory=ServerSecurity)
+    checkpoint_dir: Path | None = None
+    checkpoint_every_steps: int = 0
+    checkpoint_every_secs: float = 0.0
+    keep_checkpoints: int = 3
+    metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port
+    log_format: str = "text"
+    shard_name: str = ""  # the ``shard`` label of its metrics; empty: host:port
 
     def __post_init__(self) -> None:
         problems = []
@@ -42,10 +52,30 @@ class ServerConfig:
             problems.append(f"max-variables must be >= 1, got {self.limits.max_variables}")
         if self.limits.max_request_bytes < 1:
             problems.append(f"max-request-bytes must be >= 1, got {self.limits.max_request_bytes}")
+        if not self.limits.heartbeat_timeout_s >= 0:
+            problems.append(
+                f"heartbeat-timeout must be >= 0 seconds, got {self.limits.heartbeat_timeout_s}"
+            )
         if not self.limits.max_wait_s > 0:
             problems.append(f"max-wait must be > 0 seconds, got {self.limits.max_wait_s}")
         if not self.grace_s >= 0:
             problems.append(f"grace must be >= 0 seconds, got {self.grace_s}")
+        if self.checkpoint_every_steps < 0:
+            problems.append(
+                f"checkpoint-every-steps must be >= 0, got {self.checkpoint_every_steps}"
+            )
+        if not self.checkpoint_every_secs >= 0:
+            problems.append(f"checkpoint-every-secs must be >= 0, got {self.checkpoint_every_secs}")
+        if self.keep_checkpoints < 1:
+            problems.append(f"keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.checkpoint_dir is None and (
+            self.checkpoint_every_steps or self.checkpoint_every_secs
+        ):
+            problems.append("checkpoint intervals need a checkpoint-dir to write to")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            problems.append(f"metrics-port must be in [0, 65535], got {self.metrics_port}")
+        if self.log_format not in LOG_FORMATS:
+            problems.append(f"log-format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if self.log_level not in LOG_LEVELS:
             problems.append(f"log-level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if problems:
@@ -121,6 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cli.add(
         parser,
+        "--heartbeat-timeout",
+        env="PS_HEARTBEAT_TIMEOUT",
+        type=float,
+        default=_DEFAULT_LIMITS.heartbeat_timeout_s,
+        help="seconds a silent worker stays in the sync/ssp quorum (0: forever)",
+    )
+    cli.add(
+        parser,
         "--grace",
         env="PS_GRACE",
         type=float,
@@ -136,6 +174,80 @@ def build_parser() -> argparse.ArgumentParser:
         default="INFO",
         help="logging threshold",
     )
+    cli.add(
+        parser,
+        "--log-format",
+        env="PS_LOG_FORMAT",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text lines, or json: one JSON object per line for log collectors",
+    )
+    cli.add(
+        parser,
+        "--metrics-port",
+        env="PS_METRICS_PORT",
+        type=int,
+        default=0,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics; 0: off",
+    )
+    cli.add(
+        parser,
+        "--shard-name",
+        env="PS_SHARD_NAME",
+        default="",
+        help="the shard label of its metrics; unset: psN for ps task N of --cluster, else "
+        "host:port",
+    )
+    cli.add(parser, "--tls-cert", env="PS_TLS_CERT", type=Path, help="PEM certificate: serve TLS")
+    cli.add(parser, "--tls-key", env="PS_TLS_KEY", type=Path, help="PEM key of --tls-cert")
+    cli.add(
+        parser,
+        "--tls-ca",
+        env="PS_TLS_CA",
+        type=Path,
+        help="PEM CA certificate: require client certificates it signed (mutual TLS)",
+    )
+    # Health checks stay open without the token so orchestrators can probe (psserver/auth.py).
+    cli.add(
+        parser,
+        "--token",
+        env="PS_TOKEN",
+        help="shared token every call but health checks must carry; prefer --token-file or "
+        "PS_TOKEN, since command lines are visible to every user of the host",
+    )
+    cli.add(parser, "--token-file", env="PS_TOKEN_FILE", type=Path, help="file holding the token")
+    cli.add(
+        parser,
+        "--checkpoint-dir",
+        env="PS_CHECKPOINT_DIR",
+        type=Path,
+        help="this shard's own checkpoint folder: resume from its newest valid checkpoint on "
+        "start, save there on SIGTERM and on request; unset: no checkpoints",
+    )
+    cli.add(
+        parser,
+        "--checkpoint-every-steps",
+        env="PS_CHECKPOINT_EVERY_STEPS",
+        type=int,
+        default=0,
+        help="also save whenever the shard clock advanced this many steps; 0: off",
+    )
+    cli.add(
+        parser,
+        "--checkpoint-every-secs",
+        env="PS_CHECKPOINT_EVERY_SECS",
+        type=float,
+        default=0.0,
+        help="also save this often (seconds) when anything changed; 0: off",
+    )
+    cli.add(
+        parser,
+        "--keep-checkpoints",
+        env="PS_KEEP_CHECKPOINTS",
+        type=int,
+        default=3,
+        help="newest checkpoints kept; older ones are deleted",
+    )
     return parser
 
 
@@ -144,11 +256,16 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.token is not None and args.token_file is not None:
+            raise ValueError("give the token once: --token/PS_TOKEN or --token-file/PS_TOKEN_FILE")
         port = args.port if args.port is not None else 0
+        shard_name = args.shard_name
         if args.port is None or args.cluster is not None:
-            cluster_port = _port_from_cluster(args.cluster)
-            if args.port is None and cluster_port is not None:
-                port = cluster_port
+            task = _ps_task(args.cluster)
+            if args.port is None and task is not None:
+                port = task[1]
+            if not shard_name and task is not None:
+                shard_name = f"ps{task[0]}"
         return ServerConfig(
             host=args.host,
             port=port,
@@ -159,21 +276,40 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                 max_variables=args.max_variables,
                 max_request_bytes=args.max_request_bytes,
                 max_wait_s=args.max_wait,
+                heartbeat_timeout_s=args.heartbeat_timeout,
             ),
             grace_s=args.grace,
             log_level=args.log_level,
+            security=ServerSecurity(
+                cert=args.tls_cert,
+                key=args.tls_key,
+                ca=args.tls_ca,
+                token=read_token_file(args.token_file) if args.token_file else args.token,
+            ),
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every_steps=args.checkpoint_every_steps,
+            checkpoint_every_secs=args.checkpoint_every_secs,
+            keep_checkpoints=args.keep_checkpoints,
+            # The flag's 0 means off, as an unset PS_METRICS_PORT does.
+            metrics_port=args.metrics_port or None,
+            log_format=args.log_format,
+            shard_name=shard_name,
         )
     except ValueError as exc:
         parser.error(str(exc))
 
 
-def _port_from_cluster(source: str | None) -> int | None:
-    """This task's port when the cluster spec says it is a ps task, else None.
+def _ps_task(source: str | None) -> tuple[int, int] | None:
+    """(index, port) of this task when the cluster spec says it is a ps task, else None.
+
+    A spec without a task (one spec for every pod) takes the index from the environment
+    (``pswire.cluster.task_index_from_env``: $PS_TASK_INDEX, $JOB_COMPLETION_INDEX, or a
+    StatefulSet hostname's ordinal).
 
     Raises:
         ValueError: malformed spec, index out of range, or an address without a port.
     """
-    spec = ClusterSpec.load(source)
+    spec = ClusterSpec.load(source, role="ps")
     if spec is None:
         return None
     if spec.task_type != "ps":
@@ -188,4 +324,4 @@ def _port_from_cluster(source: str | None) -> int | None:
     _, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"ps address {address!r} in the cluster spec has no port")
-    return int(port)
+    return spec.task_index, int(port)

@@ -9,9 +9,13 @@ import tempfile
 import threading
 from pathlib import Path
 
+from psserver.checkpoint import Checkpointer, CheckpointScheduler
 from psserver.config import ServerConfig, parse_config
+from psserver.logformat import configure_logging
+from psserver.metrics import MetricsServer, ShardMetrics
 from psserver.server import start_server
 from psserver.shard import Shard
+from pswire.errors import PSError
 
 log = logging.getLogger("psserver")
 
@@ -19,9 +23,7 @@ log = logging.getLogger("psserver")
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``psserver`` / ``python -m psserver``; returns the exit code."""
     config = parse_config(argv)
-    logging.basicConfig(
-        level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(config.log_level, config.log_format)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda num, frame: stop.set())
@@ -29,25 +31,95 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(config: ServerConfig, stop: threading.Event) -> int:
-    """Runs a shard until ``stop`` is set; returns 0, or 1 when the port cannot be bound."""
+    """Runs a shard until ``stop`` is set; returns 0, or 1 when it cannot start."""
+    shard = Shard(config.limits)
     try:
-        server = start_server(Shard(config.limits), config.host, config.port, config.threads)
-    except RuntimeError as exc:
+        saver = open_checkpoints(config, shard)
+    except (OSError, RuntimeError, PSError) as exc:
+        log.error("psserver cannot use checkpoint directory %s: %s", config.checkpoint_dir, exc)
+        return 1
+    metrics = ShardMetrics(shard, config.shard_name) if config.metrics_port is not None else None
+    try:
+        server = start_server(
+            shard,
+            config.host,
+            config.port,
+            config.threads,
+            config.security,
+            checkpoint=saver.checkpoint if saver is not None else None,
+            metrics=metrics,
+        )
+    except (RuntimeError, ValueError) as exc:
         log.error("psserver could not start on %s:%d: %s", config.host, config.port, exc)
         return 1
+    exporter: MetricsServer | None = None
+    if metrics is not None and config.metrics_port is not None:
+        try:
+            exporter = metrics.serve(config.host, config.metrics_port)
+        except OSError as exc:
+            log.error("psserver could not serve metrics on port %d: %s", config.metrics_port, exc)
+            server.stop(0)
+            return 1
+        log.info("metrics at http://%s:%d/metrics", config.host, exporter.port)
     try:
-        log.info("psserver listening on %s:%d", config.host, server.port)
+        log.info(
+            "psserver listening on %s:%d (%s)",
+            config.host,
+            server.port,
+            config.security.describe(),
+        )
+        if config.security.token and not config.security.tls:
+            log.warning(
+                "the token travels in clear text: without TLS, use only on a trusted network"
+            )
         if config.port_file is not None:
             write_port_file(config.port_file, server.port)
+        if saver is not None:
+            saver.start()
         stop.wait()
         log.info("psserver stopping (grace %.1fs)", config.grace_s)
     finally:
         server.stop(config.grace_s)
+        if exporter is not None:
+            exporter.stop()
+        if saver is not None:
+            # After the server stopped: the final checkpoint holds every push it accepted.
+            saver.close()
+            saver.checkpointer.unlock()
         if config.port_file is not None:
             # A port file outliving the daemon would point launchers at a dead or reused port.
             config.port_file.unlink(missing_ok=True)
     log.info("psserver stopped")
     return 0
+
+
+def open_checkpoints(config: ServerConfig, shard: Shard) -> CheckpointScheduler | None:
+    """Claims the checkpoint directory and restores ``shard`` from it; None without one.
+
+    Raises:
+        RuntimeError: another process uses the directory.
+        OSError: the directory cannot be created or locked.
+        PSError: the newest valid checkpoint does not fit a shard.
+    """
+    if config.checkpoint_dir is None:
+        return None
+    checkpointer = Checkpointer(config.checkpoint_dir, config.keep_checkpoints)
+    checkpointer.lock()
+    saver = CheckpointScheduler(
+        shard, checkpointer, config.checkpoint_every_steps, config.checkpoint_every_secs
+    )
+    state = saver.resume()
+    if state is None:
+        log.info("no valid checkpoint in %s: starting empty", config.checkpoint_dir)
+    else:
+        log.info(
+            "restored from checkpoint in %s: shard clock %d, %d variables, mode %s",
+            config.checkpoint_dir,
+            state.updates,
+            len(state.variables),
+            state.job.mode,
+        )
+    return saver
 
 
 def write_port_file(path: Path, port: int) -> None:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 
 import grpc
 
+from psserver.metrics import ShardMetrics
 from psserver.shard import Job, Shard, VarSpec
-from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler, check_dtype, tensor_to_chunks
-from pswire.errors import InvalidRequestError
+from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler, tensor_nbytes, tensor_to_chunks
+from pswire.errors import InvalidRequestError, NotInitializedError
 from pswire.optim import optimizer_from_spec
 from pswire.proto import ps_pb2, ps_pb2_grpc
 from pswire.status import rpc_errors
@@ -26,9 +28,9 @@ def job_from_proto(spec: ps_pb2.JobSpec) -> Job:
     """
     variables = []
     for v in spec.variables:
-        check_dtype(v.dtype, v.name)
-        if any(d < 0 for d in v.shape):
-            raise InvalidRequestError(f"variable '{v.name}' has a negative dim in {tuple(v.shape)}")
+        # The same dtype and dims checks as a tensor on the wire: a job must not declare a
+        # variable that no tensor could ever match (negative or absurd dims).
+        tensor_nbytes(v.name, v.dtype, v.shape)
         variables.append(VarSpec(v.name, tuple(int(d) for d in v.shape), v.dtype, v.average))
     return Job(
         mode=spec.mode,
@@ -37,6 +39,7 @@ def job_from_proto(spec: ps_pb2.JobSpec) -> Job:
         optimizer=optimizer_from_spec(spec.optimizer.name, dict(spec.optimizer.params)),
         variables=tuple(variables),
         model_digest=spec.model_digest,
+        quorum=int(spec.quorum),
     )
 
 
@@ -51,6 +54,7 @@ def job_to_proto(job: Job) -> ps_pb2.JobSpec:
             for v in job.variables
         ],
         model_digest=job.model_digest,
+        quorum=job.quorum,
     )
 
 
@@ -84,14 +88,32 @@ def _header_then_chunks(
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     """Thin adapter from the ParameterServer service onto one ``Shard``."""
 
-    def __init__(self, shard: Shard, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(
+        self,
+        shard: Shard,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        checkpoint: Callable[[], tuple[str, int]] | None = None,
+        metrics: ShardMetrics | None = None,
+    ) -> None:
         self.shard = shard
         self.chunk_bytes = chunk_bytes
+        self.save_checkpoint = checkpoint
+        self.metrics = metrics
+        shard.checkpointing = checkpoint is not None
+
+    def _waiting(self, rpc: str) -> AbstractContextManager[None]:
+        return self.metrics.waiting(rpc) if self.metrics is not None else nullcontext()
 
     @rpc_errors
     def RegisterWorker(self, request, context):
-        clock, initialized = self.shard.register_worker(request.worker_id, request.num_workers)
-        return ps_pb2.RegisterWorkerResponse(clock=clock, initialized=initialized)
+        reg = self.shard.register_worker(request.worker_id, request.num_workers)
+        return ps_pb2.RegisterWorkerResponse(
+            clock=reg.clock,
+            initialized=reg.initialized,
+            incarnation=self.shard.incarnation,
+            durable_step=reg.durable_step,
+            checkpointing=self.shard.checkpointing,
+        )
 
     @rpc_errors
     def Heartbeat(self, request, context):
@@ -102,18 +124,23 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         assembler = ChunkAssembler(self.shard.limits.max_request_bytes)
         header = _header_then_chunks(request_iterator, "header", assembler, "Init")
         assert isinstance(header, ps_pb2.InitHeader)
-        values = assembler.finish() if header.has_values else None
+        values: dict | None = assembler.finish()
         if values and not header.has_values:
             raise InvalidRequestError("Init carries values but its header says has_values=false")
+        if not header.has_values:
+            values = None
         job = job_from_proto(header.job)
         accepted = self.shard.init(header.worker_id, job, values)
         return ps_pb2.InitResponse(values_accepted=accepted)
 
     @rpc_errors
     def Pull(self, request, context):
-        arrays, clock = self.shard.pull(
-            request.worker_id, request.step, list(request.names), timeout=_timeout(context)
-        )
+        with self._waiting("Pull"):
+            arrays, clock = self.shard.pull(
+                request.worker_id, request.step, list(request.names), timeout=_timeout(context)
+            )
+        if self.metrics is not None:
+            self.metrics.count_pull(arrays)
         for key, array in arrays.items():
             for chunk in tensor_to_chunks(key, array, self.chunk_bytes):
                 yield ps_pb2.PullResponse(chunk=chunk, clock=clock)
@@ -124,8 +151,19 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         header = _header_then_chunks(request_iterator, "header", assembler, "Push")
         assert isinstance(header, ps_pb2.PushHeader)
         grads = assembler.finish()
-        result = self.shard.push(header.worker_id, header.step, grads, timeout=_timeout(context))
-        return ps_pb2.PushResponse(applied=result.applied, reason=result.reason, clock=result.clock)
+        if self.metrics is not None:
+            self.metrics.count_push(grads)
+        with self._waiting("Push"):
+            result = self.shard.push(
+                header.worker_id, header.step, grads, timeout=_timeout(context)
+            )
+        return ps_pb2.PushResponse(
+            applied=result.applied,
+            reason=result.reason,
+            clock=result.clock,
+            incarnation=self.shard.incarnation,
+            durable_step=result.durable_step,
+        )
 
     @rpc_errors
     def Status(self, request, context):
@@ -136,9 +174,23 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             total_bytes=st.total_bytes,
             pushes_applied=st.pushes_applied,
             pushes_duplicate=st.pushes_duplicate,
+            pushes_late=st.pushes_late,
+            live_workers=sorted(st.live),
+            incarnation=self.shard.incarnation,
+            checkpoint_step=st.checkpoint_step,
+            checkpoint_age_s=st.checkpoint_age_s,
         )
         if st.job is not None:
             reply.job.CopyFrom(job_to_proto(st.job))
         for worker, (clock, age) in st.workers.items():
             reply.workers.add(worker_id=worker, clock=clock, seconds_since_heartbeat=age)
         return reply
+
+    @rpc_errors
+    def Checkpoint(self, request, context):
+        if self.save_checkpoint is None:
+            raise NotInitializedError(
+                "this shard has no checkpoint directory (start psserver with --checkpoint-dir)"
+            )
+        path, step = self.save_checkpoint()
+        return ps_pb2.CheckpointResponse(path=path, step=step)

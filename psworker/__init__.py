@@ -7,6 +7,7 @@ from pswire.errors import (
     PSError,
     ShapeMismatchError,
     TooLargeError,
+    UnauthenticatedError,
     UnavailableError,
     UnknownVariableError,
     WaitTimeoutError,
@@ -29,9 +30,19 @@ __all__ = [
     "PSError",
     "ShapeMismatchError",
     "TooLargeError",
+    "UnauthenticatedError",
     "UnavailableError",
     "UnknownVariableError",
     "WaitTimeoutError",
     "connect",
     "shard",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # psworker.DistributedOptimizer without importing torch for numpy-only users.
+    if name == "DistributedOptimizer":
+        from psworker.torch import DistributedOptimizer
+
+        return DistributedOptimizer
+    raise AttributeError(f"module 'psworker' has no attribute {name!r}")

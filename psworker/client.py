@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -10,26 +12,32 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from pswire.channel import insecure_channel
 from pswire.cluster import ClusterSpec
 from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler, tensor_to_chunks
 from pswire.errors import InvalidRequestError, NotInitializedError, PSError
 from pswire.optim import Optimizer
 from pswire.partition import DEFAULT_SPLIT_BYTES, ShardMap, VarInfo, plan
 from pswire.proto import ps_pb2, ps_pb2_grpc
+from pswire.security import ClientSecurity
 from pswire.status import from_rpc_error
+from psworker.allreduce import AllReduceClient
+from psworker.link import ShardLink, push_stream
 from psworker.local import LocalClient
 
 T = TypeVar("T")
 MODES = ("sync", "async", "ssp")
 DEFAULT_TIMEOUT_S = 120.0
+# Well inside the shards' default 30 s heartbeat timeout, cheap enough to never matter.
+DEFAULT_HEARTBEAT_S = 2.0
+log = logging.getLogger(__name__)
 
 
 class PSClient:
     """A worker's connection to the parameter-server shards of one job.
 
     Every call fans out to all shards in parallel and has a deadline (``timeout`` seconds);
-    a failure raises a ``PSError`` subclass whose ``.code`` is the gRPC status.
+    a failure raises a ``PSError`` subclass whose ``.code`` is the gRPC status. ``security``
+    (TLS files, token) applies to every shard; None means plaintext without a token.
     """
 
     def __init__(
@@ -42,6 +50,11 @@ class PSClient:
         timeout: float = DEFAULT_TIMEOUT_S,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         split_bytes: int = DEFAULT_SPLIT_BYTES,
+        security: ClientSecurity | None = None,
+        quorum: int = 0,
+        retry_s: float | None = None,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = (),
     ) -> None:
         if not addresses:
             raise ValueError("connect needs at least one shard address")
@@ -61,9 +74,27 @@ class PSClient:
         self.split_bytes = split_bytes
         self.step = 0
         self.shard_map: ShardMap | None = None
-        self._channels = [insecure_channel(a) for a in self.addresses]
-        self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
+        self.quorum = quorum
+        self.heartbeat_s = heartbeat_s
+        self.security = security or ClientSecurity()
+        self._channels = [self.security.channel(a) for a in self.addresses]
+        channels = [grpc.intercept_channel(c, *interceptors) for c in self._channels]
+        self.links = [
+            ShardLink(
+                i,
+                a,
+                channel,
+                worker_id,
+                num_workers,
+                timeout,
+                timeout if retry_s is None else retry_s,
+                chunk_bytes,
+            )
+            for i, (a, channel) in enumerate(zip(self.addresses, channels, strict=True))
+        ]
         self._pool = ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="ps")
+        self._stop = threading.Event()
+        self._beater: threading.Thread | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -74,7 +105,10 @@ class PSClient:
         self.close()
 
     def close(self) -> None:
-        """Closes the channels; the client is unusable afterwards."""
+        """Stops heartbeats and closes the channels; the client is unusable afterwards."""
+        self._stop.set()
+        if self._beater is not None:
+            self._beater.join(timeout=2.0)
         self._pool.shutdown(wait=False, cancel_futures=True)
         for channel in self._channels:
             channel.close()
@@ -110,17 +144,9 @@ class PSClient:
         averaged = set(buffers)
 
         def register(shard: int) -> int:
-            reply = self._call(
-                shard,
-                "RegisterWorker",
-                lambda stub: stub.RegisterWorker(
-                    ps_pb2.RegisterWorkerRequest(
-                        worker_id=self.worker_id, num_workers=self.num_workers
-                    ),
-                    timeout=self.timeout,
-                    wait_for_ready=True,
-                ),
-            )
+            link = self.links[shard]
+            reply = link.call("RegisterWorker", lambda _: link.register())
+            link.incarnation = reply.incarnation
             return int(reply.clock)
 
         def init_one(shard: int) -> None:
@@ -136,6 +162,7 @@ class PSClient:
                     for p in shard_map.on_shard(shard)
                 ],
                 model_digest=shard_map.digest(),
+                quorum=self.quorum,
             )
             header = ps_pb2.InitHeader(worker_id=self.worker_id, job=job, has_values=send_values)
 
@@ -152,6 +179,11 @@ class PSClient:
         self._fan_out(init_one)
         self.shard_map = shard_map
         self.step = min(clocks)
+        if self.heartbeat_s > 0 and self._beater is None:
+            self._beater = threading.Thread(
+                target=self._heartbeats, name=f"ps-heartbeat-{self.worker_id}", daemon=True
+            )
+            self._beater.start()
 
     def pull(self, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Fresh weights, once the job's consistency rule lets this worker read.
@@ -209,28 +241,32 @@ class PSClient:
         arrays = {name: np.asarray(g) for name, g in grads.items()}
         pieces = shard_map.split(arrays)
 
-        def push_one(shard: int) -> bool:
+        def push_one(shard: int) -> ps_pb2.PushResponse | None:
             if not pieces[shard]:
-                return True
-            header = ps_pb2.PushHeader(worker_id=self.worker_id, step=step)
-
-            def stream() -> Iterator[ps_pb2.PushRequest]:
-                yield ps_pb2.PushRequest(header=header)
-                for key, array in pieces[shard].items():
-                    for chunk in tensor_to_chunks(key, array, self.chunk_bytes):
-                        yield ps_pb2.PushRequest(chunk=chunk)
-
-            reply = self._call(
-                shard, "Push", lambda stub: stub.Push(stream(), timeout=self.timeout)
+                return None
+            link = self.links[shard]
+            link.note_push(step, pieces[shard])
+            reply = link.call(
+                "Push",
+                lambda stub: stub.Push(
+                    push_stream(self.worker_id, step, pieces[shard], self.chunk_bytes),
+                    timeout=self.timeout,
+                ),
             )
-            return bool(reply.applied)
+            link.note_reply(reply.incarnation, reply.durable_step)
+            return reply
 
-        applied = all(self._fan_out(push_one))
+        replies = [r for r in self._fan_out(push_one) if r is not None]
         self.step = max(self.step, step + 1)
-        return applied
+        late = [r.clock for r in replies if r.reason == "late"]
+        if late and self.mode == "sync":
+            # A backup-worker step closed without us: move on to the step the shards are in.
+            self.step = max(self.step, min(late))
+        return all(r.applied for r in replies)
 
     def heartbeat(self) -> None:
-        """Tells every shard this worker is alive."""
+        """Tells every shard this worker is alive (a background thread does this every
+        ``heartbeat_s`` seconds after ``init``)."""
         request = ps_pb2.HeartbeatRequest(worker_id=self.worker_id)
         self._fan_out(
             lambda s: self._call(
@@ -238,9 +274,18 @@ class PSClient:
             )
         )
 
+    def _heartbeats(self) -> None:
+        request = ps_pb2.HeartbeatRequest(worker_id=self.worker_id)
+        while not self._stop.wait(self.heartbeat_s):
+            for link in self.links:
+                try:
+                    link.stub.Heartbeat(request, timeout=max(1.0, self.heartbeat_s))
+                except grpc.RpcError as exc:  # the training calls report and recover
+                    log.debug("heartbeat to shard %d failed: %s", link.index, exc.code())
+
     def status(self) -> list[ps_pb2.StatusResponse]:
         """Each shard's status, in address order."""
-        return status(self.addresses, self.timeout)
+        return status(self.addresses, self.timeout, self.security)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -257,10 +302,7 @@ class PSClient:
         return UnknownVariableError(f"variable '{name}' is not in the model; known: {known[:20]}")
 
     def _call(self, shard: int, rpc: str, fn: Callable[[Any], T]) -> T:
-        try:
-            return fn(self._stubs[shard])
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, f"{rpc} on shard {shard} ({self.addresses[shard]})") from None
+        return self.links[shard].call(rpc, fn)
 
     def _fan_out(self, fn: Callable[[int], T]) -> list[T]:
         if len(self.addresses) == 1:
@@ -269,21 +311,49 @@ class PSClient:
         return [f.result() for f in futures]
 
 
-def status(addresses: Sequence[str], timeout: float = 10.0) -> list[ps_pb2.StatusResponse]:
+def status(
+    addresses: Sequence[str], timeout: float = 10.0, security: ClientSecurity | None = None
+) -> list[ps_pb2.StatusResponse]:
     """Status of each shard at ``addresses``.
+
+    ``security`` defaults to the ``$PS_TLS_*`` / ``$PS_TOKEN`` settings, as ``connect`` does.
 
     Raises:
         PSError: a shard did not answer within ``timeout``.
+        ValueError: bad TLS or token settings.
     """
+    security = security or ClientSecurity.from_env()
     out = []
     for i, address in enumerate(addresses):
-        with insecure_channel(address) as channel:
+        with security.channel(address) as channel:
             stub = ps_pb2_grpc.ParameterServerStub(channel)
             try:
                 out.append(stub.Status(ps_pb2.StatusRequest(), timeout=timeout))
             except grpc.RpcError as exc:
                 raise from_rpc_error(exc, f"Status on shard {i} ({address})") from None
     return out
+
+
+def _connect_ring(
+    peers: Sequence[str] | None, worker_id: int | None, cluster: str | None, options: dict
+) -> AllReduceClient:
+    """The all-reduce client: peers are the cluster's workers (``addresses`` if given)."""
+    if peers is None:
+        spec = ClusterSpec.load(cluster, role="worker")
+        if spec is None or not spec.workers:
+            raise ValueError(
+                "mode 'allreduce' needs the workers' ring addresses: addresses=..., "
+                "cluster=..., or $TF_CONFIG with cluster.worker"
+            )
+        peers = spec.workers
+        worker_id = spec.task_index if worker_id is None else worker_id
+    allowed = {"timeout", "bucket_bytes", "compression", "server"}
+    unknown = set(options) - allowed
+    if unknown:
+        raise ValueError(f"options {sorted(unknown)} do not apply to mode 'allreduce'")
+    if "compression" not in options and os.environ.get("PS_COMPRESSION"):
+        options["compression"] = os.environ["PS_COMPRESSION"]
+    return AllReduceClient(0 if worker_id is None else worker_id, peers, **options)
 
 
 def connect(
@@ -294,15 +364,25 @@ def connect(
     mode: str | None = None,
     staleness: int | None = None,
     cluster: str | None = None,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    token: str | None = None,
     **options: Any,
-) -> PSClient | LocalClient:
-    """Connects a worker to the job's shards, or returns an in-process client.
+) -> PSClient | LocalClient | AllReduceClient:
+    """Connects a worker to the job's shards, or returns an in-process or ring client.
 
     With no ``addresses``, the cluster comes from ``cluster`` (TF_CONFIG JSON or a file path)
     or the ``TF_CONFIG`` environment variable: shards from ``cluster.ps``, this worker's id from
     ``task.index``, the worker count from ``cluster.worker``. ``mode`` and ``staleness`` default
     to ``$PS_MODE`` / ``$PS_STALENESS``, else ``sync`` / 0. ``mode="local"``, or no mode and no
     cluster at all, gives a ``LocalClient``: the same script then trains in one process.
+    ``mode="allreduce"`` gives an ``AllReduceClient``: no shards; ``addresses`` (or the
+    cluster's ``worker`` list) are the workers' own ring addresses, this one at ``worker_id``.
+
+    ``tls_ca`` (verify the shards; TLS on), ``tls_cert``/``tls_key`` (this worker's certificate,
+    for shards that demand mutual TLS) and ``token`` default to ``$PS_TLS_CA``,
+    ``$PS_TLS_CERT``, ``$PS_TLS_KEY`` and ``$PS_TOKEN`` (or the file ``$PS_TOKEN_FILE``).
 
     Raises:
         ValueError: a parameter-server mode with no cluster, or inconsistent arguments.
@@ -310,8 +390,10 @@ def connect(
     mode = mode or os.environ.get("PS_MODE") or None
     if mode == "local":
         return LocalClient()
+    if mode == "allreduce":
+        return _connect_ring(addresses, worker_id, cluster, options)
     if addresses is None:
-        spec = ClusterSpec.load(cluster)
+        spec = ClusterSpec.load(cluster, role="worker")
         if spec is None:
             if mode is None:
                 return LocalClient()
@@ -332,5 +414,6 @@ def connect(
         num_workers=1 if num_workers is None else num_workers,
         mode=mode or "sync",
         staleness=staleness,
+        security=ClientSecurity.from_env(tls_ca, tls_cert, tls_key, token),
         **options,
     )

@@ -1,95 +1,168 @@
-"""The built-in demo worker: numpy softmax regression trained through the parameter servers."""
+"""The built-in demo worker: a small CNN learns scikit-learn's handwritten digits via the SDK."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import psworker
+from psworker import demo_results
+from psworker.progress import Reporter
+from psworker.torch import DistributedOptimizer
 
-SAMPLES, FEATURES, CLASSES, HELD_OUT = 4000, 20, 3, 800
-
-
-def make_dataset(seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """The same labelled points on every worker: labels from a random linear teacher."""
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((SAMPLES, FEATURES)).astype(np.float32)
-    teacher = rng.standard_normal((FEATURES, CLASSES)).astype(np.float32)
-    # A little noise on the teacher's scores keeps the classes from being perfectly separable.
-    y = np.argmax(x @ teacher + 0.1 * rng.standard_normal((SAMPLES, CLASSES)), axis=1)
-    return x, y
+DEFAULT_OUT = "out/demo"
+DEFAULT_EPOCHS = 8
+BATCH_SIZE = 32
+HELD_OUT_FRACTION = 0.2
 
 
-def loss_and_grads(
-    weights: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray
-) -> tuple[float, dict[str, np.ndarray]]:
-    """Mean cross-entropy of softmax(x @ w + b) and its gradients."""
-    logits = x @ weights["w"] + weights["b"]
-    logits -= logits.max(axis=1, keepdims=True)
-    p = np.exp(logits)
-    p /= p.sum(axis=1, keepdims=True)
-    rows = np.arange(len(y))
-    loss = float(-np.log(p[rows, y] + 1e-12).mean())
-    p[rows, y] -= 1.0
-    p /= len(y)
-    return loss, {"w": (x.T @ p).astype(np.float32), "b": p.sum(axis=0).astype(np.float32)}
+class DigitsCNN(nn.Module):
+    """Three 3x3 conv layers and a linear classifier for 1x8x8 images (~15k parameters)."""
+
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),  # 8x8 -> 4x4
+            nn.Conv2d(32, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),  # 4x4 -> 2x2
+        )
+        self.classifier = nn.Linear(32 * 2 * 2, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x).flatten(1))
 
 
-def accuracy(weights: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> float:
-    return float(np.mean(np.argmax(x @ weights["w"] + weights["b"], axis=1) == y))
+def load_data(seed: int) -> tuple[TensorDataset, TensorDataset]:
+    """The digits (1797 8x8 images shipped inside scikit-learn) as (train, held-out).
+
+    The split is stratified by class and fixed by ``seed``, so every worker builds the same
+    sets; pixels are standardised with the training set's mean and standard deviation.
+    """
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    images = digits.images.astype(np.float32)[:, None]  # (N, 1, 8, 8), values 0..16
+    labels = digits.target.astype(np.int64)
+    x_train, x_test, y_train, y_test = train_test_split(
+        images, labels, test_size=HELD_OUT_FRACTION, stratify=labels, random_state=seed
+    )
+    mean, std = float(x_train.mean()), float(x_train.std())
+
+    def dataset(x: np.ndarray, y: np.ndarray) -> TensorDataset:
+        return TensorDataset(torch.from_numpy((x - mean) / std), torch.from_numpy(y))
+
+    return dataset(x_train, y_train), dataset(x_test, y_test)
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, data: TensorDataset) -> float:
+    """Fraction of ``data`` that ``model`` classifies correctly."""
+    model.eval()
+    x, y = data.tensors
+    correct = (model(x).argmax(dim=1) == y).sum().item()
+    model.train()
+    return correct / len(y)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m psworker.demo",
+        description="Train the digits CNN as one worker of the job in $TF_CONFIG/$PS_MODE "
+        "(run it with `psctl demo`; alone it trains in mode local).",
+    )
+    parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS, help="passes over the data")
+    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="samples per step")
+    parser.add_argument("--lr", type=float, default=0.02, help="SGD learning rate")
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    parser.add_argument("--seed", type=int, default=0, help="split, init and shuffle seed")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="output folder [default %(default)s]")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Trains this worker's slice; worker 0 reports held-out accuracy. Returns 0."""
-    parser = argparse.ArgumentParser(prog="python -m psworker.demo", description=__doc__)
-    parser.add_argument("--steps", type=int, default=100, help="steps per worker")
-    parser.add_argument("--batch-size", type=int, default=32, help="samples per worker step")
-    parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate")
-    parser.add_argument("--seed", type=int, default=0, help="dataset seed (same on all workers)")
-    parser.add_argument("--log-every", type=int, default=20, help="steps between loss lines")
+    """Trains this worker's shard of the digits; worker 0 evaluates and saves. Returns 0."""
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.epochs < 1 or args.batch_size < 1:
+        parser.error("--epochs and --batch-size must be >= 1")
+    # Workers share the machine's cores; one intra-op thread each avoids oversubscription.
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    train, held_out = load_data(args.seed)
+    loader = DataLoader(train, batch_size=args.batch_size)
+    model = DigitsCNN()
+    loss_fn = nn.CrossEntropyLoss()
 
-    x, y = make_dataset(args.seed)
-    x_train, y_train = x[:-HELD_OUT], y[:-HELD_OUT]
-    x_test, y_test = x[-HELD_OUT:], y[-HELD_OUT:]
-    with psworker.connect() as client:  # cluster, mode and staleness from the environment
+    with psworker.connect() as client:  # cluster and mode from $TF_CONFIG / $PS_MODE
+        opt = DistributedOptimizer(model, client, psworker.SGD(lr=args.lr, momentum=args.momentum))
+        batches = psworker.shard(loader, client, seed=args.seed)
         wid, n = client.worker_id, client.num_workers
-        mine = np.array_split(np.arange(len(x_train)), n)[wid]
-        rng = np.random.default_rng(args.seed + 1 + wid)
-        initial = {
-            "w": np.zeros((FEATURES, CLASSES), np.float32),
-            "b": np.zeros(CLASSES, np.float32),
-        }
-        client.init(initial, psworker.SGD(lr=args.lr, momentum=0.9))
+        total = args.epochs * len(batches)
+        shards = len(client.addresses)
         print(
-            f"worker {wid}/{n}: mode {client.mode}, {len(mine)} of {len(x_train)} training "
-            f"samples, {len(client.addresses)} shards",
+            f"worker {wid}/{n}: mode {client.mode}, {len(batches)} batches of "
+            f"{args.batch_size} per epoch, {args.epochs} epochs, "
+            + (f"{shards} shards" if shards else "no shards (one process)"),
             flush=True,
         )
+        progress = Reporter(wid, total)
+        losses: list[float] = []
+        samples = 0
         start = time.perf_counter()
-        for step in range(args.steps):
-            batch = rng.choice(mine, size=args.batch_size, replace=False)
-            weights = client.pull()
-            loss, grads = loss_and_grads(weights, x_train[batch], y_train[batch])
-            client.push(grads)
-            if step % args.log_every == 0 or step == args.steps - 1:
-                print(f"worker {wid} step {step} loss {loss:.4f}", flush=True)
+        for _ in range(args.epochs):
+            for x, y in batches:
+                opt.zero_grad()
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+                samples += len(y)
+                progress.update(len(losses), losses[-1], samples)
         wall = time.perf_counter() - start
-        samples = args.steps * args.batch_size
-        print(
-            f"worker {wid} done: {samples} samples in {wall:.2f}s, {samples / wall:.0f} samples/s",
-            flush=True,
-        )
-        if wid == 0:
-            final = client.pull()
-            acc = accuracy(final, x_test, y_test)
-            print(
-                f"held-out accuracy {acc:.4f} on {len(y_test)} samples; wall time {wall:.2f}s; "
-                f"~{n * samples / wall:.0f} samples/s over {n} workers",
-                flush=True,
-            )
+
+    demo_results.write_losses(out, wid, client.mode, losses)
+    print(f"worker {wid} done: {samples} samples in {wall:.2f}s", flush=True)
+    if wid != 0:
+        return 0
+    acc = accuracy(model, held_out)
+    # shard() gives every worker the same number of samples, so the job saw n times ours.
+    job_samples = n * samples
+    torch.save(model.state_dict(), out / demo_results.MODEL_FILE)
+    metrics = {
+        "accuracy": acc,
+        "held_out": len(held_out),
+        "wall_s": wall,
+        "samples": job_samples,
+        "samples_per_s": job_samples / wall,
+        "workers": n,
+        "mode": client.mode,
+        "epochs": args.epochs,
+        "steps_per_worker": len(losses),
+    }
+    (out / demo_results.METRICS_FILE).write_text(json.dumps(metrics, indent=2) + "\n")
+    print(
+        f"held-out accuracy {acc:.4f} on {len(held_out)} samples; wall time {wall:.2f}s; "
+        f"{job_samples / wall:.0f} samples/s over {n} workers",
+        flush=True,
+    )
+    if n == 1:
+        # Alone, this worker's history is the whole job's; with more, psctl plots after all end.
+        demo_results.plot_losses(out, workers=1)
     return 0
 
 

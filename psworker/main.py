@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import runpy
 import sys
@@ -68,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
 def export_job(cluster: str | None, mode: str | None, staleness: int | None) -> ClusterSpec:
     """Puts the job into the environment ``psworker.connect()`` reads; returns the cluster.
 
+    A spec without a task (Kubernetes: one spec for every pod) names this worker by
+    ``pswire.cluster.task_index_from_env`` ($PS_TASK_INDEX, $JOB_COMPLETION_INDEX); the
+    exported TF_CONFIG then carries that task.
+
     Raises:
         ValueError: no cluster anywhere, a malformed one, or one naming a non-worker task.
     """
@@ -77,7 +82,7 @@ def export_job(cluster: str | None, mode: str | None, staleness: int | None) -> 
         if not path.is_file():
             raise ValueError(f"--cluster {text!r} is neither JSON nor a readable file")
         text = path.read_text()
-    spec = ClusterSpec.load(text)
+    spec = ClusterSpec.load(text, role="worker")
     if spec is None:
         raise ValueError("no cluster: pass --cluster (or $PS_CLUSTER) or set $TF_CONFIG")
     if spec.task_type != "worker":
@@ -89,6 +94,9 @@ def export_job(cluster: str | None, mode: str | None, staleness: int | None) -> 
     if text is not None:
         # The JSON itself, not a path: TF-style code in the entry point reads it as JSON.
         os.environ["TF_CONFIG"] = text
+    if not json.loads(text if text is not None else _tf_config_text()).get("task"):
+        # The index came from the environment; the entry point must see the same task.
+        os.environ["TF_CONFIG"] = spec.to_json()
     os.environ["PS_WORKER_ID"] = str(spec.task_index)
     os.environ["PS_NUM_WORKERS"] = str(len(spec.workers) or 1)
     if mode is not None:
@@ -96,6 +104,12 @@ def export_job(cluster: str | None, mode: str | None, staleness: int | None) -> 
     if staleness is not None:
         os.environ["PS_STALENESS"] = str(staleness)
     return spec
+
+
+def _tf_config_text() -> str:
+    """$TF_CONFIG's JSON (it may name a file instead), for checking what it says."""
+    text = os.environ.get("TF_CONFIG", "").strip()
+    return text if text.startswith("{") else Path(text).read_text()
 
 
 def run_target(target: str, args: list[str]) -> int:

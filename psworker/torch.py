@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from pswire.optim import Optimizer
+from psworker.allreduce import AllReduceClient
 from psworker.client import PSClient
 from psworker.local import LocalClient
 
@@ -80,7 +81,10 @@ class DistributedOptimizer:
     """
 
     def __init__(
-        self, model: torch.nn.Module, client: PSClient | LocalClient, optimizer: Optimizer
+        self,
+        model: torch.nn.Module,
+        client: PSClient | LocalClient | AllReduceClient,
+        optimizer: Optimizer,
     ) -> None:
         self.model = model
         self.client = client

@@ -87,16 +87,21 @@ class Processes:
         self.adopted: list[tuple[int, str]] = []
 
     def start(
-        self, args: Sequence[str], env: dict[str, str] | None = None, cwd: Path | None = None
+        self,
+        args: Sequence[str],
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        stderr: int = subprocess.STDOUT,
     ) -> subprocess.Popen[str]:
-        """Launches ``args`` with stdout and stderr merged into one text pipe."""
+        """Launches ``args`` with stdout in a text pipe and stderr merged into it (or to the
+        file descriptor ``stderr``)."""
         proc = subprocess.Popen(
             list(args),
             env=child_env() if env is None else env,
             cwd=cwd,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stderr=stderr,
             text=True,
         )
         self.started.append(proc)

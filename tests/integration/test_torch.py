@@ -170,3 +170,68 @@ def test_cuda_parameters_train_through_reused_pinned_buffers():
         cpu_model.state_dict().items(), gpu_model.state_dict().values(), strict=True
     ):
         assert torch.allclose(a, b.cpu(), atol=1e-4), name
+
+
+def allreduce_train(optimizer, compression=None) -> dict[int, torch.nn.Module]:
+    from psworker.peer import RingServer
+
+    x, y = data(STEPS * 2 * BATCH)
+    servers = [RingServer("127.0.0.1:0") for _ in range(2)]
+    peers = [s.address for s in servers]
+    models = {0: make_model(0), 1: make_model(99)}  # rank 0's weights must win
+
+    def worker(i: int):
+        def run():
+            with psworker.connect(
+                peers,
+                worker_id=i,
+                mode="allreduce",
+                server=servers[i],
+                timeout=20,
+                compression=compression,
+            ) as client:
+                opt = DistributedOptimizer(models[i], client, optimizer)
+                lo = lambda t: 2 * BATCH * t + i * BATCH  # noqa: E731
+                train(opt, x, y, STEPS, lo, lambda t: lo(t) + BATCH)
+
+        return run
+
+    run_threads([worker(0), worker(1)])
+    return models
+
+
+def local_reference(optimizer) -> torch.nn.Module:
+    x, y = data(STEPS * 2 * BATCH)
+    model = make_model(0)
+    with psworker.connect(mode="local") as local:
+        opt = DistributedOptimizer(model, local, optimizer)
+        train(opt, x, y, STEPS, lambda t: 2 * BATCH * t, lambda t: 2 * BATCH * (t + 1))
+    return model
+
+
+@pytest.mark.parametrize(
+    "optimizer", [psworker.SGD(lr=0.1, momentum=0.9), psworker.Adam(lr=0.01)], ids=["sgd", "adam"]
+)
+def test_allreduce_two_workers_equal_local_with_the_combined_batch(optimizer):
+    models = allreduce_train(optimizer)
+    reference = local_reference(optimizer).state_dict()
+    for i, model in models.items():
+        for name, value in model.state_dict().items():
+            diff = (value - reference[name]).abs().max().item()
+            assert diff < 1e-5, f"rank {i} {name}: max abs diff {diff}"
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b), "replicas diverged"
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_allreduce_with_16_bit_gradients_stays_close_to_full_precision(compression):
+    optimizer = psworker.SGD(lr=0.1, momentum=0.9)
+    models = allreduce_train(optimizer, compression)
+    reference = local_reference(optimizer).state_dict()
+    worst = max(
+        (value - reference[name]).abs().max().item()
+        for name, value in models[0].state_dict().items()
+    )
+    assert 0 < worst < 0.05, worst  # not bit-equal (16-bit wire) but close after 30 steps
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b), "replicas diverged"

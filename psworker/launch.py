@@ -1,0 +1,401 @@
+"""The local-cluster launcher behind ``psctl``: start shards and workers, stream, stop them."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pswire.security import ClientSecurity
+from psworker.client import MODES
+
+# "local" runs the one worker with no shards: the same script, the reference mode.
+# "allreduce" runs no shards either: the workers form a ring at their TF_CONFIG addresses.
+SHARDLESS_MODES = ("local", "allreduce")
+LAUNCH_MODES = tuple(dict.fromkeys((*MODES, *SHARDLESS_MODES)))
+DEFAULT_TIMEOUT_S = 3600.0
+DEFAULT_START_TIMEOUT_S = 60.0
+DEFAULT_GRACE_S = 5.0
+# Exit codes beside the workers' own: the shell's for "timed out" and for death by a signal.
+EXIT_TIMEOUT = 124
+EXIT_SIGNAL_BASE = 128
+_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    """One ``psctl local`` run: what to launch, how many of each, and every time limit."""
+
+    command: tuple[str, ...]
+    servers: int = 1
+    workers: int = 1
+    mode: str = "sync"
+    staleness: int = 0
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    start_timeout_s: float = DEFAULT_START_TIMEOUT_S
+    grace_s: float = DEFAULT_GRACE_S
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.command:
+            problems.append("give the worker command after --")
+        if self.servers < 1 and self.mode not in SHARDLESS_MODES:
+            problems.append(f"--servers must be >= 1, got {self.servers}")
+        if self.workers < 1:
+            problems.append(f"--workers must be >= 1, got {self.workers}")
+        if self.mode == "local" and self.workers != 1:
+            problems.append(f"--mode local runs one worker process, got --workers {self.workers}")
+        if self.mode not in LAUNCH_MODES:
+            problems.append(f"--mode must be one of {LAUNCH_MODES}, got {self.mode!r}")
+        if self.staleness < 0:
+            problems.append(f"--staleness must be >= 0, got {self.staleness}")
+        for name, value in (
+            ("--timeout", self.timeout_s),
+            ("--start-timeout", self.start_timeout_s),
+        ):
+            if not value > 0:
+                problems.append(f"{name} must be > 0 seconds, got {value}")
+        if not self.grace_s >= 0:
+            problems.append(f"--grace must be >= 0 seconds, got {self.grace_s}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+class PrefixedOutput:
+    """Where a run's output goes: each line under its process's ``[name]`` prefix (``[psctl]``
+    for the launcher's own), whole lines only, though children's readers write at once.
+
+    Subclasses may render lines differently (``psworker.progress.ProgressOutput``).
+    """
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self._stream = stream if stream is not None else sys.stdout
+        self.lock = threading.Lock()
+
+    def line(self, name: str, text: str) -> None:
+        with self.lock:
+            self.write(f"[{name}] {text}")
+
+    def say(self, message: str) -> None:
+        self.line("psctl", message)
+
+    def close(self) -> None:
+        """Called once every child's output has been read; nothing to release here."""
+
+    def write(self, text: str) -> None:
+        """Writes one line; the caller holds ``lock``."""
+        self._stream.write(text + "\n")
+        self._stream.flush()
+
+
+class _Stop(Exception):
+    """Ends a local run early with an exit code; the message says why."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Child:
+    """One launched process, its output pumped line by line to the run's output."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: dict[str, str],
+        output: PrefixedOutput,
+        exits: queue.Queue[tuple[_Child, int]],
+    ) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            list(argv),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        self._output, self._exits = output, exits
+        self._reader = threading.Thread(target=self._pump, name=f"out-{name}", daemon=True)
+        self._waiter = threading.Thread(target=self._wait, name=f"wait-{name}", daemon=True)
+        self._reader.start()
+        self._waiter.start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in iter(self.proc.stdout.readline, b""):
+            self._output.line(self.name, raw.decode(errors="replace").rstrip("\r\n"))
+        self.proc.stdout.close()
+
+    def _wait(self) -> None:
+        self._exits.put((self, self.proc.wait()))
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def finish_output(self, timeout: float) -> None:
+        """Waits for the rest of the output (bounded: a grandchild may hold the pipe open)."""
+        self._reader.join(timeout)
+
+
+class LocalCluster:
+    """``N`` psserver daemons and ``M`` copies of a worker command on this machine.
+
+    Like torchrun: the first worker to fail stops everything and its exit code is the result;
+    when every worker succeeds the servers get SIGTERM and a grace period. Every wait has a
+    deadline, and only processes started here are signalled, each by its PID.
+    """
+
+    def __init__(
+        self, config: LocalConfig, out: TextIO | None = None, output: PrefixedOutput | None = None
+    ) -> None:
+        self.config = config
+        self._output: PrefixedOutput = output if output is not None else PrefixedOutput(out)
+        self._exits: queue.Queue[tuple[_Child, int]] = queue.Queue()
+        self._servers: list[_Child] = []
+        self._workers: list[_Child] = []
+        self._signal: int | None = None
+
+    def request_stop(self, signum: int) -> None:
+        """Asks a running ``run`` to stop everything; safe to call from a signal handler."""
+        # A plain assignment: a handler must not take locks the interrupted code may hold.
+        self._signal = signum
+
+    def run(self) -> int:
+        """Launches the cluster, waits for the workers, stops everything; returns the exit code."""
+        deadline = time.monotonic() + self.config.timeout_s
+        with tempfile.TemporaryDirectory(prefix="psctl-") as tmp:
+            try:
+                addresses = self._start_servers(Path(tmp), deadline)
+                self._start_workers(addresses)
+                code = self._supervise(deadline)
+            except _Stop as stop:
+                self.say(str(stop))
+                code = stop.code
+            finally:
+                self._stop_all()
+                self._output.close()
+        self.say(f"exit code {code}")
+        return code
+
+    def say(self, message: str) -> None:
+        self._output.say(message)
+
+    # -- start ------------------------------------------------------------------------------
+
+    def _start_servers(self, folder: Path, deadline: float) -> list[str]:
+        cfg = self.config
+        start_deadline = min(deadline, time.monotonic() + cfg.start_timeout_s)
+        env = _child_env()
+        # Servers get their port from the flags; a TF_CONFIG meant for workers is not theirs.
+        env.pop("TF_CONFIG", None)
+        # Each waiting pull and push holds a server thread: leave room for every worker.
+        threads = str(max(64, 4 * cfg.workers + 16))
+        # Local and allreduce modes have no shards.
+        servers = 0 if cfg.mode in SHARDLESS_MODES else cfg.servers
+        port_files = [folder / f"ps{i}.port" for i in range(servers)]
+        for i, port_file in enumerate(port_files):
+            argv = [sys.executable, "-m", "psserver", "--host", "127.0.0.1", "--port", "0"]
+            argv += ["--port-file", str(port_file), "--threads", threads]
+            argv += ["--grace", str(cfg.grace_s)]
+            self._servers.append(self._spawn(f"ps{i}", argv, env))
+        ports = [
+            self._read_port(s, f, start_deadline)
+            for s, f in zip(self._servers, port_files, strict=True)
+        ]
+        addresses = [f"127.0.0.1:{p}" for p in ports]
+        for child, address in zip(self._servers, addresses, strict=True):
+            self._wait_serving(child, address, start_deadline)
+            self.say(f"{child.name} serving at {address} (pid {child.proc.pid})")
+        return addresses
+
+    def _read_port(self, child: _Child, port_file: Path, deadline: float) -> int:
+        while True:
+            self._check_interrupt()
+            if port_file.exists():
+                text = port_file.read_text().strip()
+                # psserver renames a complete file into place, so text is never half a number.
+                return int(text)
+            if not child.alive():
+                raise _Stop(1, f"{child.name} exited with code {child.proc.returncode} at start")
+            if time.monotonic() >= deadline:
+                raise _Stop(1, f"{child.name} wrote no port file within the start timeout")
+            time.sleep(_POLL_S)
+
+    def _wait_serving(self, child: _Child, address: str, deadline: float) -> None:
+        request = health_pb2.HealthCheckRequest(service="")
+        with ClientSecurity.from_env().channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                self._check_interrupt()
+                if not child.alive():
+                    raise _Stop(
+                        1, f"{child.name} exited with code {child.proc.returncode} at start"
+                    )
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise _Stop(1, f"{child.name} at {address} was not SERVING in time")
+                try:
+                    # Short tries, so a signal or a dead server is noticed between them.
+                    reply = stub.Check(request, timeout=min(left, 1.0), wait_for_ready=True)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass  # not up yet; the deadline above bounds the retries
+                time.sleep(_POLL_S)
+
+    def _start_workers(self, ps: list[str]) -> None:
+        cfg = self.config
+        placeholders = [f"127.0.0.1:{port}" for port in _free_ports(cfg.workers)]
+        for i in range(cfg.workers):
+            env = _child_env()
+            if cfg.mode == "local":
+                # No cluster at all: psworker.connect() then trains in this one process.
+                env.pop("TF_CONFIG", None)
+            else:
+                env["TF_CONFIG"] = json.dumps(
+                    {
+                        "cluster": {"ps": ps, "worker": placeholders},
+                        "task": {"type": "worker", "index": i},
+                    }
+                )
+            env["PS_MODE"] = cfg.mode
+            env["PS_STALENESS"] = str(cfg.staleness)
+            env["PS_WORKER_ID"] = str(i)
+            env["PS_NUM_WORKERS"] = str(cfg.workers)
+            child = self._spawn(f"worker{i}", cfg.command, env)
+            self.say(f"{child.name} started (pid {child.proc.pid})")
+            self._workers.append(child)
+
+    def _spawn(self, name: str, argv: Sequence[str], env: dict[str, str]) -> _Child:
+        try:
+            return _Child(name, argv, env, self._output, self._exits)
+        except OSError as exc:
+            raise _Stop(1, f"could not start {name} ({argv[0]}): {exc}") from exc
+
+    # -- run --------------------------------------------------------------------------------
+
+    def _supervise(self, deadline: float) -> int:
+        running = set(self._workers)
+        while running:
+            self._check_interrupt()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _Stop(EXIT_TIMEOUT, f"timed out after {self.config.timeout_s:g}s")
+            try:
+                child, code = self._exits.get(timeout=min(left, 0.2))
+            except queue.Empty:
+                continue
+            # On Ctrl-C the whole process group gets SIGINT: a worker dying of it is the
+            # interrupt's doing, not a failure to report as the worker's own.
+            self._check_interrupt()
+            if child in running:
+                running.discard(child)
+                if code != 0:
+                    raise _Stop(_exit_code(code), f"{child.name} failed with {_describe(code)}")
+                self.say(f"{child.name} finished")
+            elif child in self._servers:
+                raise _Stop(
+                    _exit_code(code) or 1,
+                    f"{child.name} stopped with {_describe(code)} while workers were running",
+                )
+        return 0
+
+    def _check_interrupt(self) -> None:
+        if self._signal is not None:
+            name = signal.Signals(self._signal).name
+            raise _Stop(EXIT_SIGNAL_BASE + self._signal, f"{name} received; stopping")
+
+    # -- stop -------------------------------------------------------------------------------
+
+    def _stop_all(self) -> None:
+        children = self._workers + self._servers
+        for child in children:
+            if child.alive():
+                child.proc.terminate()
+        deadline = time.monotonic() + self.config.grace_s
+        for child in children:
+            try:
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.say(f"{child.name} did not stop within {self.config.grace_s:g}s; killing")
+                child.proc.kill()
+                try:
+                    child.proc.wait(timeout=10.0)
+                except subprocess.TimeoutExpired:
+                    self.say(f"{child.name} (pid {child.proc.pid}) survived SIGKILL for 10s")
+        for child in children:
+            child.finish_output(timeout=2.0)
+        for server in self._servers:
+            if server.proc.returncode not in (0, None):
+                self.say(f"{server.name} stopped with {_describe(server.proc.returncode)}")
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # The cluster psctl builds is the only one its children may see; a PS_CLUSTER left in the
+    # caller's shell would override it in `psworker run`.
+    env.pop("PS_CLUSTER", None)
+    # Children's output goes through a pipe; unbuffered, their lines appear as they happen.
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _free_ports(count: int) -> list[int]:
+    """Ports free right now, for the workers' placeholder addresses (nothing binds them)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _exit_code(returncode: int) -> int:
+    """A child's return code as a shell reports it: death by signal N is 128 + N."""
+    return EXIT_SIGNAL_BASE - returncode if returncode < 0 else returncode
+
+
+def _describe(returncode: int) -> str:
+    if returncode < 0:
+        return f"signal {signal.Signals(-returncode).name}"
+    return f"exit code {returncode}"
+
+
+def run_local(
+    config: LocalConfig, out: TextIO | None = None, output: PrefixedOutput | None = None
+) -> int:
+    """Runs a ``LocalCluster``, stopping it on SIGTERM/SIGINT; returns the exit code.
+
+    Output goes to ``output`` when given, else prefixed to ``out`` (default stdout).
+    """
+    cluster = LocalCluster(config, out, output)
+    if threading.current_thread() is not threading.main_thread():
+        return cluster.run()  # signal handlers can only be installed from the main thread
+    previous = {
+        signum: signal.signal(signum, lambda num, frame: cluster.request_stop(num))
+        for signum in (signal.SIGTERM, signal.SIGINT)
+    }
+    try:
+        return cluster.run()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
