@@ -268,7 +268,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
 def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Runs ``psctl checkpoint`` or ``psctl export``; returns the exit code."""
-    addresses = _addresses(parser, args)
+    addresses = shard_addresses(parser, args)
     try:
         if args.command == "checkpoint":
             for saved in checkpoint_all(addresses, args.timeout):
@@ -300,7 +300,8 @@ def _add_target_flags(parser: argparse.ArgumentParser, timeout: float) -> None:
     )
 
 
-def _addresses(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+def shard_addresses(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The shards a psctl subcommand talks to: its ADDR arguments, else --cluster/$TF_CONFIG."""
     addresses = list(args.addresses)
     if not addresses:
         try:

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 from pswire import cli
-from pswire.cluster import ClusterSpec
 from psworker import admin, certs, demo_results, status_view
 from psworker.launch import (
     DEFAULT_GRACE_S,
@@ -210,17 +209,7 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _status(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    addresses = list(args.addresses)
-    if not addresses:
-        try:
-            spec = ClusterSpec.load(args.cluster)
-        except ValueError as exc:
-            parser.error(str(exc))
-        if spec is None:
-            parser.error("give shard addresses, --cluster, or set $TF_CONFIG")
-        addresses = list(spec.ps)
-    if not addresses:
-        parser.error("the cluster spec lists no parameter servers (cluster.ps)")
+    addresses = admin.shard_addresses(parser, args)
     try:
         health, statuses = status_view.gather(addresses, args.timeout)
     except ValueError as exc:  # unreadable PS_TLS_* files or a bad PS_TOKEN

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
 import pytest
 from faults import FaultPlan
+from workers import run_workers
 
 import psworker
 from psserver.shard import Limits
@@ -24,25 +24,6 @@ def init_values() -> dict[str, np.ndarray]:
 def grad_for(worker: int, step: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(1000 * worker + step)
     return {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
-
-
-def run_all(targets, timeout: float = 60.0) -> None:
-    errors: list[BaseException] = []
-
-    def wrap(fn):
-        try:
-            fn()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=wrap, args=(t,), daemon=True) for t in targets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in threads), "a worker did not finish"
-    if errors:
-        raise errors[0]
 
 
 def sync_run(addresses, steps: int, plans=None, **client_options) -> dict[str, np.ndarray]:
@@ -69,7 +50,7 @@ def sync_run(addresses, steps: int, plans=None, **client_options) -> dict[str, n
 
         return run
 
-    run_all([worker(0), worker(1)])
+    run_workers([worker(0), worker(1)])
     return result
 
 
@@ -118,7 +99,7 @@ def test_a_silent_worker_leaves_the_quorum_and_the_rest_continue(shards):
         return run
 
     start = time.monotonic()
-    run_all([victim, survivor(0), survivor(1)])
+    run_workers([victim, survivor(0), survivor(1)])
     assert done == {0: 10, 1: 10}
     # The survivors waited at most about one heartbeat timeout for the dead worker.
     assert time.monotonic() - start < 15
@@ -153,7 +134,7 @@ def test_backup_workers_apply_the_first_k_pushes_and_drop_late_ones(shards):
 
         return run
 
-    run_all([worker(0), worker(1), worker(2)])
+    run_workers([worker(0), worker(1), worker(2)])
     status = server.shard.status()
     assert status.clock >= steps
     assert status.pushes_late > 0, "the straggler's pushes were dropped as late"

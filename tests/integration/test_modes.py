@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 
 import numpy as np
 import pytest
+from workers import run_workers
 
 import psworker
 from pswire.optim import SGD, Adam, Optimizer
@@ -44,25 +44,6 @@ def softmax_grads(
     return {"w": (x.T @ p).astype(np.float32), "b": p.sum(axis=0).astype(np.float32)}, loss
 
 
-def run_workers(target: Callable[[int], None], n: int, timeout: float = 60.0) -> None:
-    errors: list[BaseException] = []
-
-    def wrap(i: int) -> None:
-        try:
-            target(i)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=wrap, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in threads), "a worker thread did not finish in time"
-    if errors:
-        raise errors[0]
-
-
 @pytest.mark.parametrize("optimizer", [SGD(lr=0.5, momentum=0.9), Adam(lr=0.05)])
 def test_sync_three_workers_equals_single_process_on_combined_batch(shards, optimizer: Optimizer):
     workers, batch, steps = 3, 16, 50
@@ -83,7 +64,7 @@ def test_sync_three_workers_equals_single_process_on_combined_batch(shards, opti
                 client.push(grads)
             results[i] = client.pull()
 
-    run_workers(worker, workers)
+    run_workers([lambda i=i: worker(i) for i in range(workers)])
 
     ref = init_weights()
     slots = {k: optimizer.make_state(v) for k, v in ref.items()}
@@ -129,7 +110,7 @@ def test_ssp_never_lets_a_worker_run_more_than_s_steps_ahead(shards):
                     finished_upper[i] = c + 1
                 client.push(grads)
 
-    run_workers(worker, workers)
+    run_workers([lambda i=i: worker(i) for i in range(workers)])
     assert not violations, violations[:5]
     # The fast workers did run ahead: this is bounded staleness, not lock-step.
     assert max(leads) >= 1
@@ -153,7 +134,7 @@ def test_async_converges_on_a_convex_problem(shards):
             losses[i].append(loss)
 
     _, initial = softmax_grads(init_weights(), x, y)
-    run_workers(worker, workers)
+    run_workers([lambda i=i: worker(i) for i in range(workers)])
     final = max(losses[0][-1], losses[1][-1])
     assert final < 0.5 * initial, (initial, final)
     assert final < 0.35

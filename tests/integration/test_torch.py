@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from workers import run_workers  # noqa: E402
 
 import psworker  # noqa: E402
 from psworker.torch import DistributedOptimizer  # noqa: E402
@@ -36,25 +36,6 @@ def train(opt: DistributedOptimizer, x: torch.Tensor, y: torch.Tensor, steps: in
         opt.step()
 
 
-def run_threads(fns) -> None:
-    errors: list[BaseException] = []
-
-    def wrap(fn):
-        try:
-            fn()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=wrap, args=(f,), daemon=True) for f in fns]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), "a worker did not finish"
-    if errors:
-        raise errors[0]
-
-
 @pytest.mark.parametrize(
     "optimizer", [psworker.SGD(lr=0.1, momentum=0.9), psworker.Adam(lr=0.01)], ids=["sgd", "adam"]
 )
@@ -79,7 +60,7 @@ def test_sync_two_workers_equal_local_with_the_combined_batch(shards, optimizer)
 
         return run
 
-    run_threads([worker(0), worker(1)])
+    run_workers([worker(0), worker(1)])
     reference = local_model.state_dict()
     for i, model in models.items():
         for name, value in model.state_dict().items():
@@ -121,7 +102,7 @@ def test_batchnorm_buffers_are_averaged_across_sync_workers(shards):
 
         return run
 
-    run_threads([worker(0), worker(1)])
+    run_workers([worker(0), worker(1)])
     bn0, bn1 = models[0][2], models[1][2]
     assert torch.equal(bn0.running_mean, bn1.running_mean)
     assert torch.equal(bn0.running_var, bn1.running_var)
@@ -196,7 +177,7 @@ def allreduce_train(optimizer, compression=None) -> dict[int, torch.nn.Module]:
 
         return run
 
-    run_threads([worker(0), worker(1)])
+    run_workers([worker(0), worker(1)])
     return models
 
 
