@@ -320,6 +320,9 @@ class Shard:
         closed without it is dropped with ``reason="late"`` (and counted). Nothing changes
         unless every gradient is valid.
 
+        Gradients of float32 variables may arrive as float16 or bfloat16 (the client's wire
+        compression); they are widened to float32 before anything else.
+
         Raises:
             NotInitializedError: no job yet.
             UnknownVariableError, ShapeMismatchError, InvalidRequestError: bad gradients.
@@ -332,10 +335,9 @@ class Shard:
             )
         if step < 0:
             raise InvalidRequestError(f"push from worker {worker_id} has negative step {step}")
+        grads = {key: self._widen(key, grad) for key, grad in grads.items()}
         for key, grad in grads.items():
-            spec = self._specs.get(key)
-            if spec is None:
-                raise UnknownVariableError(self._unknown(key))
+            spec = self._specs[key]
             check_tensor(
                 key, spec.shape, spec.dtype, grad, "buffer value" if spec.average else "gradient"
             )
@@ -362,6 +364,20 @@ class Shard:
                 self._apply(update)
             self._cond.notify_all()
             return self._result(True, "", worker_id)
+
+    def _widen(self, key: str, grad: np.ndarray) -> np.ndarray:
+        """A float16 gradient for a float32 variable (wire compression) becomes float32 here, so
+        averaging and the optimizer run in float32. (bfloat16 arrives already widened.)
+
+        Raises:
+            UnknownVariableError: the shard has no such variable.
+        """
+        spec = self._specs.get(key)
+        if spec is None:
+            raise UnknownVariableError(self._unknown(key))
+        if grad.dtype == np.float16 and spec.dtype == "float32" and not spec.average:
+            return grad.astype(np.float32)
+        return grad
 
     def _skip(self, policy: ConsistencyPolicy, worker_id: int, step: int) -> PushResult | None:
         reason = policy.classify(self._clocks(), worker_id, step)

@@ -14,7 +14,12 @@ from pswire.proto import ps_pb2
 DEFAULT_CHUNK_BYTES = 1 << 20
 # Dims whose product exceeds this are nonsense whatever the memory (2**48 elements).
 MAX_ELEMENTS = 1 << 48
-DTYPES = frozenset({"float16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool"})
+DTYPES = frozenset(
+    {"float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool"}
+)
+# bfloat16 has no numpy dtype: it travels as uint16 bit patterns and arrives widened to float32
+# (exactly: bfloat16 is float32's top half).
+BFLOAT16 = "bfloat16"
 
 
 def check_dtype(dtype: str, name: str) -> np.dtype:
@@ -27,7 +32,26 @@ def check_dtype(dtype: str, name: str) -> np.dtype:
         raise InvalidRequestError(
             f"variable '{name}' has unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}"
         )
-    return np.dtype(dtype).newbyteorder("<")
+    return np.dtype("uint16" if dtype == BFLOAT16 else dtype).newbyteorder("<")
+
+
+def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """Widens bfloat16 bit patterns (uint16) to float32 exactly: they are float32's top half."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def float32_to_bfloat16(values: np.ndarray) -> np.ndarray:
+    """Rounds float32 to bfloat16 bit patterns (uint16) to nearest even, as torch does.
+
+    Overflow rounds to infinity; any NaN becomes the quiet NaN 0x7FC0 (torch's vectorised path
+    gives other NaN bits, equally NaN).
+    """
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    # Adding 0x7FFF plus the lowest kept bit, then truncating, is round-half-to-even. It can
+    # wrap only for NaN bit patterns, which are replaced below.
+    lsb = (bits >> np.uint32(16)) & np.uint32(1)
+    rounded = ((bits + np.uint32(0x7FFF) + lsb) >> np.uint32(16)).astype(np.uint16)
+    return np.where(np.isnan(values), np.uint16(0x7FC0), rounded).astype(np.uint16)
 
 
 def tensor_nbytes(name: str, dtype: str, shape: Iterable[int], limit: int | None = None) -> int:
@@ -83,11 +107,12 @@ def check_tensor(
 
 
 def tensor_to_chunks(
-    name: str, array: np.ndarray, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    name: str, array: np.ndarray, chunk_bytes: int = DEFAULT_CHUNK_BYTES, bfloat16: bool = False
 ) -> Iterator[ps_pb2.TensorChunk]:
     """Splits an array into wire chunks of at most ``chunk_bytes`` of data each.
 
     Only the slice being sent is copied into a message; the array itself is not duplicated.
+    ``bfloat16``: the array holds bfloat16 bit patterns (uint16) and is labelled so.
 
     Raises:
         ValueError: ``chunk_bytes`` < 1.
@@ -102,6 +127,10 @@ def tensor_to_chunks(
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     dtype = arr.dtype.name
+    if bfloat16:
+        if dtype != "uint16":
+            raise ValueError(f"bfloat16 bit patterns are uint16, '{name}' is {dtype}")
+        dtype = BFLOAT16
     check_dtype(dtype, name)
     view = arr.reshape(-1).view(np.uint8).data if arr.size else memoryview(b"")
     total = len(view)
@@ -163,6 +192,7 @@ class ChunkAssembler:
         self._total = 0
         self._received = 0
         self._last: str | None = None
+        self._bfloat16 = False
 
     def add(self, chunk: ps_pb2.TensorChunk) -> None:
         """Takes the next chunk of the stream."""
@@ -224,6 +254,7 @@ class ChunkAssembler:
                 f"of {self._max_bytes}"
             )
         self._name = name
+        self._bfloat16 = chunk.dtype == BFLOAT16
         self._dtype = check_dtype(chunk.dtype, name)
         self._shape = tuple(int(d) for d in chunk.shape)
         self._total = nbytes
@@ -232,7 +263,7 @@ class ChunkAssembler:
 
     def _complete(self, array: np.ndarray) -> None:
         assert self._name is not None
-        self._done[self._name] = array
+        self._done[self._name] = bfloat16_to_float32(array) if self._bfloat16 else array
         self._last = self._name
         self._name = None
         self._buffer = None

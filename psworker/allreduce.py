@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from pswire.codec import bfloat16_to_float32, float32_to_bfloat16
 from pswire.errors import InvalidRequestError, UnknownVariableError
 from pswire.optim import Optimizer
 from psworker.local import LocalClient
@@ -14,8 +15,6 @@ from psworker.ring import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_TIMEOUT_S,
     BucketPlan,
-    bfloat16_to_float32,
-    float32_to_bfloat16,
 )
 
 COMPRESSIONS = (None, "fp16", "bf16")

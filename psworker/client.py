@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 
 from pswire.cluster import ClusterSpec
-from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler, tensor_to_chunks
+from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler, float32_to_bfloat16, tensor_to_chunks
 from pswire.errors import InvalidRequestError, NotInitializedError, PSError
 from pswire.optim import Optimizer
 from pswire.partition import DEFAULT_SPLIT_BYTES, ShardMap, VarInfo, plan
@@ -26,6 +26,7 @@ from psworker.local import LocalClient
 
 T = TypeVar("T")
 MODES = ("sync", "async", "ssp")
+COMPRESSIONS = (None, "fp16", "bf16")
 DEFAULT_TIMEOUT_S = 120.0
 # Well inside the shards' default 30 s heartbeat timeout, cheap enough to never matter.
 DEFAULT_HEARTBEAT_S = 2.0
@@ -55,6 +56,7 @@ class PSClient:
         retry_s: float | None = None,
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = (),
+        compression: str | None = None,
     ) -> None:
         if not addresses:
             raise ValueError("connect needs at least one shard address")
@@ -62,6 +64,8 @@ class PSClient:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not 0 <= worker_id < num_workers:
             raise ValueError(f"worker_id {worker_id} must be in [0, {num_workers})")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
         if mode == "ssp" and staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {staleness}")
         self.addresses = list(addresses)
@@ -75,6 +79,8 @@ class PSClient:
         self.step = 0
         self.shard_map: ShardMap | None = None
         self.quorum = quorum
+        self.compression = compression
+        self._buffers: set[str] = set()
         self.heartbeat_s = heartbeat_s
         self.security = security or ClientSecurity()
         self._channels = [self.security.channel(a) for a in self.addresses]
@@ -142,6 +148,7 @@ class PSClient:
         send_values = self.worker_id == 0
         pieces = shard_map.split(arrays)
         averaged = set(buffers)
+        self._buffers = averaged
 
         def register(shard: int) -> int:
             link = self.links[shard]
@@ -238,7 +245,7 @@ class PSClient:
         """
         shard_map = self._require_map()
         step = self.step if step is None else step
-        arrays = {name: np.asarray(g) for name, g in grads.items()}
+        arrays = {name: self._compress(name, np.asarray(g)) for name, g in grads.items()}
         pieces = shard_map.split(arrays)
 
         def push_one(shard: int) -> ps_pb2.PushResponse | None:
@@ -288,6 +295,15 @@ class PSClient:
         return status(self.addresses, self.timeout, self.security)
 
     # -- internals --------------------------------------------------------------------------
+
+    def _compress(self, name: str, grad: np.ndarray) -> np.ndarray:
+        """float32 gradients in 16 bits on the wire when asked (the shards widen them back)."""
+        if self.compression is None or grad.dtype != np.float32 or name in self._buffers:
+            return grad
+        if self.compression == "fp16":
+            with np.errstate(over="ignore"):  # overflow -> inf, which the shard refuses by name
+                return grad.astype(np.float16)
+        return float32_to_bfloat16(grad)
 
     def _require_map(self) -> ShardMap:
         if self.shard_map is None:
@@ -408,6 +424,8 @@ def connect(
         num_workers = (len(spec.workers) or 1) if num_workers is None else num_workers
     if staleness is None:
         staleness = int(os.environ.get("PS_STALENESS") or 0)
+    if "compression" not in options and os.environ.get("PS_COMPRESSION"):
+        options["compression"] = os.environ["PS_COMPRESSION"]
     return PSClient(
         addresses,
         worker_id=0 if worker_id is None else worker_id,

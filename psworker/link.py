@@ -30,10 +30,14 @@ def backoff(attempt: int, rng: random.Random) -> float:
 def push_stream(
     worker_id: int, step: int, pieces: Mapping[str, np.ndarray], chunk_bytes: int
 ) -> Iterator[ps_pb2.PushRequest]:
-    """A Push request stream: the header, then every piece as chunks."""
+    """A Push request stream: the header, then every piece as chunks.
+
+    A uint16 piece is a gradient compressed to bfloat16 (no gradient is an integer).
+    """
     yield ps_pb2.PushRequest(header=ps_pb2.PushHeader(worker_id=worker_id, step=step))
     for key, array in pieces.items():
-        for chunk in tensor_to_chunks(key, array, chunk_bytes):
+        bf16 = array.dtype == np.uint16
+        for chunk in tensor_to_chunks(key, array, chunk_bytes, bfloat16=bf16):
             yield ps_pb2.PushRequest(chunk=chunk)
 
 

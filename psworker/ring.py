@@ -12,7 +12,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 from numpy.typing import DTypeLike
 
-from pswire.codec import DEFAULT_CHUNK_BYTES
+from pswire.codec import DEFAULT_CHUNK_BYTES, bfloat16_to_float32, float32_to_bfloat16
 from pswire.errors import (
     InvalidRequestError,
     PSError,
@@ -64,28 +64,6 @@ class Peer(Protocol):
     def send_to_right(self, tag: Tag, array: np.ndarray) -> None: ...
 
     def recv_from_left(self, tag: Tag, timeout: float) -> np.ndarray: ...
-
-
-# -- bfloat16 as uint16 bit patterns ---------------------------------------------------------
-
-
-def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
-    """Widens bfloat16 bit patterns (uint16) to float32 exactly: they are float32's top half."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
-
-
-def float32_to_bfloat16(values: np.ndarray) -> np.ndarray:
-    """Rounds float32 to bfloat16 bit patterns (uint16) to nearest even, as torch does.
-
-    Overflow rounds to infinity; any NaN becomes the quiet NaN 0x7FC0 (torch's vectorised path
-    gives other NaN bits, equally NaN).
-    """
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    # Adding 0x7FFF plus the lowest kept bit, then truncating, is round-half-to-even. It can
-    # wrap only for NaN bit patterns, which are replaced below.
-    lsb = (bits >> np.uint32(16)) & np.uint32(1)
-    rounded = ((bits + np.uint32(0x7FFF) + lsb) >> np.uint32(16)).astype(np.uint16)
-    return np.where(np.isnan(values), np.uint16(0x7FC0), rounded).astype(np.uint16)
 
 
 # -- a keyed mailbox: what a transport thread hands to the algorithm thread -----------------

@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 
 from pswire.channel import insecure_channel
-from pswire.codec import tensor_to_proto
+from pswire.codec import bfloat16_to_float32, float32_to_bfloat16, tensor_to_proto
 from pswire.errors import InvalidRequestError, PSError, UnavailableError, WaitTimeoutError
 from pswire.proto import ring_pb2, ring_pb2_grpc
 from psworker.peer import Ring, RingServer
-from psworker.ring import BucketPlan, bfloat16_to_float32, float32_to_bfloat16
+from psworker.ring import BucketPlan
 
 REPO = Path(__file__).resolve().parents[2]
 FAIL_TIMEOUT = 3.0  # the ring timeout in failure tests

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pswire import codec
 from pswire.errors import (
     InvalidRequestError,
     PSError,
@@ -143,19 +144,19 @@ def test_bfloat16_rounding_matches_torch(seed: int, scale: float) -> None:
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(seed)
     values = np.concatenate([SPECIAL_F32, (rng.standard_normal(500) * scale).astype(np.float32)])
-    ours = ring.float32_to_bfloat16(values)
+    ours = codec.float32_to_bfloat16(values)
     theirs = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     np.testing.assert_array_equal(ours, theirs)
     # Widening is exact: what torch reads back from the bits is what we read back.
     np.testing.assert_array_equal(
-        ring.bfloat16_to_float32(ours),
+        codec.bfloat16_to_float32(ours),
         torch.from_numpy(ours.view(np.int16)).view(torch.bfloat16).float().numpy(),
     )
 
 
 def test_bfloat16_nan_stays_nan() -> None:
     values = np.array([np.nan, -np.nan, 1.0], dtype=np.float32)
-    back = ring.bfloat16_to_float32(ring.float32_to_bfloat16(values))
+    back = codec.bfloat16_to_float32(codec.float32_to_bfloat16(values))
     assert np.isnan(back[:2]).all() and back[2] == 1.0
 
 
@@ -179,10 +180,10 @@ def test_bfloat16_integer_sums_are_exact() -> None:
     world = 5
     rng = np.random.default_rng(0)
     values = [rng.integers(-50, 50, 333).astype(np.float32) for _ in range(world)]
-    results = allreduce_all([ring.float32_to_bfloat16(v) for v in values], bfloat16=True)
+    results = allreduce_all([codec.float32_to_bfloat16(v) for v in values], bfloat16=True)
     want = np.sum(np.stack(values), axis=0)
     for got in results:
-        np.testing.assert_array_equal(ring.bfloat16_to_float32(got), want)
+        np.testing.assert_array_equal(codec.bfloat16_to_float32(got), want)
 
 
 # -- all-reduce: the pipeline --------------------------------------------------------------
