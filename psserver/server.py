@@ -16,8 +16,8 @@ from psserver.parsing import MalformedRequestInterceptor
 from psserver.servicer import ParameterServerServicer
 from psserver.shard import Shard
 from pswire.channel import OPTIONS
-from pswire.proto import ps_pb2_grpc
 from pswire.security import ServerSecurity
+from pswire.stubs import add_servicer
 
 SERVICE_NAME = "pswire.v1.ParameterServer"
 
@@ -83,7 +83,7 @@ def start_server(
         interceptors=interceptors,
     )
     servicer = ParameterServerServicer(shard, checkpoint=checkpoint, metrics=metrics)
-    ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, server)
+    add_servicer(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{host}:{port}"

@@ -9,7 +9,13 @@ import grpc
 
 from psserver.metrics import ShardMetrics
 from psserver.shard import Job, Shard, VarSpec
-from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler, tensor_nbytes, tensor_to_chunks
+from pswire.codec import (
+    DEFAULT_CHUNK_BYTES,
+    ChunkAssembler,
+    encode_chunk_messages,
+    tensor_nbytes,
+    varint_field,
+)
 from pswire.errors import InvalidRequestError, NotInitializedError
 from pswire.optim import optimizer_from_spec
 from pswire.proto import ps_pb2, ps_pb2_grpc
@@ -141,9 +147,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             )
         if self.metrics is not None:
             self.metrics.count_pull(arrays)
+        trailer = varint_field(2, clock)  # PullResponse.clock, after the chunk (field 1)
         for key, array in arrays.items():
-            for chunk in tensor_to_chunks(key, array, self.chunk_bytes):
-                yield ps_pb2.PullResponse(chunk=chunk, clock=clock)
+            yield from encode_chunk_messages(key, array, 1, self.chunk_bytes, trailer=trailer)
 
     @rpc_errors
     def Push(self, request_iterator, context):

@@ -13,13 +13,19 @@ import grpc
 import numpy as np
 
 from pswire.cluster import ClusterSpec
-from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler, float32_to_bfloat16, tensor_to_chunks
+from pswire.codec import (
+    DEFAULT_CHUNK_BYTES,
+    ChunkAssembler,
+    encode_chunk_messages,
+    float32_to_bfloat16,
+)
 from pswire.errors import InvalidRequestError, NotInitializedError, PSError
 from pswire.optim import Optimizer
 from pswire.partition import DEFAULT_SPLIT_BYTES, ShardMap, VarInfo, plan
 from pswire.proto import ps_pb2, ps_pb2_grpc
 from pswire.security import ClientSecurity
 from pswire.status import from_rpc_error
+from pswire.stubs import ParameterServerStub, encode_header
 from psworker.allreduce import AllReduceClient
 from psworker.link import ShardLink, push_stream
 from psworker.local import LocalClient
@@ -173,12 +179,11 @@ class PSClient:
             )
             header = ps_pb2.InitHeader(worker_id=self.worker_id, job=job, has_values=send_values)
 
-            def stream() -> Iterator[ps_pb2.InitRequest]:
-                yield ps_pb2.InitRequest(header=header)
+            def stream() -> Iterator[bytes]:
+                yield encode_header(ps_pb2.InitRequest, header=header)
                 if send_values:
                     for key, array in pieces[shard].items():
-                        for chunk in tensor_to_chunks(key, array, self.chunk_bytes):
-                            yield ps_pb2.InitRequest(chunk=chunk)
+                        yield from encode_chunk_messages(key, array, 2, self.chunk_bytes)
 
             self._call(shard, "Init", lambda stub: stub.Init(stream(), timeout=self.timeout))
 
@@ -219,7 +224,7 @@ class PSClient:
                 worker_id=self.worker_id, step=self.step, names=keys_by_shard[shard]
             )
 
-            def run(stub: ps_pb2_grpc.ParameterServerStub) -> dict[str, np.ndarray]:
+            def run(stub: ParameterServerStub) -> dict[str, np.ndarray]:
                 assembler = ChunkAssembler()
                 for reply in stub.Pull(request, timeout=self.timeout):
                     assembler.add(reply.chunk)

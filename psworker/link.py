@@ -11,10 +11,11 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
-from pswire.codec import tensor_to_chunks
+from pswire.codec import encode_chunk_messages
 from pswire.errors import UnavailableError
-from pswire.proto import ps_pb2, ps_pb2_grpc
+from pswire.proto import ps_pb2
 from pswire.status import from_rpc_error
+from pswire.stubs import ParameterServerStub, encode_header
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -29,16 +30,17 @@ def backoff(attempt: int, rng: random.Random) -> float:
 
 def push_stream(
     worker_id: int, step: int, pieces: Mapping[str, np.ndarray], chunk_bytes: int
-) -> Iterator[ps_pb2.PushRequest]:
+) -> Iterator[bytes]:
     """A Push request stream: the header, then every piece as chunks.
 
     A uint16 piece is a gradient compressed to bfloat16 (no gradient is an integer).
     """
-    yield ps_pb2.PushRequest(header=ps_pb2.PushHeader(worker_id=worker_id, step=step))
+    yield encode_header(
+        ps_pb2.PushRequest, header=ps_pb2.PushHeader(worker_id=worker_id, step=step)
+    )
     for key, array in pieces.items():
         bf16 = array.dtype == np.uint16
-        for chunk in tensor_to_chunks(key, array, chunk_bytes, bfloat16=bf16):
-            yield ps_pb2.PushRequest(chunk=chunk)
+        yield from encode_chunk_messages(key, array, 2, chunk_bytes, bfloat16=bf16)
 
 
 class ShardLink:
@@ -64,7 +66,7 @@ class ShardLink:
     ) -> None:
         self.index = index
         self.address = address
-        self.stub = ps_pb2_grpc.ParameterServerStub(channel)
+        self.stub = ParameterServerStub(channel)
         self.worker_id = worker_id
         self.num_workers = num_workers
         self.timeout = timeout
@@ -80,7 +82,7 @@ class ShardLink:
     def where(self, rpc: str) -> str:
         return f"{rpc} on shard {self.index} ({self.address})"
 
-    def call(self, rpc: str, fn: Callable[[ps_pb2_grpc.ParameterServerStub], T]) -> T:
+    def call(self, rpc: str, fn: Callable[[ParameterServerStub], T]) -> T:
         """Runs ``fn(stub)``, retrying through UNAVAILABLE until ``retry_s`` is spent.
 
         Raises:

@@ -45,7 +45,7 @@ def test_fp16_overflow_is_refused_as_non_finite(shards):
         [server.address], worker_id=0, num_workers=1, mode="async", compression="fp16"
     ) as client:
         client.init({"w": np.zeros(4, np.float32)}, psworker.SGD(lr=1.0))
-        with pytest.raises(psworker.InvalidRequestError, match="'w'.*non-finite"):
+        with pytest.raises(psworker.InvalidRequestError, match=r"'w'.*non-finite"):
             client.push({"w": np.array([1e6, 0, 0, 0], np.float32)})
     np.testing.assert_array_equal(server.shard.snapshot()["w"], np.zeros(4, np.float32))
 
