@@ -20,7 +20,8 @@ import safetensors
 import safetensors.numpy
 
 from psserver.consistency import make_policy
-from psserver.shard import Job, Shard, ShardState, VarSpec
+from psserver.job import Job, ShardState, VarSpec
+from psserver.shard import Shard
 from pswire.codec import check_dtype, check_tensor
 from pswire.errors import NotInitializedError, PSError
 from pswire.optim import optimizer_from_spec

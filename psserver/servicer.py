@@ -7,8 +7,9 @@ from contextlib import AbstractContextManager, nullcontext
 
 import grpc
 
+from psserver.job import Job, VarSpec
 from psserver.metrics import ShardMetrics
-from psserver.shard import Job, Shard, VarSpec
+from psserver.shard import Shard
 from pswire.codec import (
     DEFAULT_CHUNK_BYTES,
     ChunkAssembler,

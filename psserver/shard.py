@@ -10,11 +10,20 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from psserver.consistency import Clocks, ConsistencyPolicy, make_policy
+from psserver.job import (
+    OBSERVER,
+    Job,
+    Limits,
+    PushResult,
+    Registration,
+    ShardState,
+    ShardStatus,
+    VarSpec,
+)
 from psserver.membership import Membership
 from pswire.codec import check_tensor
 from pswire.errors import (
@@ -25,103 +34,6 @@ from pswire.errors import (
     UnknownVariableError,
     WaitTimeoutError,
 )
-from pswire.optim import Optimizer
-
-OBSERVER = -1  # worker_id of a reader that is not one of the job's workers
-
-
-@dataclass(frozen=True)
-class VarSpec:
-    """A variable (or slice) on this shard; ``average``: a buffer, not trained (see _apply)."""
-
-    key: str
-    shape: tuple[int, ...]
-    dtype: str
-    average: bool = False
-
-
-@dataclass(frozen=True)
-class Job:
-    """What every worker of a job must agree on with this shard."""
-
-    mode: str
-    staleness: int
-    num_workers: int
-    optimizer: Optimizer
-    variables: tuple[VarSpec, ...]
-    model_digest: str
-    quorum: int = 0
-
-    def differences(self, other: Job) -> list[str]:
-        """Human-readable list of what differs from ``other`` (the shard's job)."""
-        out = []
-        for attr in ("mode", "staleness", "num_workers", "model_digest", "quorum"):
-            mine, theirs = getattr(self, attr), getattr(other, attr)
-            if mine != theirs:
-                out.append(f"{attr}: shard has {theirs!r}, worker sent {mine!r}")
-        if self.optimizer != other.optimizer:
-            out.append(f"optimizer: shard has {other.optimizer}, worker sent {self.optimizer}")
-        if self.variables != other.variables:
-            theirs_by = {v.key: v for v in other.variables}
-            mine_by = {v.key: v for v in self.variables}
-            for key in sorted(set(theirs_by) | set(mine_by)):
-                a, b = theirs_by.get(key), mine_by.get(key)
-                if a != b:
-                    have = f"{a.shape} {a.dtype}" if a else "nothing"
-                    sent = f"{b.shape} {b.dtype}" if b else "nothing"
-                    out.append(f"variable '{key}': shard has {have}, worker sent {sent}")
-        return out
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_workers: int = 1024
-    max_variables: int = 100_000
-    max_request_bytes: int = 8 << 30
-    max_wait_s: float = 300.0
-    heartbeat_timeout_s: float = 30.0  # silent this long: out of the sync/ssp quorum; 0: never
-
-
-@dataclass
-class PushResult:
-    applied: bool
-    reason: str  # "duplicate" or "late" when not applied
-    clock: int
-    durable_step: int
-
-
-@dataclass(frozen=True)
-class Registration:
-    clock: int  # the step the worker (re)joins at
-    initialized: bool
-    durable_step: int
-
-
-@dataclass(frozen=True)
-class ShardState:
-    """Everything a checkpoint holds: enough for a restarted shard to go on exactly."""
-
-    job: Job
-    variables: dict[str, np.ndarray]
-    slots: dict[str, dict]
-    updates: int
-    finished: dict[int, int]
-    counters: dict[str, int]
-
-
-@dataclass(frozen=True)
-class ShardStatus:
-    initialized: bool
-    job: Job | None
-    clock: int
-    workers: dict[int, tuple[int, float]]  # worker -> (steps finished, seconds since heard)
-    live: frozenset[int]
-    total_bytes: int
-    pushes_applied: int
-    pushes_duplicate: int
-    pushes_late: int
-    checkpoint_step: int
-    checkpoint_age_s: float
 
 
 class Shard:

@@ -9,13 +9,10 @@ import numpy as np
 from pswire.codec import bfloat16_to_float32, float32_to_bfloat16
 from pswire.errors import InvalidRequestError, UnknownVariableError
 from pswire.optim import Optimizer
+from psworker.buckets import DEFAULT_BUCKET_BYTES, BucketPlan
 from psworker.local import LocalClient
 from psworker.peer import Ring, RingServer
-from psworker.ring import (
-    DEFAULT_BUCKET_BYTES,
-    DEFAULT_TIMEOUT_S,
-    BucketPlan,
-)
+from psworker.ring import DEFAULT_TIMEOUT_S
 
 COMPRESSIONS = (None, "fp16", "bf16")
 

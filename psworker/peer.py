@@ -26,7 +26,8 @@ from pswire.errors import (
 from pswire.proto import ring_pb2, ring_pb2_grpc
 from pswire.status import from_rpc_error, rpc_errors
 from psworker import ring
-from psworker.ring import DEFAULT_BUCKET_BYTES, BucketPlan, Failure, Mailbox, Peer, Tag
+from psworker.buckets import DEFAULT_BUCKET_BYTES, BucketPlan
+from psworker.ring import Failure, Mailbox, Peer, Tag
 
 T = TypeVar("T")
 SERVICE_NAME = "pswire.v1.RingPeer"

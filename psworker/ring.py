@@ -5,25 +5,21 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import numpy as np
-from numpy.typing import DTypeLike
 
 from pswire.codec import DEFAULT_CHUNK_BYTES, bfloat16_to_float32, float32_to_bfloat16
 from pswire.errors import (
     InvalidRequestError,
     PSError,
-    ShapeMismatchError,
-    UnknownVariableError,
     WaitTimeoutError,
 )
 
 # torch DDP's default bucket_cap_mb: large enough that per-collective overhead is amortised,
 # small enough that a model's first buckets can be reduced while later ones are being filled.
-DEFAULT_BUCKET_BYTES = 25 << 20
 DEFAULT_TIMEOUT_S = 30.0
 _F16 = np.dtype(np.float16)
 _F32 = np.dtype(np.float32)
@@ -394,150 +390,6 @@ def broadcast(
         if rank == root or forward:
             peer.send_to_right(Tag(0, root, k), data[lo:hi])
     return buffer
-
-
-# -- gradient buckets ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Where one tensor lives in its bucket: elements ``[offset, offset + size)``."""
-
-    name: str
-    shape: tuple[int, ...]
-    offset: int
-    size: int
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """A flat buffer of one dtype holding several tensors, reduced as one unit."""
-
-    dtype: np.dtype
-    slots: tuple[Slot, ...]
-    size: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class BucketPlan:
-    """Packs named tensors into few flat buffers and back; the same on every worker.
-
-    The plan depends only on the names, shapes and dtypes (sorted by dtype, then name), never
-    on dict order, so workers holding the same model agree without talking.
-    """
-
-    buckets: tuple[Bucket, ...]
-
-    @classmethod
-    def build(
-        cls,
-        specs: Mapping[str, tuple[Sequence[int], DTypeLike]],
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    ) -> BucketPlan:
-        """Plans buckets of at most ``bucket_bytes`` (a larger tensor gets a bucket alone).
-
-        Args:
-            specs: name -> (shape, dtype).
-            bucket_bytes: the most bytes a bucket holds unless one tensor alone is larger.
-
-        Raises:
-            ValueError: ``bucket_bytes`` < 1 or a negative dim.
-        """
-        if bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-        entries = []
-        for name, (shape, dtype) in specs.items():
-            dims = tuple(int(d) for d in shape)
-            if any(d < 0 for d in dims):
-                raise ValueError(f"tensor '{name}' has a negative dim in shape {dims}")
-            entries.append((np.dtype(dtype), name, dims))
-        entries.sort(key=lambda e: (e[0].str, e[1]))
-        buckets: list[Bucket] = []
-        slots: list[Slot] = []
-        size = 0
-        current: np.dtype | None = None
-        for dtype, name, dims in entries:
-            count = int(np.prod(dims, dtype=np.int64))
-            full = size > 0 and (size + count) * dtype.itemsize > bucket_bytes
-            if current is not None and (dtype != current or full):
-                buckets.append(Bucket(current, tuple(slots), size))
-                slots, size = [], 0
-            current = dtype
-            slots.append(Slot(name, dims, size, count))
-            size += count
-        if current is not None:
-            buckets.append(Bucket(current, tuple(slots), size))
-        return cls(tuple(buckets))
-
-    @classmethod
-    def for_arrays(
-        cls, tensors: Mapping[str, np.ndarray], bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    ) -> BucketPlan:
-        """The plan for these arrays' names, shapes and dtypes (see ``build``)."""
-        return cls.build({n: (t.shape, t.dtype) for n, t in tensors.items()}, bucket_bytes)
-
-    @property
-    def names(self) -> list[str]:
-        return [s.name for b in self.buckets for s in b.slots]
-
-    def flatten(self, tensors: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        """Copies the tensors into new flat buffers, one per bucket.
-
-        Raises:
-            UnknownVariableError: a planned tensor is missing or an unplanned one is given.
-            ShapeMismatchError: a tensor's shape differs from the plan.
-            InvalidRequestError: a tensor's dtype differs from the plan.
-        """
-        extra = set(tensors) - set(self.names)
-        if extra:
-            raise UnknownVariableError(f"tensors {sorted(extra)} are not in the bucket plan")
-        buffers = []
-        for bucket in self.buckets:
-            buffer = np.empty(bucket.size, dtype=bucket.dtype)
-            for slot in bucket.slots:
-                if slot.name not in tensors:
-                    raise UnknownVariableError(
-                        f"tensor '{slot.name}' is in the bucket plan but was not given"
-                    )
-                tensor = np.asarray(tensors[slot.name])
-                if tensor.shape != slot.shape:
-                    raise ShapeMismatchError(
-                        f"tensor '{slot.name}' has shape {tensor.shape}, the bucket plan "
-                        f"expects {slot.shape}"
-                    )
-                if tensor.dtype != bucket.dtype:
-                    raise InvalidRequestError(
-                        f"tensor '{slot.name}' has dtype {tensor.dtype}, the bucket plan "
-                        f"expects {bucket.dtype}"
-                    )
-                buffer[slot.offset : slot.offset + slot.size] = tensor.reshape(-1)
-            buffers.append(buffer)
-        return buffers
-
-    def unflatten(self, buffers: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
-        """Splits bucket buffers back into named tensors (views into the buffers, no copy).
-
-        Raises:
-            InvalidRequestError: the buffers do not match the plan's count, sizes or dtypes.
-        """
-        if len(buffers) != len(self.buckets):
-            raise InvalidRequestError(
-                f"got {len(buffers)} buffers for a plan of {len(self.buckets)} buckets"
-            )
-        out: dict[str, np.ndarray] = {}
-        for i, (bucket, buffer) in enumerate(zip(self.buckets, buffers, strict=True)):
-            if buffer.shape != (bucket.size,) or buffer.dtype != bucket.dtype:
-                raise InvalidRequestError(
-                    f"bucket {i} is {buffer.shape} {buffer.dtype}, the plan expects "
-                    f"({bucket.size},) {bucket.dtype}"
-                )
-            for slot in bucket.slots:
-                out[slot.name] = buffer[slot.offset : slot.offset + slot.size].reshape(slot.shape)
-        return out
 
 
 def run_local(

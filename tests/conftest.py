@@ -6,8 +6,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from psserver.job import Limits
 from psserver.server import RunningServer, start_server
-from psserver.shard import Limits, Shard
+from psserver.shard import Shard
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import psworker
-from psserver.shard import Limits
+from psserver.job import Limits
 from pswire.channel import insecure_channel
 from pswire.codec import tensor_to_chunks
 from pswire.proto import ps_pb2, ps_pb2_grpc

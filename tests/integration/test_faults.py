@@ -10,7 +10,7 @@ from faults import FaultPlan
 from workers import run_workers
 
 import psworker
-from psserver.shard import Limits
+from psserver.job import Limits
 from pswire.optim import SGD
 
 SHAPES = {"w": (6, 4), "b": (4,)}

@@ -18,8 +18,8 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import psworker
+from psserver.job import OBSERVER, Limits
 from psserver.server import RunningServer
-from psserver.shard import OBSERVER, Limits
 from pswire.channel import insecure_channel
 from pswire.codec import DTYPES, tensor_to_chunks
 from pswire.proto import ps_pb2, ps_pb2_grpc

@@ -23,8 +23,8 @@ from pswire.channel import insecure_channel
 from pswire.codec import bfloat16_to_float32, float32_to_bfloat16, tensor_to_proto
 from pswire.errors import InvalidRequestError, PSError, UnavailableError, WaitTimeoutError
 from pswire.proto import ring_pb2, ring_pb2_grpc
+from psworker.buckets import BucketPlan
 from psworker.peer import Ring, RingServer
-from psworker.ring import BucketPlan
 
 REPO = Path(__file__).resolve().parents[2]
 FAIL_TIMEOUT = 3.0  # the ring timeout in failure tests

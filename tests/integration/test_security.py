@@ -12,8 +12,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import psworker
+from psserver.job import Limits
 from psserver.server import RunningServer, start_server
-from psserver.shard import Limits, Shard
+from psserver.shard import Shard
 from pswire.codec import tensor_to_chunks
 from pswire.proto import ps_pb2, ps_pb2_grpc
 from pswire.security import ClientSecurity, ServerSecurity

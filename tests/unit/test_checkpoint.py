@@ -20,7 +20,8 @@ from psserver.checkpoint import (
     CorruptCheckpointError,
     checkpoint_name,
 )
-from psserver.shard import Job, Limits, Shard, ShardState, VarSpec
+from psserver.job import Job, Limits, ShardState, VarSpec
+from psserver.shard import Shard
 from pswire.errors import NotInitializedError
 from pswire.optim import SGD, Adagrad, Adam, Optimizer
 

@@ -19,8 +19,9 @@ from pswire.errors import (
     UnknownVariableError,
     WaitTimeoutError,
 )
-from psworker import ring
-from psworker.ring import BucketPlan, Failure, LocalPeer, Mailbox, Tag, run_local
+from psworker import buckets, ring
+from psworker.buckets import BucketPlan
+from psworker.ring import Failure, LocalPeer, Mailbox, Tag, run_local
 
 TIMEOUT = 10.0
 
@@ -422,7 +423,7 @@ def test_bucket_plan_ignores_dict_order_and_respects_the_cap(
 
 def test_default_plan_packs_a_small_model_into_one_bucket_per_dtype() -> None:
     plan = BucketPlan.for_arrays(model())
-    assert ring.DEFAULT_BUCKET_BYTES == 25 << 20
+    assert buckets.DEFAULT_BUCKET_BYTES == 25 << 20
     assert sorted(b.dtype.name for b in plan.buckets) == ["float16", "float32", "float64"]
 
 

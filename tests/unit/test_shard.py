@@ -7,7 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from psserver.shard import Job, Limits, Shard, VarSpec
+from psserver.job import Job, Limits, VarSpec
+from psserver.shard import Shard
 from pswire.errors import (
     InvalidRequestError,
     ModelMismatchError,
