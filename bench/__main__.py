@@ -1,40 +1,71 @@
-"""Runs every benchmark in bench/: ``python -m bench [--quick]``."""
+"""Runs the benchmark suite against its peers: ``python -m bench [--quick] [--only NAME ...]``."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import pkgutil
+import json
 import sys
+import time
+import traceback
+from pathlib import Path
 
-import bench
+from bench.report import (
+    SUMMARY_COLUMNS,
+    Table,
+    environment,
+    plot,
+    print_table,
+    render,
+    summary_rows,
+)
 
-
-def benchmark_modules() -> list[str]:
-    """Names of the modules in bench/ that define ``main(argv)``, in alphabetical order."""
-    names = []
-    for info in pkgutil.iter_modules(bench.__path__):
-        if info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"bench.{info.name}")
-        if callable(getattr(module, "main", None)):
-            names.append(info.name)
-    return sorted(names)
+# In this order: the wire first, then the pieces it is built from. bench.pushpull (100 MiB,
+# in-process vs processes, chunk sweep) stays a separate diagnostic: python -m bench.pushpull.
+SUITES = ("throughput", "latency", "allreduce", "demo", "apply", "memory")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    parser.add_argument("--quick", action="store_true", help="small sizes, few iterations")
+    parser.add_argument("--only", nargs="+", choices=SUITES, default=None, help="these suites")
+    parser.add_argument("--out", default="out", help="folder for bench.json and bench.png")
     args = parser.parse_args(argv)
-    failed = []
-    for name in benchmark_modules():
+    started = time.perf_counter()
+    tables: list[Table] = []
+    failed: dict[str, str] = {}
+    for name in args.only or SUITES:
         print(f"== bench.{name}", flush=True)
-        module = importlib.import_module(f"bench.{name}")
-        rc = module.main(["--quick"] if args.quick else [])
-        if rc:
-            failed.append(name)
-    if failed:
-        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        try:
+            table = importlib.import_module(f"bench.{name}").measure(args.quick)
+        except Exception as exc:  # one broken suite must not hide the others' numbers
+            traceback.print_exc()
+            failed[name] = f"{type(exc).__name__}: {exc}"
+            continue
+        print_table(table)
+        tables.append(table)
+    elapsed = time.perf_counter() - started
+
+    print(f"\n## summary ({'--quick' if args.quick else 'default'}, {elapsed:.0f}s)")
+    print(render(SUMMARY_COLUMNS, summary_rows(tables)))
+    for name, why in failed.items():
+        print(f"FAILED bench.{name}: {why}")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "quick": args.quick,
+        "environment": environment(),
+        "elapsed_s": elapsed,
+        "summary": [dict(zip(SUMMARY_COLUMNS, r, strict=True)) for r in summary_rows(tables)],
+        "tables": [t.to_json() for t in tables],
+        "failed": failed,
+    }
+    (out / "bench.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"wrote {out / 'bench.json'}")
+    if plot(tables, str(out / "bench.png")):
+        print(f"wrote {out / 'bench.png'}")
     return 1 if failed else 0
 
 

@@ -303,3 +303,60 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def measure(quick: bool) -> Any:
+    """The suite's table (bench/__main__.py): 1/16/64 MiB at 2 and 4 workers; quick: 1 MiB, 2."""
+    from bench.report import Ratio, Table, check
+
+    t0 = time.perf_counter()
+    worlds = [2] if quick else list(WORLDS)
+    sizes = [MIB] if quick else [s * MIB for s in SIZES_MIB]
+    iters = 3 if quick else 5
+    gloo = torch_available()
+    rows: list[Row] = []
+    for world in worlds:
+        print(f"allreduce: world {world}, {len(sizes)} sizes, {iters} iterations", flush=True)
+        rows += run_world(world, sizes, iters, 1, DEFAULT_CHUNK_BYTES, gloo)
+    table_rows, ratios = [], []
+    for row in rows:
+        ours, peer = row.median(OURS), row.median(GLOO)
+        time_ratio = ours / peer if ours and peer else None
+        label = f"{row.world} workers, {row.nbytes // MIB} MiB"
+        table_rows.append(
+            [
+                label,
+                ours and ours * 1e3,
+                peer and peer * 1e3,
+                row.gbps(OURS),
+                row.gbps(GLOO),
+                time_ratio,
+            ]
+        )
+        goal = "<= 1.5" if row.world == 4 and row.nbytes == 64 * MIB else ""
+        ratios.append(
+            Ratio(
+                "allreduce",
+                label,
+                "ring",
+                "gloo",
+                time_ratio,
+                meaning="time, <1: ours faster",
+                goal=goal,
+                met=check(time_ratio, goal),
+            )
+        )
+    return Table(
+        name="allreduce",
+        title="float32 all-reduce (sum): our gRPC ring vs torch.distributed gloo",
+        columns=["config", "ours ms", "gloo ms", "ours GB/s", "gloo GB/s", "ours/gloo time"],
+        rows=table_rows,
+        notes=[
+            f"median of {iters} iterations after 1 warm-up, slowest rank's time, each rank a "
+            "process; algbw = buffer bytes / time, GB = 1e9 bytes."
+        ],
+        ratios=ratios,
+        plot=None,
+        raw={"rows": [r.to_json() for r in rows]},
+        elapsed_s=time.perf_counter() - t0,
+    )

@@ -1,0 +1,203 @@
+"""Result tables of the suite: printing, the ratios summary, the JSON file and the plot."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+MB = 1e6  # decimal MB/s, like the DESIGN.md figures
+
+
+@dataclass
+class Ratio:
+    """One comparison for the summary: ours against a peer measured in the same run.
+
+    ``ratio`` is oriented so that above 1 means ours is better (faster, more per second), except
+    where ``meaning`` says otherwise (memory: our peak over what we must hold).
+    """
+
+    suite: str
+    comparison: str
+    ours: str
+    peer: str
+    ratio: float | None
+    meaning: str = "speed, >1: ours faster"
+    goal: str = ""  # e.g. ">= 1.2" from issue 7's "Must show"; empty: no target
+    met: bool | None = None
+
+
+@dataclass
+class Table:
+    """One suite's result: a printed table, its ratios and (for throughput tables) a plot."""
+
+    name: str
+    title: str
+    columns: list[str]
+    rows: list[list[Any]]
+    notes: list[str] = field(default_factory=list)
+    ratios: list[Ratio] = field(default_factory=list)
+    # (row label columns, value column, axis label): the plot draws one bar per row.
+    plot: tuple[tuple[int, ...], int, str] | None = None
+    raw: dict[str, Any] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Table:
+        data = dict(data)
+        if data.get("plot"):
+            cols, value, unit = data["plot"]
+            data["plot"] = (tuple(cols), value, unit)
+        return cls(**data)
+
+
+def check(ratio: float | None, goal: str) -> bool | None:
+    """Whether ``ratio`` meets a goal written as '>= x' or '<= x'."""
+    if ratio is None or not goal:
+        return None
+    op, value = goal.split()
+    return ratio >= float(value) if op == ">=" else ratio <= float(value)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
+
+
+def fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if abs(value) >= 100:
+            return f"{value:.0f}"
+        if abs(value) >= 10:
+            return f"{value:.1f}"
+        return f"{value:.2f}" if abs(value) >= 0.1 or value == 0 else f"{value:.3g}"
+    return str(value)
+
+
+def render(columns: list[str], rows: list[list[Any]]) -> str:
+    cells = [[fmt(c) for c in row] for row in rows]
+    # Text columns are left-aligned, numbers right-aligned.
+    left = [i == 0 or any(isinstance(r[i], str) for r in rows) for i in range(len(columns))]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(columns)]
+    # The first column is a label: left-aligned; numbers right-aligned.
+    line = "  ".join(
+        h.ljust(w) if left[i] else h.rjust(w)
+        for i, (h, w) in enumerate(zip(columns, widths, strict=True))
+    )
+    out = [line, "-" * len(line)]
+    for r in cells:
+        out.append(
+            "  ".join(
+                c.ljust(w) if left[i] else c.rjust(w)
+                for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            )
+        )
+    return "\n".join(out)
+
+
+def print_table(table: Table) -> None:
+    print(f"\n## {table.name}: {table.title}")
+    print(render(table.columns, table.rows))
+    for note in table.notes:
+        print(f"  {note}")
+    print(f"  ({table.elapsed_s:.0f}s)", flush=True)
+
+
+SUMMARY_COLUMNS = ["suite", "comparison", "ours", "peer", "ratio", "meaning", "goal", "met"]
+
+
+def summary_rows(tables: list[Table]) -> list[list[Any]]:
+    rows = []
+    for t in tables:
+        for r in t.ratios:
+            met = {None: "", True: "yes", False: "NO"}[r.met]
+            rows.append([r.suite, r.comparison, r.ours, r.peer, r.ratio, r.meaning, r.goal, met])
+    return rows
+
+
+def environment() -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+    }
+    for name in ("numpy", "grpc", "torch"):
+        try:
+            env[name] = __import__(name).__version__
+        except ImportError:
+            env[name] = None
+    return env
+
+
+def plot(tables: list[Table], path: str) -> bool:
+    """One horizontal bar chart per table that has a ``plot``; False when matplotlib is absent."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display on a server or in CI
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    drawn = [t for t in tables if t.plot is not None and t.rows]
+    if not drawn:
+        return False
+    sizes = [len(t.rows) for t in drawn]
+    fig, axes = plt.subplots(
+        len(drawn),
+        1,
+        figsize=(10, 1.0 + 0.3 * sum(sizes) + 0.9 * len(drawn)),
+        gridspec_kw={"height_ratios": [n + 2 for n in sizes]},
+        squeeze=False,
+    )
+    for ax, t in zip(axes[:, 0], drawn, strict=True):
+        assert t.plot is not None
+        label_cols, value_col, unit = t.plot
+        rows = [r for r in t.rows if isinstance(r[value_col], float | int)]
+        labels = [", ".join(str(r[c]) for c in label_cols) for r in rows]
+        values = [float(r[value_col]) for r in rows]
+        # Positions, not labels, on the axis: the same system recurs (once per shard count).
+        ys = list(range(len(rows)))
+        colors = ["tab:blue" if lbl.startswith("ours") else "tab:gray" for lbl in labels]
+        ax.barh(ys, values, color=colors)
+        ax.set_yticks(ys, labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlim(0, max(values) * 1.15)
+        ax.set_xlabel(unit, fontsize=8)
+        ax.set_title(f"{t.name}: {t.title}", fontsize=9)
+        ax.tick_params(axis="x", labelsize=7)
+        for y, v in zip(ys, values, strict=True):
+            ax.text(v, y, f" {fmt(v)}", va="center", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Redraws the plot from a bench.json: ``python -m bench.report out/bench.json out/x.png``."""
+    import json
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m bench.report BENCH_JSON PNG", file=sys.stderr)
+        return 2
+    report = json.loads(Path(args[0]).read_text())
+    tables = [Table.from_json(t) for t in report["tables"]]
+    return 0 if plot(tables, args[1]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
