@@ -106,16 +106,13 @@ def check_tensor(
         )
 
 
-def tensor_to_chunks(
-    name: str, array: np.ndarray, chunk_bytes: int = DEFAULT_CHUNK_BYTES, bfloat16: bool = False
-) -> Iterator[ps_pb2.TensorChunk]:
-    """Splits an array into wire chunks of at most ``chunk_bytes`` of data each.
-
-    Only the slice being sent is copied into a message; the array itself is not duplicated.
-    ``bfloat16``: the array holds bfloat16 bit patterns (uint16) and is labelled so.
+def _wire_bytes(
+    name: str, array: np.ndarray, chunk_bytes: int, bfloat16: bool
+) -> tuple[memoryview, str, tuple[int, ...]]:
+    """(the array's little-endian bytes as a view, its wire dtype, its shape), validated.
 
     Raises:
-        ValueError: ``chunk_bytes`` < 1.
+        ValueError: ``chunk_bytes`` < 1, or ``bfloat16`` for a non-uint16 array.
         InvalidRequestError: the array's dtype is not a wire dtype.
     """
     if chunk_bytes < 1:
@@ -133,8 +130,24 @@ def tensor_to_chunks(
         dtype = BFLOAT16
     check_dtype(dtype, name)
     view = arr.reshape(-1).view(np.uint8).data if arr.size else memoryview(b"")
+    return view, dtype, tuple(int(d) for d in arr.shape)
+
+
+def tensor_to_chunks(
+    name: str, array: np.ndarray, chunk_bytes: int = DEFAULT_CHUNK_BYTES, bfloat16: bool = False
+) -> Iterator[ps_pb2.TensorChunk]:
+    """Splits an array into wire chunks of at most ``chunk_bytes`` of data each.
+
+    Only the slice being sent is copied into a message; the array itself is not duplicated.
+    ``bfloat16``: the array holds bfloat16 bit patterns (uint16) and is labelled so.
+
+    Raises:
+        ValueError: ``chunk_bytes`` < 1.
+        InvalidRequestError: the array's dtype is not a wire dtype.
+    """
+    view, dtype, dims = _wire_bytes(name, array, chunk_bytes, bfloat16)
     total = len(view)
-    shape = list(arr.shape)
+    shape = list(dims)
     offset = 0
     first = True
     while first or offset < total:
@@ -349,27 +362,14 @@ def _chunk_fields(
     name: str, array: np.ndarray, chunk_bytes: int, bfloat16: bool
 ) -> Iterator[tuple[bytes, memoryview]]:
     """(fields 1-5 of a TensorChunk, encoded; its data as a view) for each chunk."""
-    if chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-    arr = np.asarray(array)
-    if not arr.flags.c_contiguous:
-        arr = np.ascontiguousarray(arr)
-    if arr.dtype.byteorder == ">":
-        arr = arr.astype(arr.dtype.newbyteorder("<"))
-    dtype = arr.dtype.name
-    if bfloat16:
-        if dtype != "uint16":
-            raise ValueError(f"bfloat16 bit patterns are uint16, '{name}' is {dtype}")
-        dtype = BFLOAT16
-    check_dtype(dtype, name)
-    view = arr.reshape(-1).view(np.uint8).data if arr.size else memoryview(b"")
+    view, dtype, dims = _wire_bytes(name, array, chunk_bytes, bfloat16)
     total = len(view)
     first = b""
     if name:
         first += _len_field(1, name.encode())
     first += _len_field(2, dtype.encode())
-    if arr.shape:
-        first += _len_field(3, b"".join(_varint(int(d)) for d in arr.shape))
+    if dims:
+        first += _len_field(3, b"".join(_varint(d) for d in dims))
     if total:
         first += _tag(4, _WIRE_VARINT) + _varint(total)
     offset = 0

@@ -24,11 +24,6 @@ def as_bytes(message: Any) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
-def encode_header(request_type: Any, **header: Any) -> bytes:
-    """A stream's first message, e.g. ``encode_header(ps_pb2.PushRequest, header=...)``."""
-    return request_type(**header).SerializeToString()
-
-
 class StreamRequest:
     """A parsed Init or Push request: its header, or a chunk whose data is not copied."""
 
@@ -126,45 +121,31 @@ def add_servicer(servicer: ps_pb2_grpc.ParameterServerServicer, server: grpc.Ser
     """Registers ``servicer`` like the generated function, with the hand-coded tensor streams.
 
     The servicer's ``Init``/``Push`` receive ``StreamRequest`` objects; its ``Pull`` may yield
-    bytes (pre-encoded PullResponses) or protobuf messages.
+    bytes (pre-encoded PullResponses) or protobuf messages. The unary RPCs are as generated:
+    ``XRequest`` in, ``XResponse`` out.
     """
-    generated = grpc.method_handlers_generic_handler  # keep the names grpc uses
     handlers = {
-        "RegisterWorker": grpc.unary_unary_rpc_method_handler(
-            servicer.RegisterWorker,
-            request_deserializer=ps_pb2.RegisterWorkerRequest.FromString,
-            response_serializer=ps_pb2.RegisterWorkerResponse.SerializeToString,
-        ),
-        "Heartbeat": grpc.unary_unary_rpc_method_handler(
-            servicer.Heartbeat,
-            request_deserializer=ps_pb2.HeartbeatRequest.FromString,
-            response_serializer=ps_pb2.HeartbeatResponse.SerializeToString,
-        ),
-        "Init": grpc.stream_unary_rpc_method_handler(
-            servicer.Init,
-            request_deserializer=stream_request_parser(ps_pb2.InitHeader),
-            response_serializer=ps_pb2.InitResponse.SerializeToString,
-        ),
-        "Pull": grpc.unary_stream_rpc_method_handler(
-            servicer.Pull,
-            request_deserializer=ps_pb2.PullRequest.FromString,
-            response_serializer=as_bytes,
-        ),
-        "Push": grpc.stream_unary_rpc_method_handler(
-            servicer.Push,
-            request_deserializer=stream_request_parser(ps_pb2.PushHeader),
-            response_serializer=ps_pb2.PushResponse.SerializeToString,
-        ),
-        "Status": grpc.unary_unary_rpc_method_handler(
-            servicer.Status,
-            request_deserializer=ps_pb2.StatusRequest.FromString,
-            response_serializer=ps_pb2.StatusResponse.SerializeToString,
-        ),
-        "Checkpoint": grpc.unary_unary_rpc_method_handler(
-            servicer.Checkpoint,
-            request_deserializer=ps_pb2.CheckpointRequest.FromString,
-            response_serializer=ps_pb2.CheckpointResponse.SerializeToString,
-        ),
+        name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, name),
+            request_deserializer=getattr(ps_pb2, f"{name}Request").FromString,
+            response_serializer=getattr(ps_pb2, f"{name}Response").SerializeToString,
+        )
+        for name in ("RegisterWorker", "Heartbeat", "Status", "Checkpoint")
     }
-    server.add_generic_rpc_handlers((generated(SERVICE, handlers),))
+    handlers["Init"] = grpc.stream_unary_rpc_method_handler(
+        servicer.Init,
+        request_deserializer=stream_request_parser(ps_pb2.InitHeader),
+        response_serializer=ps_pb2.InitResponse.SerializeToString,
+    )
+    handlers["Push"] = grpc.stream_unary_rpc_method_handler(
+        servicer.Push,
+        request_deserializer=stream_request_parser(ps_pb2.PushHeader),
+        response_serializer=ps_pb2.PushResponse.SerializeToString,
+    )
+    handlers["Pull"] = grpc.unary_stream_rpc_method_handler(
+        servicer.Pull,
+        request_deserializer=ps_pb2.PullRequest.FromString,
+        response_serializer=as_bytes,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)

@@ -25,7 +25,7 @@ from pswire.partition import DEFAULT_SPLIT_BYTES, ShardMap, VarInfo, plan
 from pswire.proto import ps_pb2, ps_pb2_grpc
 from pswire.security import ClientSecurity
 from pswire.status import from_rpc_error
-from pswire.stubs import ParameterServerStub, encode_header
+from pswire.stubs import ParameterServerStub
 from psworker.allreduce import AllReduceClient
 from psworker.link import ShardLink, push_stream
 from psworker.local import LocalClient
@@ -179,8 +179,8 @@ class PSClient:
             )
             header = ps_pb2.InitHeader(worker_id=self.worker_id, job=job, has_values=send_values)
 
-            def stream() -> Iterator[bytes]:
-                yield encode_header(ps_pb2.InitRequest, header=header)
+            def stream() -> Iterator[bytes | ps_pb2.InitRequest]:
+                yield ps_pb2.InitRequest(header=header)
                 if send_values:
                     for key, array in pieces[shard].items():
                         yield from encode_chunk_messages(key, array, 2, self.chunk_bytes)

@@ -15,7 +15,7 @@ from pswire.codec import encode_chunk_messages
 from pswire.errors import UnavailableError
 from pswire.proto import ps_pb2
 from pswire.status import from_rpc_error
-from pswire.stubs import ParameterServerStub, encode_header
+from pswire.stubs import ParameterServerStub
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -30,14 +30,13 @@ def backoff(attempt: int, rng: random.Random) -> float:
 
 def push_stream(
     worker_id: int, step: int, pieces: Mapping[str, np.ndarray], chunk_bytes: int
-) -> Iterator[bytes]:
+) -> Iterator[bytes | ps_pb2.PushRequest]:
     """A Push request stream: the header, then every piece as chunks.
 
     A uint16 piece is a gradient compressed to bfloat16 (no gradient is an integer).
     """
-    yield encode_header(
-        ps_pb2.PushRequest, header=ps_pb2.PushHeader(worker_id=worker_id, step=step)
-    )
+    # A protobuf message or bytes alike: stubs.as_bytes serializes whichever it gets.
+    yield ps_pb2.PushRequest(header=ps_pb2.PushHeader(worker_id=worker_id, step=step))
     for key, array in pieces.items():
         bf16 = array.dtype == np.uint16
         yield from encode_chunk_messages(key, array, 2, chunk_bytes, bfloat16=bf16)
