@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 
 import grpc
+import numpy as np
 
 from psserver.job import Job, VarSpec
 from psserver.metrics import ShardMetrics
@@ -142,15 +143,28 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @rpc_errors
     def Pull(self, request, context):
+        def encode(arrays: Mapping[str, np.ndarray], clock: int) -> list[bytes]:
+            # Runs under the shard's lock: the encoded reply is the snapshot (one copy).
+            if self.metrics is not None:
+                self.metrics.count_pull(arrays)
+            trailer = varint_field(2, clock)  # PullResponse.clock, after the chunk (field 1)
+            return [
+                message
+                for key, array in arrays.items()
+                for message in encode_chunk_messages(
+                    key, array, 1, self.chunk_bytes, trailer=trailer
+                )
+            ]
+
         with self._waiting("Pull"):
-            arrays, clock = self.shard.pull(
-                request.worker_id, request.step, list(request.names), timeout=_timeout(context)
+            messages, _ = self.shard.pull(
+                request.worker_id,
+                request.step,
+                list(request.names),
+                timeout=_timeout(context),
+                encode=encode,
             )
-        if self.metrics is not None:
-            self.metrics.count_pull(arrays)
-        trailer = varint_field(2, clock)  # PullResponse.clock, after the chunk (field 1)
-        for key, array in arrays.items():
-            yield from encode_chunk_messages(key, array, 1, self.chunk_bytes, trailer=trailer)
+        yield from messages
 
     @rpc_errors
     def Push(self, request_iterator, context):

@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -186,11 +187,20 @@ class Shard:
     # -- pull / push ------------------------------------------------------------------------
 
     def pull(
-        self, worker_id: int, step: int, names: Sequence[str] = (), timeout: float | None = None
-    ) -> tuple[dict[str, np.ndarray], int]:
+        self,
+        worker_id: int,
+        step: int,
+        names: Sequence[str] = (),
+        timeout: float | None = None,
+        encode: Callable[[Mapping[str, np.ndarray], int], Any] | None = None,
+    ) -> tuple[Any, int]:
         """Snapshot of the variables once the consistency rule lets a worker at ``step`` read.
 
-        ``worker_id`` ``OBSERVER`` (-1) reads without counting as any worker (psctl export).
+        Returns (copies of the variables, the clock). With ``encode``, returns
+        ``encode(variables, clock)`` instead, called with the live arrays under the shard's lock:
+        whatever it builds from them (the reply's bytes) is the snapshot, with no second copy.
+        ``encode`` must not keep the arrays. ``worker_id`` ``OBSERVER`` (-1) reads without
+        counting as any worker (psctl export).
 
         Raises:
             NotInitializedError: no job yet.
@@ -216,6 +226,8 @@ class Shard:
                 timeout,
                 lambda: f"pull by worker {worker_id}: " + policy.waiting_for(self._clocks(), step),
             )
+            if encode is not None:
+                return encode({k: self._vars[k] for k in keys}, self._updates), self._updates
             return {k: self._vars[k].copy() for k in keys}, self._updates
 
     def push(
