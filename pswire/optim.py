@@ -64,7 +64,10 @@ class SGD(Optimizer):
                 buf = state["momentum_buffer"] = np.array(d_p, dtype=param.dtype, copy=True)
             else:
                 buf *= param.dtype.type(self.momentum)
-                buf += d_p * param.dtype.type(1 - self.dampening)
+                if self.dampening:
+                    buf += d_p * param.dtype.type(1 - self.dampening)
+                else:  # times 1.0 is exact: skip the temporary
+                    buf += d_p
             d_p = d_p + buf * param.dtype.type(self.momentum) if self.nesterov else buf
         param -= d_p * param.dtype.type(self.lr)
 
@@ -98,16 +101,23 @@ class Adam(Optimizer):
         state["step"] += 1
         step = state["step"]
         m, v = state["exp_avg"], state["exp_avg_sq"]
+        # One scratch array serves every intermediate (same operations, same rounding order as
+        # the plain expressions, without their four temporaries).
+        tmp = np.multiply(grad, t(1 - self.beta1))
         m *= t(self.beta1)
-        m += grad * t(1 - self.beta1)
+        m += tmp
+        np.multiply(grad, grad, out=tmp)
+        tmp *= t(1 - self.beta2)
         v *= t(self.beta2)
-        v += grad * grad * t(1 - self.beta2)
+        v += tmp
         bias1 = 1 - self.beta1**step
         bias2_sqrt = (1 - self.beta2**step) ** 0.5
-        denom = np.sqrt(v)
-        denom /= t(bias2_sqrt)
-        denom += t(self.eps)
-        param -= (m / denom) * t(self.lr / bias1)
+        np.sqrt(v, out=tmp)
+        tmp /= t(bias2_sqrt)
+        tmp += t(self.eps)
+        np.divide(m, tmp, out=tmp)
+        tmp *= t(self.lr / bias1)
+        param -= tmp
 
 
 @dataclass(frozen=True)
