@@ -103,7 +103,8 @@ class Adam(Optimizer):
         m, v = state["exp_avg"], state["exp_avg_sq"]
         # One scratch array serves every intermediate (same operations, same rounding order as
         # the plain expressions, without their four temporaries).
-        tmp = np.multiply(grad, t(1 - self.beta1))
+        tmp = np.empty_like(param)  # an array even for a 0-d variable (a ufunc gives a scalar)
+        np.multiply(grad, t(1 - self.beta1), out=tmp)
         m *= t(self.beta1)
         m += tmp
         np.multiply(grad, grad, out=tmp)

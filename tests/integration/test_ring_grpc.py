@@ -373,9 +373,16 @@ def test_peer_killed_between_collectives_is_named_within_the_timeout() -> None:
 def test_peer_killed_mid_collective_is_detected_at_once() -> None:
     with ring_with_child(die_after_sends=3) as (rings, _child):
         outcomes = on_ranks(lambda r: rings[r].allreduce(np.ones(100_000, np.float32)), [0, 2])
-    # Both neighbours see the connection drop: neither needs to wait out the timeout.
-    for o in outcomes:
-        assert isinstance(o.error, UnavailableError), o.error
-        assert_names(o.error, rings[0], 1)
-        assert o.seconds < FAIL_TIMEOUT
-    assert "disconnected" in str(outcomes[1].error)
+    # Rank 0 sends to the dead rank: its stream breaks, so it knows at once.
+    sender, receiver = outcomes
+    assert isinstance(sender.error, UnavailableError), sender.error
+    assert_names(sender.error, rings[0], 1)
+    assert sender.seconds < FAIL_TIMEOUT
+    # Rank 2 receives from it: it sees the disconnect when the dead rank's stream to it was
+    # open, but on a loaded machine the child may die before opening it, and then silence
+    # until the timeout is all there is to see. Either way it names rank 1, within the bound.
+    assert isinstance(receiver.error, UnavailableError | WaitTimeoutError), receiver.error
+    assert_names(receiver.error, rings[0], 1)
+    assert receiver.seconds < FAIL_TIMEOUT + MARGIN
+    if isinstance(receiver.error, UnavailableError):
+        assert "disconnected" in str(receiver.error)
