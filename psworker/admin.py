@@ -252,7 +252,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="make every shard save a checkpoint now",
         description="Calls Checkpoint on each shard (started with --checkpoint-dir) in parallel.",
     )
-    _add_target_flags(checkpoint, timeout=60.0)
+    add_target_flags(checkpoint, timeout=60.0)
     export = commands.add_parser(
         "export",
         help="write the whole model as one torch state_dict file",
@@ -262,7 +262,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
             ".safetensors (or no torch installed) writes safetensors instead."
         ),
     )
-    _add_target_flags(export, timeout=120.0)
+    add_target_flags(export, timeout=120.0)
     export.add_argument("--out", default=DEFAULT_OUT, help=f"output file [default {DEFAULT_OUT}]")
 
 
@@ -286,7 +286,8 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_target_flags(parser: argparse.ArgumentParser, timeout: float) -> None:
+def add_target_flags(parser: argparse.ArgumentParser, timeout: float) -> None:
+    """ADDR..., --cluster and --timeout: which shards a psctl subcommand talks to."""
     cli.add(
         parser,
         "--cluster",

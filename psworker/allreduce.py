@@ -51,6 +51,7 @@ class AllReduceClient:
         self._local = LocalClient()
         self._buffers: set[str] = set()
         self._plan: BucketPlan | None = None
+        self._specs: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
 
     @property
     def step(self) -> int:
@@ -88,6 +89,7 @@ class AllReduceClient:
         for bucket in buckets:
             self.ring.broadcast(bucket, root=0, inplace=True)
         self._local.init(plan.unflatten(buckets), optimizer, buffers)
+        self._specs = {k: (v.shape, v.dtype) for k, v in arrays.items()}
         self._buffers = set(buffers)
 
     def pull(self, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
@@ -104,15 +106,15 @@ class AllReduceClient:
             UnknownVariableError: a name not in the model.
             WaitTimeoutError, UnavailableError: a peer is silent or gone (named).
         """
-        current = self._local.pull()
         for name in grads:
-            if name not in current:
+            if name not in self._specs:
                 raise UnknownVariableError(
-                    f"variable '{name}' is not in the model; known: {list(current)[:20]}"
+                    f"variable '{name}' is not in the model; known: {list(self._specs)[:20]}"
                 )
+        # Shapes from init, not a pull: a pull would copy the whole model every step.
         full = {
-            name: np.asarray(grads[name]) if name in grads else np.zeros_like(value)
-            for name, value in current.items()
+            name: np.asarray(grads[name]) if name in grads else np.zeros(shape, dtype)
+            for name, (shape, dtype) in self._specs.items()
         }
         mean = self._average(full)
         return self._local.push(mean, step)

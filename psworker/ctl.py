@@ -65,16 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="show shards, variables, workers and clocks",
         description="Asks each shard for its health and status.",
     )
-    cli.add(
-        status,
-        "--cluster",
-        env="PS_CLUSTER",
-        help="TF_CONFIG JSON or file whose cluster.ps lists the shards, when no ADDR is given "
-        "(else $TF_CONFIG)",
-    )
-    status.add_argument("addresses", nargs="*", metavar="ADDR", help="shard host:port")
+    admin.add_target_flags(status, timeout=5.0)
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    status.add_argument("--timeout", type=float, default=5.0, help="seconds per shard [default 5]")
     admin.add_parsers(commands)
     certs.add_parser(commands)
     return parser
