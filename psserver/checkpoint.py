@@ -12,6 +12,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,8 @@ from psserver.job import Job, ShardState, VarSpec
 from psserver.shard import Shard
 from pswire.codec import check_dtype, check_tensor
 from pswire.errors import NotInitializedError, PSError
-from pswire.optim import optimizer_from_spec
+from pswire.optim import Optimizer, optimizer_from_spec
+from pswire.tables import TableSlice, TableState
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +220,86 @@ def _slot_tensor(key: str, slot: str) -> str:
     return f"slot/{key}/{slot}"
 
 
+def _table_tensor(key: str, part: str) -> str:
+    return f"table/{key}/{part}"
+
+
+def _split_slots(key: str, slots: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict]:
+    """(array slots, scalar slots) of one variable's or table's optimizer state.
+
+    Raises:
+        ValueError: a slot a checkpoint cannot store.
+    """
+    arrays, values = {}, {}
+    for slot, value in slots.items():
+        if isinstance(value, np.ndarray):
+            arrays[slot] = _contiguous(value)
+        elif value is None or isinstance(value, bool | int | float):
+            values[slot] = value
+        else:
+            raise ValueError(
+                f"optimizer slot '{slot}' of '{key}' holds a {type(value).__name__}, which a "
+                "checkpoint cannot store"
+            )
+    return arrays, values
+
+
+def _encode_tables(
+    tables: Mapping[str, TableState], tensors: dict[str, np.ndarray]
+) -> dict[str, Any]:
+    """Adds each table's rows, ids and slot arrays to ``tensors``; returns the JSON part."""
+    doc = {}
+    for key, table in tables.items():
+        tensors[_table_tensor(key, "values")] = _contiguous(table.values)
+        if table.ids is not None:
+            tensors[_table_tensor(key, "ids")] = _contiguous(table.ids)
+        arrays, values = _split_slots(key, table.slots)
+        for slot, array in arrays.items():
+            tensors[_table_tensor(key, f"slot/{slot}")] = array
+        doc[key] = {"evictions": table.evictions, "slot_arrays": sorted(arrays), "slots": values}
+    return doc
+
+
+def _decode_tables(
+    specs: Mapping[str, TableSlice],
+    optimizer: Optimizer,
+    doc: Mapping[str, Any],
+    tensors: Mapping[str, np.ndarray],
+    expected: set[str],
+) -> dict[str, TableState]:
+    """Rebuilds each table's state, adding the tensor names it used to ``expected``.
+
+    Raises:
+        ValueError, KeyError: the contents do not describe the job's tables.
+    """
+    if set(doc) != set(specs):
+        raise ValueError(f"checkpoint holds tables {sorted(doc)}, the job has {sorted(specs)}")
+    out = {}
+    for key, spec in specs.items():
+        entry = doc[key]
+        names = [_table_tensor(key, "values")]
+        if spec.dynamic:
+            names.append(_table_tensor(key, "ids"))
+        names += [_table_tensor(key, f"slot/{slot}") for slot in entry["slot_arrays"]]
+        expected.update(names)
+        values = tensors[names[0]]
+        ids = tensors[names[1]] if spec.dynamic else None
+        if ids is not None and (ids.dtype != np.int64 or ids.shape != (len(values),)):
+            raise ValueError(f"table '{key}': ids {ids.dtype} {ids.shape} for {len(values)} rows")
+        slots = dict(entry["slots"])
+        template = optimizer.make_state(np.zeros((0, spec.dim), dtype=spec.dtype))
+        for slot in entry["slot_arrays"]:
+            array = tensors[_table_tensor(key, f"slot/{slot}")]
+            check_tensor(f"{key}:{slot}", values.shape, spec.dtype, array, "checkpoint")
+            slots[slot] = array
+        if set(slots) != set(template):
+            raise ValueError(
+                f"table '{key}' has slots {sorted(slots)}, expected {sorted(template)}"
+            )
+        out[key] = TableState(ids, values, slots, int(entry["evictions"]))
+    return out
+
+
 def _encode(state: ShardState, incarnation: str) -> tuple[dict[str, np.ndarray], str]:
     """Splits a state into named arrays and the JSON that describes the rest."""
     tensors: dict[str, np.ndarray] = {}
@@ -226,18 +308,11 @@ def _encode(state: ShardState, incarnation: str) -> tuple[dict[str, np.ndarray],
     slot_arrays: dict[str, list[str]] = {}
     slot_values: dict[str, dict[str, Any]] = {}
     for key, slots in state.slots.items():
-        slot_arrays[key], slot_values[key] = [], {}
-        for slot, value in slots.items():
-            if isinstance(value, np.ndarray):
-                tensors[_slot_tensor(key, slot)] = _contiguous(value)
-                slot_arrays[key].append(slot)
-            elif value is None or isinstance(value, bool | int | float):
-                slot_values[key][slot] = value
-            else:
-                raise ValueError(
-                    f"optimizer slot '{slot}' of variable '{key}' holds a {type(value).__name__}, "
-                    "which a checkpoint cannot store"
-                )
+        arrays, slot_values[key] = _split_slots(key, slots)
+        slot_arrays[key] = list(arrays)
+        for slot, array in arrays.items():
+            tensors[_slot_tensor(key, slot)] = array
+    tables = _encode_tables(state.tables, tensors)
     job = state.job
     doc = {
         "format": FORMAT,
@@ -252,10 +327,17 @@ def _encode(state: ShardState, incarnation: str) -> tuple[dict[str, np.ndarray],
             "model_digest": job.model_digest,
             "optimizer": {"name": job.optimizer.name, "params": job.optimizer.params()},
             "variables": [
-                {"key": v.key, "shape": list(v.shape), "dtype": v.dtype, "average": v.average}
+                {
+                    "key": v.key,
+                    "shape": list(v.shape),
+                    "dtype": v.dtype,
+                    "average": v.average,
+                    "table": None if v.table is None else asdict(v.table),
+                }
                 for v in job.variables
             ],
         },
+        "tables": tables,
         "updates": state.updates,
         "finished": {str(w): n for w, n in state.finished.items()},
         "counters": dict(state.counters),
@@ -281,9 +363,9 @@ def _decode(text: str, tensors: Mapping[str, np.ndarray]) -> ShardState:
     variables = []
     for v in spec["variables"]:
         check_dtype(v["dtype"], v["key"])
-        variables.append(
-            VarSpec(v["key"], tuple(int(d) for d in v["shape"]), v["dtype"], bool(v["average"]))
-        )
+        table = TableSlice(**v["table"]) if v.get("table") else None
+        shape = tuple(int(d) for d in v["shape"])
+        variables.append(VarSpec(v["key"], shape, v["dtype"], bool(v["average"]), table))
     job = Job(
         mode=spec["mode"],
         staleness=int(spec["staleness"]),
@@ -294,14 +376,15 @@ def _decode(text: str, tensors: Mapping[str, np.ndarray]) -> ShardState:
         quorum=int(spec["quorum"]),
     )
     make_policy(job.mode, job.staleness, job.quorum)  # raises on a mode this build lacks
-    expected = {_var_tensor(v.key) for v in variables}
+    dense = [v for v in variables if v.table is None]
+    expected = {_var_tensor(v.key) for v in dense}
     values = {}
-    for v in variables:
+    for v in dense:
         array = tensors[_var_tensor(v.key)]
         check_tensor(v.key, v.shape, v.dtype, array, "checkpoint")
         values[v.key] = array
     slot_arrays, slot_values = doc["slot_arrays"], doc["slot_values"]
-    trained = {v.key for v in variables if not v.average}
+    trained = {v.key for v in dense if not v.average}
     if set(slot_arrays) != trained or set(slot_values) != trained:
         raise ValueError(
             f"optimizer state covers {sorted(slot_arrays)}, the trained variables are "
@@ -317,6 +400,8 @@ def _decode(text: str, tensors: Mapping[str, np.ndarray]) -> ShardState:
             state[slot] = tensors[name]
         _check_slots(key, values[key], template, state)
         slots[key] = state
+    table_specs = {v.key: v.table for v in variables if v.table is not None}
+    tables = _decode_tables(table_specs, job.optimizer, doc.get("tables", {}), tensors, expected)
     extra = sorted(set(tensors) - expected)
     if extra:
         raise ValueError(f"tensors the metadata does not describe: {extra[:10]}")
@@ -327,6 +412,7 @@ def _decode(text: str, tensors: Mapping[str, np.ndarray]) -> ShardState:
         updates=int(doc["updates"]),
         finished={int(w): int(n) for w, n in doc["finished"].items()},
         counters={str(k): int(n) for k, n in doc["counters"].items()},
+        tables=tables,
     )
 
 

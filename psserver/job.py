@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from pswire.optim import Optimizer
+from pswire.tables import TableSlice, TableState
 
 OBSERVER = -1  # worker_id of a reader that is not one of the job's workers
 
 
 @dataclass(frozen=True)
 class VarSpec:
-    """A variable (or slice) on this shard; ``average``: a buffer, not trained (see _apply)."""
+    """A variable (or slice) on this shard; ``average``: a buffer, not trained (see _apply);
+    ``table``: an embedding table's slice, read and written by rows."""
 
     key: str
     shape: tuple[int, ...]
     dtype: str
     average: bool = False
+    table: TableSlice | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class ShardState:
     updates: int
     finished: dict[int, int]
     counters: dict[str, int]
+    tables: dict[str, TableState] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -103,3 +107,5 @@ class ShardStatus:
     pushes_late: int
     checkpoint_step: int
     checkpoint_age_s: float
+    tables: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
+    # table -> (rows, bytes, evictions, capacity)

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from psserver.shard import Shard
+from pswire.tables import RowSparse
 
 # Latencies from a cached unary call (~0.2 ms) to a sync barrier held by a slow worker (minutes).
 LATENCY_BUCKETS = (
@@ -115,7 +116,7 @@ class ShardMetrics:
                 self._groups[key] = group
         return group
 
-    def count_push(self, grads: Mapping[str, np.ndarray]) -> None:
+    def count_push(self, grads: Mapping[str, np.ndarray | RowSparse]) -> None:
         """Counts one push request's gradients by variable group."""
         self._count(grads, self.pushes, self.push_bytes)
 
@@ -123,7 +124,9 @@ class ShardMetrics:
         """Counts one pull reply's variables by variable group."""
         self._count(arrays, self.pulls, self.pull_bytes)
 
-    def _count(self, arrays: Mapping[str, np.ndarray], requests: Counter, nbytes: Counter) -> None:
+    def _count(
+        self, arrays: Mapping[str, np.ndarray | RowSparse], requests: Counter, nbytes: Counter
+    ) -> None:
         by_group: dict[str, int] = {}
         for key, array in arrays.items():
             group = self.group(key)
@@ -211,6 +214,10 @@ class _StatusCollector(Collector):
         f["push_results"].add_metric([name, "applied"], st.pushes_applied)
         f["push_results"].add_metric([name, "duplicate"], st.pushes_duplicate)
         f["push_results"].add_metric([name, "late"], st.pushes_late)
+        for table, (rows, nbytes, evictions, _capacity) in sorted(st.tables.items()):
+            f["table_rows"].add_metric([name, table], rows)
+            f["table_bytes"].add_metric([name, table], nbytes)
+            f["table_evictions"].add_metric([name, table], evictions)
         f["checkpoint_step"].add_metric([name], st.checkpoint_step)
         if st.checkpoint_age_s >= 0:
             f["checkpoint_age"].add_metric([name], st.checkpoint_age_s)
@@ -233,6 +240,15 @@ class _StatusCollector(Collector):
             "clock": gauge("psserver_clock", "Optimizer updates applied by this shard"),
             "variables": gauge("psserver_variables", "Variables (or slices) on this shard"),
             "variable_bytes": gauge("psserver_variable_bytes", "Bytes of variables held"),
+            "table_rows": gauge("psserver_table_rows", "Rows an embedding table holds", "table"),
+            "table_bytes": gauge(
+                "psserver_table_bytes", "Bytes of a table's rows and optimizer state", "table"
+            ),
+            "table_evictions": CounterMetricFamily(
+                "psserver_table_evictions",
+                "Rows a dynamic table dropped at its capacity (least recently used)",
+                labels=["shard", "table"],
+            ),
             "workers": gauge("psserver_workers", "Workers this shard has heard from"),
             "live_workers": gauge(
                 "psserver_live_workers", "Workers in the quorum (heard within the timeout)"

@@ -22,6 +22,7 @@ from pswire.errors import InvalidRequestError, NotInitializedError
 from pswire.optim import optimizer_from_spec
 from pswire.proto import ps_pb2, ps_pb2_grpc
 from pswire.status import rpc_errors
+from pswire.tables import RowSparse, TableSlice
 
 # Finish a server-side wait this long before the caller's deadline, so the caller gets our
 # specific error (what the wait was for) rather than a bare DEADLINE_EXCEEDED.
@@ -39,7 +40,16 @@ def job_from_proto(spec: ps_pb2.JobSpec) -> Job:
         # The same dtype and dims checks as a tensor on the wire: a job must not declare a
         # variable that no tensor could ever match (negative or absurd dims).
         tensor_nbytes(v.name, v.dtype, v.shape)
-        variables.append(VarSpec(v.name, tuple(int(d) for d in v.shape), v.dtype, v.average))
+        table = None
+        if v.HasField("table"):
+            t = v.table
+            dim = int(v.shape[1]) if len(v.shape) == 2 else 0
+            table = TableSlice(
+                v.name, dim, v.dtype, int(t.num_rows), int(t.row_start), int(t.row_end),
+                int(t.capacity), t.init, float(t.init_scale), int(t.seed),
+            )  # fmt: skip
+        shape = tuple(int(d) for d in v.shape)
+        variables.append(VarSpec(v.name, shape, v.dtype, v.average, table))
     return Job(
         mode=spec.mode,
         staleness=int(spec.staleness),
@@ -57,13 +67,45 @@ def job_to_proto(job: Job) -> ps_pb2.JobSpec:
         staleness=job.staleness,
         num_workers=job.num_workers,
         optimizer=ps_pb2.OptimizerSpec(name=job.optimizer.name, params=job.optimizer.params()),
-        variables=[
-            ps_pb2.VariableSpec(name=v.key, dtype=v.dtype, shape=v.shape, average=v.average)
-            for v in job.variables
-        ],
+        variables=[variable_to_proto(v) for v in job.variables],
         model_digest=job.model_digest,
         quorum=job.quorum,
     )
+
+
+def table_to_proto(t: TableSlice) -> ps_pb2.TableSpec:
+    return ps_pb2.TableSpec(
+        num_rows=t.num_rows,
+        row_start=t.row_start,
+        row_end=t.row_end,
+        capacity=t.capacity,
+        init=t.init,
+        init_scale=t.init_scale,
+        seed=t.seed,
+    )
+
+
+def variable_to_proto(v: VarSpec) -> ps_pb2.VariableSpec:
+    spec = ps_pb2.VariableSpec(name=v.key, dtype=v.dtype, shape=v.shape, average=v.average)
+    if v.table is not None:
+        spec.table.CopyFrom(table_to_proto(v.table))
+    return spec
+
+
+def _row_query(request: ps_pb2.PullRequest) -> list[tuple[str, np.ndarray]]:
+    """(table, ids) pairs of a pull; ids decoded without a copy.
+
+    Raises:
+        InvalidRequestError: ids that are not whole int64s.
+    """
+    rows = []
+    for q in request.rows:
+        if len(q.ids) % 8:
+            raise InvalidRequestError(
+                f"table '{q.table}': row ids are {len(q.ids)} bytes, not a whole number of int64s"
+            )
+        rows.append((q.table, np.frombuffer(q.ids, dtype="<i8")))
+    return rows
 
 
 def _timeout(context: grpc.ServicerContext) -> float | None:
@@ -133,6 +175,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         header = _header_then_chunks(request_iterator, "header", assembler, "Init")
         assert isinstance(header, ps_pb2.InitHeader)
         values: dict | None = assembler.finish()
+        if assembler.indices:
+            raise InvalidRequestError(
+                f"Init carries row ids for {sorted(assembler.indices)}: tables are never sent"
+            )
         if values and not header.has_values:
             raise InvalidRequestError("Init carries values but its header says has_values=false")
         if not header.has_values:
@@ -163,6 +209,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 list(request.names),
                 timeout=_timeout(context),
                 encode=encode,
+                rows=_row_query(request),
             )
         yield from messages
 
@@ -171,7 +218,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         assembler = ChunkAssembler(self.shard.limits.max_request_bytes)
         header = _header_then_chunks(request_iterator, "header", assembler, "Push")
         assert isinstance(header, ps_pb2.PushHeader)
-        grads = assembler.finish()
+        rows = assembler.indices
+        grads = {
+            k: RowSparse(rows[k], a) if k in rows else a for k, a in assembler.finish().items()
+        }
         if self.metrics is not None:
             self.metrics.count_push(grads)
         with self._waiting("Push"):
@@ -205,6 +255,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             reply.job.CopyFrom(job_to_proto(st.job))
         for worker, (clock, age) in st.workers.items():
             reply.workers.add(worker_id=worker, clock=clock, seconds_since_heartbeat=age)
+        for name, (rows, nbytes, evictions, capacity) in st.tables.items():
+            reply.tables.add(
+                name=name, rows=rows, bytes=nbytes, evictions=evictions, capacity=capacity
+            )
         return reply
 
     @rpc_errors

@@ -35,6 +35,7 @@ from pswire.errors import (
     UnknownVariableError,
     WaitTimeoutError,
 )
+from pswire.tables import RowSparse, RowStore, check_rows
 
 
 class Shard:
@@ -51,6 +52,7 @@ class Shard:
         self._vars: dict[str, np.ndarray] = {}
         self._slots: dict[str, dict] = {}
         self._specs: dict[str, VarSpec] = {}
+        self._tables: dict[str, RowStore] = {}
         self._finished: dict[int, int] = {}
         self._members = Membership(self.limits.heartbeat_timeout_s)
         self._ready = False  # initial values installed
@@ -141,11 +143,18 @@ class Shard:
             self._vars = {
                 key: np.array(values[key], dtype=np.dtype(spec.dtype), copy=True)
                 for key, spec in self._specs.items()
+                if spec.table is None
             }
             self._slots = {
                 k: job.optimizer.make_state(v)
                 for k, v in self._vars.items()
                 if not self._specs[k].average
+            }
+            # Tables start from their seeded initialiser: no worker sends (or holds) them.
+            self._tables = {
+                key: RowStore(spec.table, job.optimizer)
+                for key, spec in self._specs.items()
+                if spec.table is not None
             }
             self._ready = True
             self._cond.notify_all()
@@ -171,9 +180,23 @@ class Shard:
         keys = [v.key for v in job.variables]
         if len(set(keys)) != len(keys):
             raise InvalidRequestError(f"job declares a variable twice: {keys}")
+        for v in job.variables:
+            if v.table is not None:
+                v.table.check(job.optimizer)
+                if v.shape != (v.table.local_rows, v.table.dim) or v.dtype != v.table.dtype:
+                    raise InvalidRequestError(
+                        f"table '{v.key}' declares shape {v.shape} {v.dtype}, but its slice "
+                        f"holds ({v.table.local_rows}, {v.table.dim}) {v.table.dtype}"
+                    )
 
     def _check_values(self, job: Job, values: Mapping[str, np.ndarray]) -> None:
-        specs = {v.key: v for v in job.variables}
+        specs = {v.key: v for v in job.variables if v.table is None}
+        for v in job.variables:
+            if v.table is not None and v.key in values:
+                raise InvalidRequestError(
+                    f"initial values for table '{v.key}': tables start from their seeded "
+                    "initialiser on the shards and are never sent"
+                )
         for key in values:
             if key not in specs:
                 raise UnknownVariableError(
@@ -193,8 +216,13 @@ class Shard:
         names: Sequence[str] = (),
         timeout: float | None = None,
         encode: Callable[[Mapping[str, np.ndarray], int], Any] | None = None,
+        rows: Sequence[tuple[str, np.ndarray]] = (),
     ) -> tuple[Any, int]:
         """Snapshot of the variables once the consistency rule lets a worker at ``step`` read.
+
+        ``rows``: (table, ids) pairs; each table's rows come back under its name, in id order
+        (a dynamic table makes rows on first touch). Empty ``names`` means every variable
+        that is not a table, or none when ``rows`` are asked for.
 
         Returns (copies of the variables, the clock). With ``encode``, returns
         ``encode(variables, clock)`` instead, called with the live arrays under the shard's lock:
@@ -213,10 +241,19 @@ class Shard:
             self._check_worker(worker_id, job.num_workers, "pull")
         if step < 0:
             raise InvalidRequestError(f"pull by worker {worker_id} has negative step {step}")
-        keys = list(names) if names else [v.key for v in job.variables]
+        if names:
+            keys = list(names)
+        else:
+            keys = [] if rows else [v.key for v in job.variables if v.table is None]
         for key in keys:
-            if key not in self._specs:
+            spec = self._specs.get(key)
+            if spec is None:
                 raise UnknownVariableError(self._unknown(key))
+            if spec.table is not None:
+                raise InvalidRequestError(
+                    f"'{key}' is an embedding table: pull its rows by id, not the whole table"
+                )
+        self._check_row_query(rows)
         with self._cond:
             self._touch(worker_id)
             self._wait_values(timeout)
@@ -226,15 +263,32 @@ class Shard:
                 timeout,
                 lambda: f"pull by worker {worker_id}: " + policy.waiting_for(self._clocks(), step),
             )
+            # Gathering copies the rows: they are this pull's snapshot either way.
+            gathered = {table: self._tables[table].gather(ids) for table, ids in rows}
             if encode is not None:
-                return encode({k: self._vars[k] for k in keys}, self._updates), self._updates
-            return {k: self._vars[k].copy() for k in keys}, self._updates
+                arrays = {**{k: self._vars[k] for k in keys}, **gathered}
+                return encode(arrays, self._updates), self._updates
+            return {**{k: self._vars[k].copy() for k in keys}, **gathered}, self._updates
+
+    def _check_row_query(self, rows: Sequence[tuple[str, np.ndarray]]) -> None:
+        """Raises UnknownVariableError / InvalidRequestError for a bad row query."""
+        seen: set[str] = set()
+        for table, ids in rows:
+            spec = self._specs.get(table)
+            if spec is None:
+                raise UnknownVariableError(self._unknown(table))
+            if spec.table is None:
+                raise InvalidRequestError(f"rows of '{table}', which is not an embedding table")
+            if table in seen:
+                raise InvalidRequestError(f"one pull asks for rows of table '{table}' twice")
+            seen.add(table)
+            check_rows(spec.table, ids, None, "pull")
 
     def push(
         self,
         worker_id: int,
         step: int,
-        grads: Mapping[str, np.ndarray],
+        grads: Mapping[str, np.ndarray | RowSparse],
         timeout: float | None = None,
     ) -> PushResult:
         """Takes one worker's gradients for one step, applying them as the rule says.
@@ -262,6 +316,18 @@ class Shard:
         grads = {key: self._widen(key, grad) for key, grad in grads.items()}
         for key, grad in grads.items():
             spec = self._specs[key]
+            if spec.table is not None:
+                if not isinstance(grad, RowSparse):
+                    raise InvalidRequestError(
+                        f"table '{key}' takes row-sparse gradients (ids with rows), got a dense "
+                        f"tensor of shape {grad.shape}"
+                    )
+                check_rows(spec.table, grad.ids, grad.values, "push")
+                continue
+            if isinstance(grad, RowSparse):
+                raise InvalidRequestError(
+                    f"variable '{key}' is dense, but the push sent rows by id (not a table)"
+                )
             check_tensor(
                 key, spec.shape, spec.dtype, grad, "buffer value" if spec.average else "gradient"
             )
@@ -289,7 +355,7 @@ class Shard:
             self._cond.notify_all()
             return self._result(True, "", worker_id)
 
-    def _widen(self, key: str, grad: np.ndarray) -> np.ndarray:
+    def _widen(self, key: str, grad: np.ndarray | RowSparse) -> np.ndarray | RowSparse:
         """A float16 gradient for a float32 variable (wire compression) becomes float32 here, so
         averaging and the optimizer run in float32. (bfloat16 arrives already widened.)
 
@@ -299,6 +365,10 @@ class Shard:
         spec = self._specs.get(key)
         if spec is None:
             raise UnknownVariableError(self._unknown(key))
+        if isinstance(grad, RowSparse):
+            if grad.values.dtype == np.float16 and spec.dtype == "float32":
+                return RowSparse(grad.ids, grad.values.astype(np.float32))
+            return grad
         if grad.dtype == np.float16 and spec.dtype == "float32" and not spec.average:
             return grad.astype(np.float32)
         return grad
@@ -313,11 +383,13 @@ class Shard:
     def _result(self, applied: bool, reason: str, worker_id: int) -> PushResult:
         return PushResult(applied, reason, self._updates, self._durable.get(worker_id, 0))
 
-    def _apply(self, update: Mapping[str, np.ndarray]) -> None:
+    def _apply(self, update: Mapping[str, Any]) -> None:
         assert self._job is not None
         opt = self._job.optimizer
         for key, grad in update.items():
-            if self._specs[key].average:
+            if isinstance(grad, RowSparse):
+                self._tables[key].apply(grad.ids, grad.values)
+            elif self._specs[key].average:
                 # A buffer (e.g. BatchNorm running stats): the pushed values (averaged over the
                 # round in sync mode) replace the stored ones; no optimizer.
                 np.copyto(self._vars[key], grad, casting="unsafe")
@@ -342,12 +414,17 @@ class Shard:
                 clock=self._updates,
                 workers=workers,
                 live=self._members.live,
-                total_bytes=sum(v.nbytes for v in self._vars.values()),
+                total_bytes=sum(v.nbytes for v in self._vars.values())
+                + sum(t.nbytes for t in self._tables.values()),
                 pushes_applied=self._counters["applied"],
                 pushes_duplicate=self._counters["duplicate"],
                 pushes_late=self._counters["late"],
                 checkpoint_step=self._checkpoint_step,
                 checkpoint_age_s=age,
+                tables={
+                    k: (t.rows, t.nbytes, t.evictions, t.spec.capacity)
+                    for k, t in self._tables.items()
+                },
             )
 
     def snapshot(self) -> dict[str, np.ndarray]:
@@ -377,6 +454,7 @@ class Shard:
                 updates=self._updates,
                 finished=finished,
                 counters=dict(self._counters),
+                tables={k: t.export() for k, t in self._tables.items()},
             )
 
     def mark_checkpoint(self, state: ShardState) -> None:
@@ -393,10 +471,20 @@ class Shard:
             InvalidRequestError: the state does not match its own job.
         """
         self._check_values(state.job, state.variables)
+        specs = {v.key: v.table for v in state.job.variables if v.table is not None}
+        if set(specs) != set(state.tables):
+            raise InvalidRequestError(
+                f"the state holds tables {sorted(state.tables)}, its job declares {sorted(specs)}"
+            )
+        tables = {
+            k: RowStore.restore(spec, state.job.optimizer, state.tables[k])
+            for k, spec in specs.items()
+        }
         with self._cond:
             self._set_job(state.job)
             self._vars = {k: np.array(v, copy=True) for k, v in state.variables.items()}
             self._slots = {k: _copy_slots(s) for k, s in state.slots.items()}
+            self._tables = tables
             self._updates = state.updates
             self._finished = dict(state.finished)
             self._counters.update(state.counters)

@@ -134,12 +134,17 @@ def _wire_bytes(
 
 
 def tensor_to_chunks(
-    name: str, array: np.ndarray, chunk_bytes: int = DEFAULT_CHUNK_BYTES, bfloat16: bool = False
+    name: str,
+    array: np.ndarray,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    bfloat16: bool = False,
+    indices: np.ndarray | None = None,
 ) -> Iterator[ps_pb2.TensorChunk]:
     """Splits an array into wire chunks of at most ``chunk_bytes`` of data each.
 
     Only the slice being sent is copied into a message; the array itself is not duplicated.
     ``bfloat16``: the array holds bfloat16 bit patterns (uint16) and is labelled so.
+    ``indices``: the row ids of a row-sparse tensor, carried by the first chunk.
 
     Raises:
         ValueError: ``chunk_bytes`` < 1.
@@ -158,9 +163,15 @@ def tensor_to_chunks(
             chunk.dtype = dtype
             chunk.shape.extend(shape)
             chunk.total_bytes = total
+            if indices is not None:
+                chunk.indices = _indices_bytes(indices)
             first = False
         yield chunk
         offset = end
+
+
+def _indices_bytes(indices: np.ndarray) -> bytes:
+    return np.ascontiguousarray(indices, dtype="<i8").tobytes()
 
 
 def tensor_to_proto(name: str, array: np.ndarray) -> ps_pb2.TensorChunk:
@@ -206,6 +217,9 @@ class ChunkAssembler:
         self._received = 0
         self._last: str | None = None
         self._bfloat16 = False
+        self._ids: np.ndarray | None = None
+        # Row ids of the row-sparse tensors (those whose first chunk carried indices).
+        self.indices: dict[str, np.ndarray] = {}
 
     def add(self, chunk: ps_pb2.TensorChunk) -> None:
         """Takes the next chunk of the stream."""
@@ -215,6 +229,11 @@ class ChunkAssembler:
             raise InvalidRequestError(
                 f"variable '{self._name}' is truncated: got {self._received} of {self._total} "
                 f"bytes before a chunk of '{chunk.name}' began"
+            )
+        elif chunk.indices:
+            raise InvalidRequestError(
+                f"table '{self._name}': row ids in a chunk at byte offset {chunk.offset}; they "
+                "belong in the tensor's first chunk only"
             )
         assert self._name is not None
         data = chunk.data
@@ -270,12 +289,16 @@ class ChunkAssembler:
         self._bfloat16 = chunk.dtype == BFLOAT16
         self._dtype = check_dtype(chunk.dtype, name)
         self._shape = tuple(int(d) for d in chunk.shape)
+        self._ids = _row_ids(name, chunk.indices, self._shape) if chunk.indices else None
         self._total = nbytes
         self._received = 0
         self._buffer = None
 
     def _complete(self, array: np.ndarray) -> None:
         assert self._name is not None
+        if self._ids is not None:
+            self.indices[self._name] = self._ids
+            self._ids = None
         self._done[self._name] = bfloat16_to_float32(array) if self._bfloat16 else array
         self._last = self._name
         self._name = None
@@ -298,6 +321,20 @@ class ChunkAssembler:
                 f"{self._total} bytes"
             )
         return self._done
+
+
+def _row_ids(name: str, raw: bytes | memoryview, shape: tuple[int, ...]) -> np.ndarray:
+    """The int64 row ids a row-sparse tensor's first chunk carries, checked against its shape.
+
+    Raises:
+        InvalidRequestError: not one int64 id per row of a 2-d tensor.
+    """
+    if len(shape) != 2 or len(raw) != 8 * shape[0]:
+        raise InvalidRequestError(
+            f"table '{name}': {len(raw)} bytes of row ids for rows of shape {shape}; expected "
+            "a 2-d tensor and 8 bytes (one int64 id) per row"
+        )
+    return np.frombuffer(raw, dtype="<i8")
 
 
 # -- the tensor streams' messages, encoded and parsed by hand ------------------------------
@@ -340,22 +377,27 @@ def encode_chunk_messages(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     bfloat16: bool = False,
     trailer: bytes = b"",
+    indices: np.ndarray | None = None,
 ) -> Iterator[bytes]:
     """Serialized messages each holding one TensorChunk of ``array`` in field ``outer_field``.
 
     ``trailer`` is appended to every message: fields after the chunk, already encoded (e.g. a
-    PullResponse's clock). Equal, byte for byte, to building the protobuf objects from
-    ``tensor_to_chunks`` and serializing them.
+    PullResponse's clock). ``indices``: row ids of a row-sparse tensor (first chunk). Equal,
+    byte for byte, to building the protobuf objects from ``tensor_to_chunks`` and serializing
+    them.
 
     Raises:
         ValueError, InvalidRequestError: as ``tensor_to_chunks``.
     """
+    ids = _indices_bytes(indices) if indices is not None and len(indices) else b""
     for chunk in _chunk_fields(name, array, chunk_bytes, bfloat16):
         head, data = chunk
         data_field = _tag(6, _WIRE_LEN) + _varint(len(data)) if len(data) else b""
-        inner_len = len(head) + len(data_field) + len(data)
+        ids_field = _len_field(7, ids) if ids else b""
+        ids = b""  # first chunk only
+        inner_len = len(head) + len(data_field) + len(data) + len(ids_field)
         outer = _tag(outer_field, _WIRE_LEN) + _varint(inner_len)
-        yield b"".join((outer, head, data_field, data, trailer))
+        yield b"".join((outer, head, data_field, data, ids_field, trailer))
 
 
 def _chunk_fields(
@@ -385,7 +427,7 @@ def _chunk_fields(
 class WireChunk:
     """A parsed TensorChunk whose ``data`` is a view into the received message (no copy)."""
 
-    __slots__ = ("data", "dtype", "name", "offset", "shape", "total_bytes")
+    __slots__ = ("data", "dtype", "indices", "name", "offset", "shape", "total_bytes")
 
     def __init__(self) -> None:
         self.name = ""
@@ -394,6 +436,7 @@ class WireChunk:
         self.total_bytes = 0
         self.offset = 0
         self.data: memoryview | bytes = b""
+        self.indices: memoryview | bytes = b""
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
@@ -451,12 +494,14 @@ def parse_chunk(buf: memoryview) -> WireChunk:
     """
     chunk = WireChunk()
     for field, wire, value in _fields(buf):
-        if field in (1, 2, 6):
+        if field in (1, 2, 6, 7):
             if wire != _WIRE_LEN:
                 raise ValueError(f"TensorChunk field {field} has wire type {wire}")
             assert isinstance(value, memoryview)
             if field == 6:
                 chunk.data = value
+            elif field == 7:
+                chunk.indices = value
             else:
                 text = bytes(value).decode("utf-8")  # raises like protobuf on bad UTF-8
                 if field == 1:

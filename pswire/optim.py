@@ -34,6 +34,22 @@ class Optimizer:
         """Updates ``param`` in place from ``grad``; ``state`` is this variable's slot dict."""
         raise NotImplementedError
 
+    def apply_rows(
+        self, param: np.ndarray, rows: np.ndarray, grad: np.ndarray, state: dict[str, Any]
+    ) -> None:
+        """A row-sparse step: ``apply``'s math on rows ``rows`` (unique) of ``param`` and of its
+        slot arrays; other rows and their slots stay as they are (lazy, like
+        ``torch.optim.SparseAdam``); scalar slots such as the step count advance once."""
+        part = param[rows]
+        sub = {k: (v[rows] if isinstance(v, np.ndarray) else v) for k, v in state.items()}
+        self.apply(part, np.asarray(grad, dtype=param.dtype), sub)
+        param[rows] = part
+        for key, value in sub.items():
+            if isinstance(state[key], np.ndarray):
+                state[key][rows] = value
+            else:
+                state[key] = value
+
 
 @dataclass(frozen=True)
 class SGD(Optimizer):

@@ -13,6 +13,7 @@ from pswire.errors import (
     WaitTimeoutError,
 )
 from pswire.optim import SGD, Adagrad, Adam, Optimizer
+from pswire.tables import RowSparse, Table
 from psworker.client import PSClient, connect
 from psworker.data import shard
 from psworker.local import LocalClient
@@ -28,7 +29,9 @@ __all__ = [
     "Optimizer",
     "PSClient",
     "PSError",
+    "RowSparse",
     "ShapeMismatchError",
+    "Table",
     "TooLargeError",
     "UnauthenticatedError",
     "UnavailableError",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -26,6 +27,7 @@ from pswire.proto import ps_pb2, ps_pb2_grpc
 from pswire.security import ClientSecurity
 from pswire.status import from_rpc_error
 from pswire.stubs import ParameterServerStub
+from pswire.tables import RowSparse, Table, TableLayout, TableSlice, as_ids, tables_digest
 from psworker.allreduce import AllReduceClient
 from psworker.link import ShardLink, push_stream
 from psworker.local import LocalClient
@@ -87,6 +89,7 @@ class PSClient:
         self.quorum = quorum
         self.compression = compression
         self._buffers: set[str] = set()
+        self.tables: dict[str, TableLayout] = {}
         self.heartbeat_s = heartbeat_s
         self.security = security or ClientSecurity()
         self._channels = [self.security.channel(a) for a in self.addresses]
@@ -132,6 +135,7 @@ class PSClient:
         variables: Mapping[str, np.ndarray],
         optimizer: Optimizer,
         buffers: Sequence[str] = (),
+        tables: Mapping[str, Table] | None = None,
     ) -> None:
         """Agrees on the job with every shard; worker 0 sends the initial values.
 
@@ -139,7 +143,9 @@ class PSClient:
         the starting weights, other workers' are not sent. A worker that restarts resumes at
         the step the shards recorded for it. Variables named in ``buffers`` are not trained:
         pushes carry their values, and the shards keep the pushed values (in ``sync`` mode
-        their mean over the step's workers).
+        their mean over the step's workers). ``tables`` are embedding tables, split by rows
+        across every shard and initialised there (never sent): read them with ``pull_rows``,
+        train them with ``RowSparse`` gradients in ``push``.
 
         Raises:
             ModelMismatchError: a shard holds a different model, mode or optimizer.
@@ -147,10 +153,18 @@ class PSClient:
         """
         arrays = {name: np.asarray(v) for name, v in variables.items()}
         infos = [VarInfo(n, tuple(a.shape), a.dtype.name) for n, a in arrays.items()]
+        tables = dict(tables or {})
+        clash = sorted(set(tables) & set(arrays))
+        if clash:
+            raise InvalidRequestError(f"names used by both a variable and a table: {clash}")
         try:
             shard_map = plan(infos, len(self.addresses), self.split_bytes)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from exc
+        layouts = {n: TableLayout.build(n, t, len(self.addresses)) for n, t in tables.items()}
+        digest = shard_map.digest()
+        if tables:  # a model without tables keeps the digest it always had
+            digest = hashlib.sha256((digest + tables_digest(tables)).encode()).hexdigest()[:16]
         send_values = self.worker_id == 0
         pieces = shard_map.split(arrays)
         averaged = set(buffers)
@@ -173,8 +187,9 @@ class PSClient:
                         name=p.key, dtype=p.dtype, shape=p.shape, average=p.var in averaged
                     )
                     for p in shard_map.on_shard(shard)
-                ],
-                model_digest=shard_map.digest(),
+                ]
+                + [_table_spec(layout.slice_for(shard)) for layout in layouts.values()],
+                model_digest=digest,
                 quorum=self.quorum,
             )
             header = ps_pb2.InitHeader(worker_id=self.worker_id, job=job, has_values=send_values)
@@ -190,6 +205,7 @@ class PSClient:
         clocks = self._fan_out(register)
         self._fan_out(init_one)
         self.shard_map = shard_map
+        self.tables = layouts
         self.step = min(clocks)
         if self.heartbeat_s > 0 and self._beater is None:
             self._beater = threading.Thread(
@@ -212,6 +228,10 @@ class PSClient:
         keys_by_shard: list[list[str]] = [[] for _ in self.addresses]
         for name in wanted:
             parts = shard_map.pieces_of(name)
+            if not parts and name in self.tables:
+                raise InvalidRequestError(
+                    f"'{name}' is an embedding table: read its rows with pull_rows(name, ids)"
+                )
             if not parts:
                 raise self._unknown(name)
             for p in parts:
@@ -220,42 +240,84 @@ class PSClient:
         def pull_one(shard: int) -> dict[str, np.ndarray]:
             if not keys_by_shard[shard]:
                 return {}
-            request = ps_pb2.PullRequest(
-                worker_id=self.worker_id, step=self.step, names=keys_by_shard[shard]
+            return self._pull_shard(
+                shard,
+                ps_pb2.PullRequest(
+                    worker_id=self.worker_id, step=self.step, names=keys_by_shard[shard]
+                ),
             )
-
-            def run(stub: ParameterServerStub) -> dict[str, np.ndarray]:
-                assembler = ChunkAssembler()
-                for reply in stub.Pull(request, timeout=self.timeout):
-                    assembler.add(reply.chunk)
-                return assembler.finish()
-
-            return self._call(shard, "Pull", run)
 
         merged: dict[str, np.ndarray] = {}
         for part in self._fan_out(pull_one):
             merged.update(part)
         return shard_map.join(merged, wanted)
 
-    def push(self, grads: Mapping[str, np.ndarray], step: int | None = None) -> bool:
+    def pull_rows(self, table: str, ids: np.ndarray | Sequence[int]) -> np.ndarray:
+        """Rows ``ids`` of an embedding table, shape ``(len(ids), dim)``, in the order asked.
+
+        Ids are deduplicated before they travel; each shard is asked only for its own rows, in
+        parallel, once the consistency rule lets this worker read (as ``pull``). A dynamic
+        table makes a row the first time any worker touches it.
+
+        Raises:
+            UnknownVariableError: no such table.
+            InvalidRequestError: ids that are not integers, or outside a fixed table's rows.
+        """
+        layout = self._layout(table)
+        ids = as_ids(table, ids)
+        layout.check_ids(ids, "pull")
+        unique, inverse = np.unique(ids, return_inverse=True)
+        owner = layout.shard_of(unique)
+
+        def pull_one(shard: int) -> np.ndarray | None:
+            mine = unique[owner == shard]
+            if not len(mine):
+                return None
+            query = ps_pb2.RowQuery(table=table, ids=mine.astype("<i8").tobytes())
+            request = ps_pb2.PullRequest(worker_id=self.worker_id, step=self.step, rows=[query])
+            return self._pull_shard(shard, request)[table]
+
+        out = np.empty((len(unique), layout.table.dim), dtype=layout.table.dtype)
+        for shard, rows in enumerate(self._fan_out(pull_one)):
+            if rows is not None:
+                out[owner == shard] = rows
+        return out[inverse.reshape(-1)]
+
+    def _pull_shard(self, shard: int, request: ps_pb2.PullRequest) -> dict[str, np.ndarray]:
+        def run(stub: ParameterServerStub) -> dict[str, np.ndarray]:
+            assembler = ChunkAssembler()
+            for reply in stub.Pull(request, timeout=self.timeout):
+                assembler.add(reply.chunk)
+            return assembler.finish()
+
+        return self._call(shard, "Pull", run)
+
+    def push(self, grads: Mapping[str, np.ndarray | RowSparse], step: int | None = None) -> bool:
         """Sends this worker's gradients for one step to the shards that own them.
 
-        ``step`` defaults to the client's counter, which then advances by one. A retried push
-        of the same step is acknowledged by the shards without being applied twice. Returns
-        whether every shard applied it (False: some shard had it already).
+        A table's gradient is a ``RowSparse`` (row ids and their gradient rows; repeated ids
+        are summed); each shard gets the rows it holds. Every shard hears from every push, even
+        with nothing for it, so ``sync`` steps and ``ssp`` clocks advance everywhere. ``step``
+        defaults to the client's counter, which then advances by one. A retried push of the
+        same step is acknowledged by the shards without being applied twice. Returns whether
+        every shard applied it (False: some shard had it already).
 
         Raises:
             UnknownVariableError: a name not in the model.
-            InvalidRequestError: wrong shape or dtype, NaN/Inf values.
+            InvalidRequestError: wrong shape or dtype, NaN/Inf values, bad row ids.
         """
         shard_map = self._require_map()
         step = self.step if step is None else step
-        arrays = {name: self._compress(name, np.asarray(g)) for name, g in grads.items()}
-        pieces = shard_map.split(arrays)
+        dense = {n: g for n, g in grads.items() if not isinstance(g, RowSparse)}
+        arrays = {name: self._compress(name, np.asarray(g)) for name, g in dense.items()}
+        pieces: list[dict[str, np.ndarray | RowSparse]] = [dict(p) for p in shard_map.split(arrays)]
+        for name, grad in grads.items():
+            if isinstance(grad, RowSparse):
+                for shard, part in enumerate(self._split_rows(name, grad)):
+                    if part is not None:
+                        pieces[shard][name] = part
 
-        def push_one(shard: int) -> ps_pb2.PushResponse | None:
-            if not pieces[shard]:
-                return None
+        def push_one(shard: int) -> ps_pb2.PushResponse:
             link = self.links[shard]
             link.note_push(step, pieces[shard])
             reply = link.call(
@@ -268,7 +330,7 @@ class PSClient:
             link.note_reply(reply.incarnation, reply.durable_step)
             return reply
 
-        replies = [r for r in self._fan_out(push_one) if r is not None]
+        replies = self._fan_out(push_one)
         self.step = max(self.step, step + 1)
         late = [r.clock for r in replies if r.reason == "late"]
         if late and self.mode == "sync":
@@ -310,6 +372,40 @@ class PSClient:
                 return grad.astype(np.float16)
         return float32_to_bfloat16(grad)
 
+    def _split_rows(self, table: str, grad: RowSparse) -> list[RowSparse | None]:
+        """A table's gradient cut into each shard's rows (None: no rows there).
+
+        Raises:
+            UnknownVariableError, InvalidRequestError: no such table, or bad ids or rows.
+        """
+        layout = self._layout(table)
+        ids = as_ids(table, grad.ids)
+        values = np.asarray(grad.values)
+        if values.shape != (len(ids), layout.table.dim):
+            raise InvalidRequestError(
+                f"table '{table}': push sent {len(ids)} ids with rows of shape {values.shape}; "
+                f"expected ({len(ids)}, {layout.table.dim})"
+            )
+        layout.check_ids(ids, "push")
+        values = self._compress(table, values)
+        owner = layout.shard_of(ids)
+        parts: list[RowSparse | None] = []
+        for shard in range(len(self.addresses)):
+            mask = owner == shard
+            parts.append(RowSparse(ids[mask], values[mask]) if mask.any() else None)
+        return parts
+
+    def _layout(self, table: str) -> TableLayout:
+        self._require_map()
+        layout = self.tables.get(table)
+        if layout is None:
+            from pswire.errors import UnknownVariableError
+
+            raise UnknownVariableError(
+                f"table '{table}' is not in the model; tables: {sorted(self.tables)}"
+            )
+        return layout
+
     def _require_map(self) -> ShardMap:
         if self.shard_map is None:
             raise NotInitializedError("call client.init(variables, optimizer) before pull or push")
@@ -330,6 +426,22 @@ class PSClient:
             return [fn(0)]
         futures = [self._pool.submit(fn, s) for s in range(len(self.addresses))]
         return [f.result() for f in futures]
+
+
+def _table_spec(t: TableSlice) -> ps_pb2.VariableSpec:
+    spec = ps_pb2.VariableSpec(name=t.key, dtype=t.dtype, shape=(t.local_rows, t.dim))
+    spec.table.CopyFrom(
+        ps_pb2.TableSpec(
+            num_rows=t.num_rows,
+            row_start=t.row_start,
+            row_end=t.row_end,
+            capacity=t.capacity,
+            init=t.init,
+            init_scale=t.init_scale,
+            seed=t.seed,
+        )
+    )
+    return spec
 
 
 def status(

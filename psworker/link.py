@@ -16,6 +16,7 @@ from pswire.errors import UnavailableError
 from pswire.proto import ps_pb2
 from pswire.status import from_rpc_error
 from pswire.stubs import ParameterServerStub
+from pswire.tables import RowSparse
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -29,17 +30,20 @@ def backoff(attempt: int, rng: random.Random) -> float:
 
 
 def push_stream(
-    worker_id: int, step: int, pieces: Mapping[str, np.ndarray], chunk_bytes: int
+    worker_id: int, step: int, pieces: Mapping[str, np.ndarray | RowSparse], chunk_bytes: int
 ) -> Iterator[bytes | ps_pb2.PushRequest]:
-    """A Push request stream: the header, then every piece as chunks.
+    """A Push request stream: the header, then every piece as chunks (a table's rows with
+    their ids).
 
     A uint16 piece is a gradient compressed to bfloat16 (no gradient is an integer).
     """
     # A protobuf message or bytes alike: stubs.as_bytes serializes whichever it gets.
     yield ps_pb2.PushRequest(header=ps_pb2.PushHeader(worker_id=worker_id, step=step))
-    for key, array in pieces.items():
+    for key, piece in pieces.items():
+        ids = piece.ids if isinstance(piece, RowSparse) else None
+        array = piece.values if isinstance(piece, RowSparse) else piece
         bf16 = array.dtype == np.uint16
-        yield from encode_chunk_messages(key, array, 2, chunk_bytes, bfloat16=bf16)
+        yield from encode_chunk_messages(key, array, 2, chunk_bytes, bfloat16=bf16, indices=ids)
 
 
 class ShardLink:
@@ -74,7 +78,7 @@ class ShardLink:
         self.incarnation: str | None = None
         self.checkpointing = False
         self.durable = 0
-        self.log: dict[int, dict[str, np.ndarray]] = {}  # step -> pieces pushed, for replay
+        self.log: dict[int, dict[str, np.ndarray | RowSparse]] = {}  # step -> pushed, for replay
         self.recoveries = 0
         self._rng = random.Random(worker_id * 7919 + index)
 
@@ -113,10 +117,15 @@ class ShardLink:
         self.durable = reply.durable_step
         return reply
 
-    def note_push(self, step: int, pieces: Mapping[str, np.ndarray]) -> None:
+    def note_push(self, step: int, pieces: Mapping[str, np.ndarray | RowSparse]) -> None:
         """Keeps a copy of a push until a checkpoint covers it (only if the shard checkpoints)."""
         if self.checkpointing:
-            self.log[step] = {k: np.array(v, copy=True) for k, v in pieces.items()}
+            self.log[step] = {
+                k: RowSparse(v.ids.copy(), v.values.copy())
+                if isinstance(v, RowSparse)
+                else np.array(v, copy=True)
+                for k, v in pieces.items()
+            }
 
     def note_reply(self, incarnation: str, durable_step: int) -> None:
         """Forgets pushes the shard's newest checkpoint holds."""

@@ -9,6 +9,7 @@ import numpy as np
 from pswire.codec import check_tensor
 from pswire.errors import NotInitializedError, UnknownVariableError
 from pswire.optim import Optimizer
+from pswire.tables import RowSparse, RowStore, Table, TableLayout, as_ids, check_rows
 
 
 class LocalClient:
@@ -30,6 +31,7 @@ class LocalClient:
         self._slots: dict[str, dict] = {}
         self._buffers: set[str] = set()
         self._optimizer: Optimizer | None = None
+        self._tables: dict[str, tuple[TableLayout, RowStore]] = {}
 
     def __enter__(self) -> LocalClient:
         return self
@@ -45,8 +47,14 @@ class LocalClient:
         variables: Mapping[str, np.ndarray],
         optimizer: Optimizer,
         buffers: Sequence[str] = (),
+        tables: Mapping[str, Table] | None = None,
     ) -> None:
-        """Copies the starting values and creates the optimizer state."""
+        """Copies the starting values and creates the optimizer state; ``tables`` are made
+        here with the shards' seeded rows (a fixed table in full, so it must fit)."""
+        self._tables = {}
+        for name, table in (tables or {}).items():
+            layout = TableLayout.build(name, table, 1)
+            self._tables[name] = (layout, RowStore(layout.slice_for(0), optimizer))
         self._vars = {k: np.array(v, copy=True) for k, v in variables.items()}
         self._buffers = set(buffers)
         self._optimizer = optimizer
@@ -69,7 +77,19 @@ class LocalClient:
                 )
         return {k: self._vars[k].copy() for k in wanted}
 
-    def push(self, grads: Mapping[str, np.ndarray], step: int | None = None) -> bool:
+    def pull_rows(self, table: str, ids: np.ndarray | Sequence[int]) -> np.ndarray:
+        """Rows ``ids`` of a table, as ``PSClient.pull_rows``.
+
+        Raises:
+            UnknownVariableError, InvalidRequestError: as a shard would.
+        """
+        self._require_init()
+        layout, store = self._table(table)
+        flat = as_ids(table, ids)
+        layout.check_ids(flat, "pull")
+        return store.gather(flat)
+
+    def push(self, grads: Mapping[str, np.ndarray | RowSparse], step: int | None = None) -> bool:
         """Applies one step's gradients (buffers: stores the values) at once.
 
         Raises:
@@ -79,14 +99,26 @@ class LocalClient:
         step = self.step if step is None else step
         if step < self.step:
             return False  # already applied, as a shard acknowledges a retried push
+        rows = {n: g for n, g in grads.items() if isinstance(g, RowSparse)}
+        for name, sparse in rows.items():
+            layout, store = self._table(name)
+            ids = as_ids(name, sparse.ids)
+            layout.check_ids(ids, "push")
+            check_rows(store.spec, ids, np.asarray(sparse.values), "push")
         for name, grad in grads.items():
+            if isinstance(grad, RowSparse):
+                continue
             var = self._vars.get(name)
             if var is None:
                 raise UnknownVariableError(
                     f"variable '{name}' is not in the model; known: {list(self._vars)[:20]}"
                 )
             check_tensor(name, var.shape, var.dtype.name, np.asarray(grad), "push")
+        for name, sparse in rows.items():
+            self._tables[name][1].apply(as_ids(name, sparse.ids), np.asarray(sparse.values))
         for name, grad in grads.items():
+            if isinstance(grad, RowSparse):
+                continue
             if name in self._buffers:
                 np.copyto(self._vars[name], grad, casting="unsafe")
             else:
@@ -99,6 +131,14 @@ class LocalClient:
 
     def status(self) -> list:
         return []
+
+    def _table(self, name: str) -> tuple[TableLayout, RowStore]:
+        found = self._tables.get(name)
+        if found is None:
+            raise UnknownVariableError(
+                f"table '{name}' is not in the model; tables: {sorted(self._tables)}"
+            )
+        return found
 
     def _require_init(self) -> Optimizer:
         if self._optimizer is None:

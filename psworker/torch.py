@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from pswire.optim import Optimizer
+from pswire.tables import RowSparse, Table
 from psworker.allreduce import AllReduceClient
 from psworker.client import PSClient
 from psworker.local import LocalClient
@@ -61,6 +62,108 @@ class _HostStaging:
         self._landed.record()
 
 
+class _RemoteTable(torch.nn.Module):
+    """An embedding table that lives on the shards: a forward pulls only the batch's rows."""
+
+    def __init__(
+        self,
+        num_embeddings: int | None,
+        embedding_dim: int,
+        client: PSClient | LocalClient,
+        name: str,
+        *,
+        init: str = "normal",
+        init_scale: float = 1.0,
+        seed: int = 0,
+        capacity: int = 0,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.table = Table(
+            num_embeddings, embedding_dim, "float32", init, init_scale, seed, capacity
+        )
+        self.client = client
+        self.name = name
+        self.device = torch.device(device or "cpu")
+        self._pending: list[tuple[np.ndarray, torch.Tensor]] = []
+
+    def extra_repr(self) -> str:
+        t = self.table
+        rows = "dynamic" if t.num_rows is None else t.num_rows
+        return f"'{self.name}', {rows}, {t.dim}" + (
+            f", capacity={t.capacity}" if t.capacity else ""
+        )
+
+    def _rows(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the batch's distinct rows, pulled; each input position's index into them)."""
+        if input.dtype.is_floating_point or input.dtype.is_complex:
+            raise TypeError(f"table '{self.name}' takes integer ids, got {input.dtype}")
+        ids = input.detach().cpu().numpy().astype(np.int64, copy=False).reshape(-1)
+        unique, inverse = np.unique(ids, return_inverse=True)
+        rows = torch.from_numpy(self.client.pull_rows(self.name, unique)).to(self.device)
+        if torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            self._pending.append((unique, rows))
+        index = torch.from_numpy(inverse.reshape(input.shape)).to(self.device)
+        return rows, index
+
+    def take_grads(self) -> RowSparse | None:
+        """The row-sparse gradient of every forward since the last call (None: no rows got
+        a gradient); forgets those forwards."""
+        parts = [(ids, rows.grad) for ids, rows in self._pending if rows.grad is not None]
+        self._pending = []
+        if not parts:
+            return None
+        ids = np.concatenate([p[0] for p in parts])
+        values = np.concatenate([g.detach().cpu().numpy() for _, g in parts])
+        return RowSparse(ids, values)
+
+    def forget(self) -> None:
+        self._pending = []
+
+
+class Embedding(_RemoteTable):
+    """``torch.nn.Embedding`` whose table lives on the parameter-server shards.
+
+    ``num_embeddings`` None makes a dynamic table (any int64 id, such as a feature hash; rows
+    are created on first touch, ``capacity`` bounds each shard's rows with LRU eviction).
+    Each forward pulls only the distinct ids of its batch; backward gives those rows'
+    gradient, which ``DistributedOptimizer.step()`` pushes as a ``RowSparse``: no worker ever
+    holds the table. Rows start as N(0, init_scale**2) (``init="normal"``, scale 1 as in
+    torch), ``"uniform"`` or ``"zeros"``, drawn from ``(seed, id)``.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        rows, index = self._rows(input)
+        return torch.nn.functional.embedding(index, rows)
+
+
+class EmbeddingBag(_RemoteTable):
+    """``torch.nn.EmbeddingBag`` (``mode`` "sum" or "mean") over a table on the shards: a 2-d
+    input is one bag per row; a 1-d input needs ``offsets``, as in torch."""
+
+    def __init__(self, *args: Any, mode: str = "mean", **kwargs: Any) -> None:
+        if mode not in ("sum", "mean"):
+            raise ValueError(f"mode must be 'sum' or 'mean', got {mode!r}")
+        super().__init__(*args, **kwargs)
+        self.mode = mode
+
+    def forward(
+        self,
+        input: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        rows, index = self._rows(input)
+        return torch.nn.functional.embedding_bag(
+            index,
+            rows,
+            offsets.to(self.device) if offsets is not None else None,
+            mode=self.mode,
+            per_sample_weights=per_sample_weights,
+        )
+
+
 class DistributedOptimizer:
     """Trains ``model`` through ``client``: ``step()`` pushes gradients and loads fresh weights.
 
@@ -94,16 +197,19 @@ class DistributedOptimizer:
             if not p.dtype.is_floating_point:
                 raise ValueError(f"parameter '{name}' has dtype {p.dtype}; expected floating point")
         self._buffers = {BUFFER_PREFIX + n: b for n, b in model.named_buffers() if b is not None}
+        self._tables = _tables_of(model, client)
         everything = {**self._params, **self._buffers}
         on_gpu = any(t.is_cuda for t in everything.values())
         self._staging = _HostStaging(everything, pin=on_gpu)
         with torch.no_grad():
             initial = self._staging.to_host(everything)
-            client.init(
-                {n: np.array(a, copy=True) for n, a in initial.items()},
-                optimizer,
-                buffers=list(self._buffers),
-            )
+            values = {n: np.array(a, copy=True) for n, a in initial.items()}
+            if self._tables:
+                assert not isinstance(client, AllReduceClient)  # _tables_of refused it
+                tables = {name: m.table for name, m in self._tables.items()}
+                client.init(values, optimizer, buffers=list(self._buffers), tables=tables)
+            else:
+                client.init(values, optimizer, buffers=list(self._buffers))
             self._staging.to_device(client.pull(), everything)
 
     @property
@@ -112,6 +218,8 @@ class DistributedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the parameters' gradients, as ``torch.optim.Optimizer.zero_grad`` does."""
+        for table in self._tables.values():
+            table.forget()
         for p in self._params.values():
             if p.grad is None:
                 continue
@@ -132,7 +240,13 @@ class DistributedOptimizer:
         """
         grads = {n: p.grad for n, p in self._params.items() if p.grad is not None}
         outgoing = self._staging.to_host({**grads, **self._buffers})
-        self.client.push(outgoing)
+        # A table untouched this step is left out: it counts as zero, like a None grad.
+        rows = {n: g for n, t in self._tables.items() if (g := t.take_grads()) is not None}
+        if rows:
+            assert not isinstance(self.client, AllReduceClient)  # _tables_of refused it
+            self.client.push({**outgoing, **rows})
+        else:
+            self.client.push(outgoing)
         self._staging.to_device(self.client.pull(), {**self._params, **self._buffers})
 
     def state_dict(self) -> dict[str, Any]:
@@ -158,3 +272,29 @@ class DistributedOptimizer:
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         yield from self._params.values()
+
+
+def _tables_of(
+    model: torch.nn.Module, client: PSClient | LocalClient | AllReduceClient
+) -> dict[str, _RemoteTable]:
+    """The model's shard-held tables by name.
+
+    Raises:
+        ValueError: two tables share a name, a table uses another client, or the mode is
+            ``allreduce`` (no shards to hold a table).
+    """
+    tables: dict[str, _RemoteTable] = {}
+    for module in model.modules():
+        if not isinstance(module, _RemoteTable):
+            continue
+        if module.name in tables and tables[module.name] is not module:
+            raise ValueError(f"two embedding tables are named '{module.name}'")
+        if module.client is not client:
+            raise ValueError(f"table '{module.name}' was made with another client")
+        tables[module.name] = module
+    if tables and isinstance(client, AllReduceClient):
+        raise ValueError(
+            f"tables {sorted(tables)} live on parameter-server shards; mode 'allreduce' has "
+            "none (use sync, async, ssp or local)"
+        )
+    return tables

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-
-import numpy as np
+from typing import Any
 
 from psserver.consistency.base import Clocks, ConsistencyPolicy
 
@@ -13,6 +12,6 @@ class AsyncPolicy(ConsistencyPolicy):
     name = "async"
 
     def submit(
-        self, clocks: Clocks, worker: int, step: int, grads: Mapping[str, np.ndarray]
-    ) -> Mapping[str, np.ndarray] | None:
+        self, clocks: Clocks, worker: int, step: int, grads: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
         return grads

@@ -5,8 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-import numpy as np
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -60,11 +59,11 @@ class ConsistencyPolicy(ABC):
 
     @abstractmethod
     def submit(
-        self, clocks: Clocks, worker: int, step: int, grads: Mapping[str, np.ndarray]
-    ) -> Mapping[str, np.ndarray] | None:
+        self, clocks: Clocks, worker: int, step: int, grads: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
         """Takes a validated, non-duplicate push; returns the gradient to apply now, if any."""
 
-    def membership_changed(self, clocks: Clocks) -> Mapping[str, np.ndarray] | None:
+    def membership_changed(self, clocks: Clocks) -> Mapping[str, Any] | None:
         """Re-evaluates after workers leave; returns a gradient to apply if that completes one."""
         return None
 

@@ -7,8 +7,7 @@ at least c - s steps. s=0 is lock-step; a very large s is asynchronous.
 from __future__ import annotations
 
 from collections.abc import Mapping
-
-import numpy as np
+from typing import Any
 
 from psserver.consistency.base import Clocks, ConsistencyPolicy
 
@@ -41,6 +40,6 @@ class StalenessPolicy(ConsistencyPolicy):
         return max(mine, min(others)) if others else mine
 
     def submit(
-        self, clocks: Clocks, worker: int, step: int, grads: Mapping[str, np.ndarray]
-    ) -> Mapping[str, np.ndarray] | None:
+        self, clocks: Clocks, worker: int, step: int, grads: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
         return grads

@@ -9,10 +9,12 @@ releases pulls waiting for the next step. An open round holds one gradient per p
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from psserver.consistency.base import Clocks, ConsistencyPolicy
+from pswire.tables import RowSparse, sum_duplicates
 
 
 class SyncPolicy(ConsistencyPolicy):
@@ -23,7 +25,7 @@ class SyncPolicy(ConsistencyPolicy):
 
     def __init__(self, quorum: int = 0) -> None:
         self.quorum = quorum
-        self._pushes: dict[int, Mapping[str, np.ndarray]] = {}
+        self._pushes: dict[int, Mapping[str, Any]] = {}
 
     def push_ready(self, clocks: Clocks, worker: int, step: int) -> bool:
         # A push for a later step waits for the current round to close.
@@ -56,23 +58,27 @@ class SyncPolicy(ConsistencyPolicy):
         return min(finished, updates)
 
     def submit(
-        self, clocks: Clocks, worker: int, step: int, grads: Mapping[str, np.ndarray]
-    ) -> Mapping[str, np.ndarray] | None:
+        self, clocks: Clocks, worker: int, step: int, grads: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
         self._pushes[worker] = grads
         return self._close_if_complete(clocks)
 
-    def membership_changed(self, clocks: Clocks) -> Mapping[str, np.ndarray] | None:
+    def membership_changed(self, clocks: Clocks) -> Mapping[str, Any] | None:
         return self._close_if_complete(clocks) if self._pushes else None
 
-    def _close_if_complete(self, clocks: Clocks) -> Mapping[str, np.ndarray] | None:
+    def _close_if_complete(self, clocks: Clocks) -> Mapping[str, Any] | None:
         pushed = self._pushes.keys()
         enough = self.quorum > 0 and len(pushed) >= self.quorum
         if not (enough or clocks.live <= pushed):
             return None
         count = len(self._pushes)
         mean: dict[str, np.ndarray] = {}
+        rows: dict[str, list[RowSparse]] = {}
         for worker in sorted(self._pushes):
             for key, grad in self._pushes[worker].items():
+                if isinstance(grad, RowSparse):
+                    rows.setdefault(key, []).append(grad)
+                    continue
                 acc = mean.get(key)
                 if acc is None:
                     mean[key] = np.array(grad, copy=True)
@@ -83,8 +89,17 @@ class SyncPolicy(ConsistencyPolicy):
                 acc /= acc.dtype.type(count)
             else:  # integer buffers such as BatchNorm's num_batches_tracked
                 mean[key] = acc // count
+        update: dict[str, Any] = dict(mean)
+        for key, parts in rows.items():
+            # A row only some workers touched averages with zeros from the rest, exactly as a
+            # dense gradient would.
+            ids, values = sum_duplicates(
+                np.concatenate([p.ids for p in parts]), np.concatenate([p.values for p in parts])
+            )
+            values /= values.dtype.type(count)
+            update[key] = RowSparse(ids, values)
         self._pushes = {}
-        return mean
+        return update
 
     def pending_bytes(self) -> int:
         return sum(g.nbytes for grads in self._pushes.values() for g in grads.values())

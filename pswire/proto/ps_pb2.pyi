@@ -37,6 +37,7 @@ class TensorChunk(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
+    INDICES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     dtype: _builtins.str
     """numpy dtype name: "float32", "float16", "float64", "int64", ..."""
@@ -45,6 +46,10 @@ class TensorChunk(_message.Message):
     offset: _builtins.int
     """byte offset of data within the tensor"""
     data: _builtins.bytes
+    indices: _builtins.bytes
+    """Row-sparse tensors (embedding table rows), first chunk only: the int64 little-endian ids of
+    the rows, one per dim-0 row of the tensor. Repeated ids in a push are summed.
+    """
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -56,10 +61,11 @@ class TensorChunk(_message.Message):
         total_bytes: _builtins.int = ...,
         offset: _builtins.int = ...,
         data: _builtins.bytes = ...,
+        indices: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "dtype", b"dtype", "name", b"name", "offset", b"offset", "shape", b"shape", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "dtype", b"dtype", "indices", b"indices", "name", b"name", "offset", b"offset", "shape", b"shape", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -75,6 +81,7 @@ class VariableSpec(_message.Message):
     DTYPE_FIELD_NUMBER: _builtins.int
     SHAPE_FIELD_NUMBER: _builtins.int
     AVERAGE_FIELD_NUMBER: _builtins.int
+    TABLE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     dtype: _builtins.str
     average: _builtins.bool
@@ -83,6 +90,12 @@ class VariableSpec(_message.Message):
     """
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def table(self) -> Global___TableSpec:
+        """Set: an embedding table, read and written by rows (PullRequest.rows, row-sparse pushes);
+        shape is [rows this shard holds at init (0 for a dynamic table), dim].
+        """
+
     def __init__(
         self,
         *,
@@ -90,14 +103,64 @@ class VariableSpec(_message.Message):
         dtype: _builtins.str = ...,
         shape: _abc.Iterable[_builtins.int] | None = ...,
         average: _builtins.bool = ...,
+        table: Global___TableSpec | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["table", b"table"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["average", b"average", "dtype", b"dtype", "name", b"name", "shape", b"shape"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["average", b"average", "dtype", b"dtype", "name", b"name", "shape", b"shape", "table", b"table"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___VariableSpec: _TypeAlias = VariableSpec  # noqa: Y015
+
+@_typing.final
+class TableSpec(_message.Message):
+    """One shard's part of an embedding table. Rows start from a seeded initialiser, a function of
+    (seed, id) alone, so no worker ever sends (or holds) the whole table.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_ROWS_FIELD_NUMBER: _builtins.int
+    ROW_START_FIELD_NUMBER: _builtins.int
+    ROW_END_FIELD_NUMBER: _builtins.int
+    CAPACITY_FIELD_NUMBER: _builtins.int
+    INIT_FIELD_NUMBER: _builtins.int
+    INIT_SCALE_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    num_rows: _builtins.int
+    """rows of the whole table; 0: dynamic (any int64 id, a row is"""
+    row_start: _builtins.int
+    """made on first touch; ids are placed by hash)
+    fixed tables: this shard holds ids [row_start, row_end)
+    """
+    row_end: _builtins.int
+    capacity: _builtins.int
+    """dynamic: most rows this shard keeps, least recently used"""
+    init: _builtins.str
+    """evicted; 0 = no limit
+    "normal", "uniform" or "zeros"
+    """
+    init_scale: _builtins.float
+    seed: _builtins.int
+    def __init__(
+        self,
+        *,
+        num_rows: _builtins.int = ...,
+        row_start: _builtins.int = ...,
+        row_end: _builtins.int = ...,
+        capacity: _builtins.int = ...,
+        init: _builtins.str = ...,
+        init_scale: _builtins.float = ...,
+        seed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "init", b"init", "init_scale", b"init_scale", "num_rows", b"num_rows", "row_end", b"row_end", "row_start", b"row_start", "seed", b"seed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TableSpec: _TypeAlias = TableSpec  # noqa: Y015
 
 @_typing.final
 class OptimizerSpec(_message.Message):
@@ -369,12 +432,17 @@ class PullRequest(_message.Message):
     WORKER_ID_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     NAMES_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.int
     step: _builtins.int
     """steps this worker has finished; the consistency rule gates on it"""
     @_builtins.property
     def names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """empty: every variable on the shard"""
+        """empty: every variable on the shard (not tables), unless"""
+
+    @_builtins.property
+    def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___RowQuery]:
+        """rows are asked for: then only those rows"""
 
     def __init__(
         self,
@@ -382,14 +450,40 @@ class PullRequest(_message.Message):
         worker_id: _builtins.int = ...,
         step: _builtins.int = ...,
         names: _abc.Iterable[_builtins.str] | None = ...,
+        rows: _abc.Iterable[Global___RowQuery] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["names", b"names", "step", b"step", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["names", b"names", "rows", b"rows", "step", b"step", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PullRequest: _TypeAlias = PullRequest  # noqa: Y015
+
+@_typing.final
+class RowQuery(_message.Message):
+    """Rows of one embedding table, replied as one tensor of shape [len(ids), dim] in id order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TABLE_FIELD_NUMBER: _builtins.int
+    IDS_FIELD_NUMBER: _builtins.int
+    table: _builtins.str
+    ids: _builtins.bytes
+    """int64 little-endian"""
+    def __init__(
+        self,
+        *,
+        table: _builtins.str = ...,
+        ids: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids", "table", b"table"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RowQuery: _TypeAlias = RowQuery  # noqa: Y015
 
 @_typing.final
 class PullResponse(_message.Message):
@@ -557,6 +651,7 @@ class StatusResponse(_message.Message):
     INCARNATION_FIELD_NUMBER: _builtins.int
     CHECKPOINT_STEP_FIELD_NUMBER: _builtins.int
     CHECKPOINT_AGE_S_FIELD_NUMBER: _builtins.int
+    TABLES_FIELD_NUMBER: _builtins.int
     initialized: _builtins.bool
     clock: _builtins.int
     """sync: rounds applied; otherwise total pushes applied"""
@@ -575,6 +670,8 @@ class StatusResponse(_message.Message):
     def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerStatus]: ...
     @_builtins.property
     def live_workers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def tables(self) -> _containers.RepeatedCompositeFieldContainer[Global___TableStatus]: ...
     def __init__(
         self,
         *,
@@ -590,14 +687,49 @@ class StatusResponse(_message.Message):
         incarnation: _builtins.str = ...,
         checkpoint_step: _builtins.int = ...,
         checkpoint_age_s: _builtins.float = ...,
+        tables: _abc.Iterable[Global___TableStatus] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_age_s", b"checkpoint_age_s", "checkpoint_step", b"checkpoint_step", "clock", b"clock", "incarnation", b"incarnation", "initialized", b"initialized", "job", b"job", "live_workers", b"live_workers", "pushes_applied", b"pushes_applied", "pushes_duplicate", b"pushes_duplicate", "pushes_late", b"pushes_late", "total_bytes", b"total_bytes", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_age_s", b"checkpoint_age_s", "checkpoint_step", b"checkpoint_step", "clock", b"clock", "incarnation", b"incarnation", "initialized", b"initialized", "job", b"job", "live_workers", b"live_workers", "pushes_applied", b"pushes_applied", "pushes_duplicate", b"pushes_duplicate", "pushes_late", b"pushes_late", "tables", b"tables", "total_bytes", b"total_bytes", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
+
+@_typing.final
+class TableStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    EVICTIONS_FIELD_NUMBER: _builtins.int
+    CAPACITY_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    rows: _builtins.int
+    """rows held now"""
+    bytes: _builtins.int
+    """rows plus their optimizer state"""
+    evictions: _builtins.int
+    """rows dropped by the capacity limit so far"""
+    capacity: _builtins.int
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        rows: _builtins.int = ...,
+        bytes: _builtins.int = ...,
+        evictions: _builtins.int = ...,
+        capacity: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "capacity", b"capacity", "evictions", b"evictions", "name", b"name", "rows", b"rows"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TableStatus: _TypeAlias = TableStatus  # noqa: Y015
 
 @_typing.final
 class CheckpointRequest(_message.Message):

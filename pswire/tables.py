@@ -1,0 +1,495 @@
+"""Row-sparse embedding tables: their description, placement, seeded rows and row storage.
+
+Shared by the shards and the in-process clients, which must agree on all of it: which shard
+holds an id, the initial value of every row (a pure function of the seed and the id, so a row
+is the same on any shard, after an eviction, and in ``local`` mode), and the sparse optimizer
+math (the dense optimizers of ``pswire.optim`` run on the touched rows only).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pswire.errors import InvalidRequestError, TooLargeError
+from pswire.optim import Optimizer
+
+INITS = ("normal", "uniform", "zeros")
+TABLE_DTYPES = ("float32", "float64")
+# Elements initialised per block: bounds the temporaries of a multi-GiB table.
+_INIT_BLOCK_ELEMENTS = 1 << 20
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Table:
+    """An embedding table as a model declares it.
+
+    ``num_rows`` None: a dynamic table whose ids are any int64 (e.g. feature hashes); rows are
+    created on first touch, and with ``capacity`` > 0 each shard keeps at most that many rows,
+    evicting the least recently used. Otherwise ids are ``0..num_rows-1``, split into contiguous
+    ranges across the shards. Rows start as ``init`` ("normal": N(0, init_scale**2), like
+    ``torch.nn.Embedding`` with the default scale 1; "uniform": U(-init_scale, init_scale);
+    "zeros"), drawn from ``(seed, id)`` alone.
+    """
+
+    num_rows: int | None
+    dim: int
+    dtype: str = "float32"
+    init: str = "normal"
+    init_scale: float = 1.0
+    seed: int = 0
+    capacity: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_rows is not None and self.num_rows < 1:
+            raise ValueError(f"num_rows must be >= 1 or None (dynamic), got {self.num_rows}")
+        if self.dim < 1:
+            raise ValueError(f"dim must be >= 1, got {self.dim}")
+        if self.dtype not in TABLE_DTYPES:
+            raise ValueError(f"table dtype must be one of {TABLE_DTYPES}, got {self.dtype!r}")
+        if self.init not in INITS:
+            raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
+        if not np.isfinite(self.init_scale) or self.init_scale < 0:
+            raise ValueError(f"init_scale must be finite and >= 0, got {self.init_scale}")
+        if self.capacity < 0 or (self.capacity and self.num_rows is not None):
+            raise ValueError("capacity is for dynamic tables (num_rows=None) and must be >= 0")
+        if not 0 <= self.seed <= _MASK64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+
+    @property
+    def dynamic(self) -> bool:
+        return self.num_rows is None
+
+    def describe(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TableSlice:
+    """One shard's part of a table: ids ``[row_start, row_end)`` of a fixed table, or the ids
+    that hash to this shard of a dynamic one (``num_rows`` 0)."""
+
+    key: str
+    dim: int
+    dtype: str = "float32"
+    num_rows: int = 0  # 0: dynamic
+    row_start: int = 0
+    row_end: int = 0
+    capacity: int = 0
+    init: str = "normal"
+    init_scale: float = 1.0
+    seed: int = 0
+
+    @property
+    def dynamic(self) -> bool:
+        return self.num_rows == 0
+
+    @property
+    def local_rows(self) -> int:
+        return self.row_end - self.row_start
+
+    def check(self, optimizer: Optimizer) -> None:
+        """Validates the slice and that ``optimizer`` has a row-sparse form.
+
+        Raises:
+            InvalidRequestError: naming the table and the bad value.
+        """
+        where = f"table '{self.key}'"
+        if self.dim < 1 or self.dtype not in TABLE_DTYPES or self.init not in INITS:
+            raise InvalidRequestError(
+                f"{where}: dim {self.dim}, dtype {self.dtype!r}, init {self.init!r}; expected "
+                f"dim >= 1, dtype in {TABLE_DTYPES}, init in {INITS}"
+            )
+        if self.num_rows < 0 or self.capacity < 0 or not np.isfinite(self.init_scale):
+            raise InvalidRequestError(
+                f"{where}: num_rows {self.num_rows}, capacity {self.capacity} and init_scale "
+                f"{self.init_scale} must be >= 0 and finite"
+            )
+        if not self.dynamic and not 0 <= self.row_start <= self.row_end <= self.num_rows:
+            raise InvalidRequestError(
+                f"{where}: rows [{self.row_start}, {self.row_end}) are not within "
+                f"[0, {self.num_rows})"
+            )
+        decay = getattr(optimizer, "weight_decay", 0.0)
+        if decay:
+            raise InvalidRequestError(
+                f"{where}: weight_decay {decay} has no row-sparse form (it "
+                "would decay rows a step never touched); torch's sparse optimizers refuse it too"
+            )
+
+
+def check_rows(spec: TableSlice, ids: np.ndarray, values: np.ndarray | None, what: str) -> None:
+    """Checks row ids (and a gradient's rows) against one shard's slice of a table.
+
+    Raises:
+        InvalidRequestError: an id this slice does not hold (naming it), rows of the wrong
+            shape or dtype, a length mismatch, or non-finite values.
+        TooLargeError: more rows than a dynamic slice's capacity.
+    """
+    where = f"table '{spec.key}'"
+    if ids.dtype != np.int64 or ids.ndim != 1:
+        raise InvalidRequestError(f"{where}: {what} ids must be 1-d int64, got {ids.dtype}")
+    if spec.dynamic:
+        if spec.capacity and len(ids) > spec.capacity:
+            distinct = len(np.unique(ids))
+            if distinct > spec.capacity:
+                raise TooLargeError(
+                    f"{where}: {what} touches {distinct} rows, over this shard's capacity of "
+                    f"{spec.capacity}"
+                )
+    elif len(ids):
+        bad = (ids < spec.row_start) | (ids >= spec.row_end)
+        if bad.any():
+            raise InvalidRequestError(
+                f"{where}: {what} has id {int(ids[np.argmax(bad)])}, but this shard holds ids "
+                f"[{spec.row_start}, {spec.row_end}) of {spec.num_rows}"
+            )
+    if values is None:
+        return
+    if values.dtype != np.dtype(spec.dtype):
+        raise InvalidRequestError(
+            f"{where} has dtype {spec.dtype}, {what} sent rows of {values.dtype}"
+        )
+    if values.shape != (len(ids), spec.dim):
+        raise InvalidRequestError(
+            f"{where}: {what} sent {len(ids)} ids but rows of shape {values.shape}; expected "
+            f"({len(ids)}, {spec.dim})"
+        )
+    if not np.isfinite(values).all():
+        bad_row = int(np.argmax(~np.isfinite(values).all(axis=1)))
+        raise InvalidRequestError(
+            f"{where}: {what} has non-finite values (NaN or Inf) in the row of id "
+            f"{int(ids[bad_row])}"
+        )
+
+
+@dataclass(frozen=True)
+class RowSparse:
+    """A row-sparse gradient: ``values[i]`` is the gradient of row ``ids[i]``; repeated ids
+    are summed."""
+
+    ids: np.ndarray
+    values: np.ndarray
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ids", np.asarray(self.ids, dtype=np.int64).reshape(-1))
+        object.__setattr__(self, "values", np.asarray(self.values))
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.ids.nbytes + self.values.nbytes)
+
+
+def as_ids(table: str, ids: np.ndarray | Sequence[int]) -> np.ndarray:
+    """Row ids as a flat int64 array.
+
+    Raises:
+        InvalidRequestError: ids that are not integers.
+    """
+    array = np.asarray(ids)
+    if array.size and array.dtype.kind not in "iu":
+        raise InvalidRequestError(f"table '{table}': row ids must be integers, got {array.dtype}")
+    return array.astype(np.int64, copy=False).reshape(-1)
+
+
+# -- seeded rows and hashing ----------------------------------------------------------------
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser on uint64 arrays: a fixed, well-mixed hash of each value."""
+    z = np.asarray(x, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def init_rows(
+    ids: np.ndarray, dim: int, dtype: str, init: str, scale: float, seed: int
+) -> np.ndarray:
+    """The initial values of rows ``ids`` (a (len(ids), dim) array): a pure function of
+    ``(seed, id)``, so every process that asks gets the same row.
+
+    Each element is murmur3's 64-bit finaliser of (the row's splitmix64 hash xor a per-column
+    constant), computed in place in blocks: a few GiB of rows take seconds, not minutes.
+    """
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    out = np.empty((len(ids), dim), dtype=dtype)
+    if init == "zeros" or scale == 0:
+        out.fill(0)
+        return out
+    block = max(1, _INIT_BLOCK_ELEMENTS // dim)
+    cols = splitmix64(np.arange(dim, dtype=np.uint64) + np.uint64(0x632BE59BD9B4E019))
+    seed_mix = splitmix64(np.array([seed], dtype=np.uint64))[0]
+    with np.errstate(over="ignore"):
+        for start in range(0, len(ids), block):
+            rows = splitmix64(ids[start : start + block].view(np.uint64) ^ seed_mix)
+            bits = rows[:, None] ^ cols[None, :]
+            tmp = np.empty_like(bits)
+            for multiplier in (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0):
+                np.right_shift(bits, np.uint64(33), out=tmp)
+                np.bitwise_xor(bits, tmp, out=bits)
+                if multiplier:
+                    np.multiply(bits, np.uint64(multiplier), out=bits)
+            # Two 24-bit uniforms per element (exact in float32): [0, 1) each.
+            np.right_shift(bits, np.uint64(40), out=tmp)
+            u1 = tmp.astype(np.float32)
+            u1 *= np.float32(2.0**-24)
+            target = out[start : start + block]
+            if init == "uniform":
+                u1 *= np.float32(2.0)
+                u1 -= np.float32(1.0)
+                u1 *= np.float32(scale)
+                target[...] = u1
+                continue
+            np.right_shift(bits, np.uint64(16), out=tmp)
+            np.bitwise_and(tmp, np.uint64(0xFFFFFF), out=tmp)
+            u2 = tmp.astype(np.float32)
+            u2 *= np.float32(2.0 * np.pi * 2.0**-24)
+            np.cos(u2, out=u2)
+            np.negative(u1, out=u1)
+            np.log1p(u1, out=u1)  # log(1 - u1): finite, u1 < 1
+            u1 *= np.float32(-2.0)
+            np.sqrt(u1, out=u1)
+            u1 *= u2
+            u1 *= np.float32(scale)
+            target[...] = u1
+    return out
+
+
+def sum_duplicates(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted unique ids, their summed rows); duplicates add in the order given."""
+    if len(ids) == 0:
+        return ids, values
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    starts = np.flatnonzero(np.concatenate(([True], sorted_ids[1:] != sorted_ids[:-1])))
+    if len(starts) == len(ids):
+        return sorted_ids, values[order]
+    return sorted_ids[starts], np.add.reduceat(values[order], starts, axis=0)
+
+
+# -- placement ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TableLayout:
+    """Where a table's rows live: contiguous id ranges (fixed) or ``splitmix64(id) % shards``
+    (dynamic). Identical on every process."""
+
+    name: str
+    table: Table
+    num_shards: int
+    bounds: tuple[int, ...] = field(default=())
+
+    @classmethod
+    def build(cls, name: str, table: Table, num_shards: int) -> TableLayout:
+        bounds: tuple[int, ...] = ()
+        if table.num_rows is not None:
+            cuts = np.linspace(0, table.num_rows, num_shards + 1).round().astype(np.int64)
+            bounds = tuple(int(b) for b in cuts)
+        return cls(name, table, num_shards, bounds)
+
+    def slice_for(self, shard: int) -> TableSlice:
+        t = self.table
+        start, end = (self.bounds[shard], self.bounds[shard + 1]) if self.bounds else (0, 0)
+        return TableSlice(
+            self.name, t.dim, t.dtype, t.num_rows or 0, start, end, t.capacity, t.init,
+            t.init_scale, t.seed,
+        )  # fmt: skip
+
+    def check_ids(self, ids: np.ndarray, what: str) -> None:
+        """Raises InvalidRequestError naming the table and the first out-of-range id."""
+        if self.table.num_rows is None or len(ids) == 0:
+            return
+        bad = (ids < 0) | (ids >= self.table.num_rows)
+        if bad.any():
+            raise InvalidRequestError(
+                f"table '{self.name}': {what} has id {int(ids[np.argmax(bad)])}, outside "
+                f"[0, {self.table.num_rows}) ({int(bad.sum())} ids out of range)"
+            )
+
+    def shard_of(self, ids: np.ndarray) -> np.ndarray:
+        """The shard holding each id (ids already checked)."""
+        if self.num_shards == 1:
+            return np.zeros(len(ids), dtype=np.int64)
+        if self.bounds:
+            return np.searchsorted(np.asarray(self.bounds[1:-1]), ids, side="right")
+        return (splitmix64(ids.view(np.uint64)) % np.uint64(self.num_shards)).astype(np.int64)
+
+
+def tables_digest(tables: Mapping[str, Table]) -> str:
+    """Canonical text of a model's tables, for the model digest."""
+    return json.dumps({k: tables[k].describe() for k in sorted(tables)}, sort_keys=True)
+
+
+# -- storage --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TableState:
+    """A table slice's contents, for checkpoints: ``ids`` (dynamic: least recently used
+    first; None for fixed slices), their rows, optimizer slots, evictions so far."""
+
+    ids: np.ndarray | None
+    values: np.ndarray
+    slots: dict[str, Any]
+    evictions: int
+
+
+class RowStore:
+    """The rows of one table slice and their optimizer state; not thread-safe (the shard
+    holds its lock around every call).
+
+    Fixed slices are one dense array allocated at creation. Dynamic slices map ids to rows of
+    arrays that grow by doubling; with a capacity, the least recently touched rows (pulled or
+    pushed) are evicted and counted, and come back re-initialised if touched again.
+    """
+
+    def __init__(self, spec: TableSlice, optimizer: Optimizer) -> None:
+        spec.check(optimizer)
+        self.spec = spec
+        self.optimizer = optimizer
+        self.evictions = 0
+        self._lru: OrderedDict[int, int] = OrderedDict()  # dynamic: id -> row, oldest first
+        self._free: list[int] = []
+        rows = spec.local_rows if not spec.dynamic else 16
+        if spec.dynamic:
+            self.values = np.zeros((rows, spec.dim), dtype=spec.dtype)
+        else:
+            ids = np.arange(spec.row_start, spec.row_end, dtype=np.int64)
+            self.values = self._fresh(ids)
+        self.slots = self._fresh_slots(self.values)
+
+    @property
+    def rows(self) -> int:
+        return len(self._lru) if self.spec.dynamic else self.spec.local_rows
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [self.values, *(v for v in self.slots.values() if isinstance(v, np.ndarray))]
+        return self.rows * sum(a.itemsize * self.spec.dim for a in arrays)
+
+    def gather(self, ids: np.ndarray) -> np.ndarray:
+        """Copies of rows ``ids`` (checked), creating dynamic rows on first touch."""
+        rows = self._locate(ids)  # first: it may grow (replace) the arrays
+        return self.values[rows]
+
+    def apply(self, ids: np.ndarray, grad: np.ndarray) -> None:
+        """One optimizer step on the touched rows (duplicates summed); others are untouched."""
+        ids, grad = sum_duplicates(ids, grad)
+        rows = self._locate(ids)
+        if len(rows):
+            self.optimizer.apply_rows(self.values, rows, grad, self.slots)
+
+    def export(self) -> TableState:
+        slots = {k: _take(v, slice(None)) for k, v in self.slots.items()}
+        if not self.spec.dynamic:
+            return TableState(None, self.values.copy(), slots, self.evictions)
+        ids = np.fromiter(self._lru.keys(), dtype=np.int64, count=len(self._lru))
+        rows = np.fromiter(self._lru.values(), dtype=np.int64, count=len(self._lru))
+        slots = {k: _take(v, rows) for k, v in self.slots.items()}
+        return TableState(ids, self.values[rows], slots, self.evictions)
+
+    @classmethod
+    def restore(cls, spec: TableSlice, optimizer: Optimizer, state: TableState) -> RowStore:
+        """A store holding ``state``.
+
+        Raises:
+            InvalidRequestError: the state does not fit the slice.
+        """
+        store = cls.__new__(cls)
+        spec.check(optimizer)
+        store.spec, store.optimizer, store.evictions = spec, optimizer, state.evictions
+        store._free = []
+        expected = len(state.ids) if spec.dynamic and state.ids is not None else spec.local_rows
+        if state.values.shape != (expected, spec.dim) or (spec.dynamic and state.ids is None):
+            raise InvalidRequestError(
+                f"table '{spec.key}': saved rows have shape {state.values.shape}, expected "
+                f"({expected}, {spec.dim})"
+            )
+        store.values = np.array(state.values, dtype=spec.dtype, copy=True)
+        store.slots = {k: _take(v, slice(None)) for k, v in state.slots.items()}
+        ids = state.ids if state.ids is not None else np.empty(0, dtype=np.int64)
+        store._lru = OrderedDict((int(i), r) for r, i in enumerate(ids))
+        return store
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _fresh(self, ids: np.ndarray) -> np.ndarray:
+        s = self.spec
+        return init_rows(ids, s.dim, s.dtype, s.init, s.init_scale, s.seed)
+
+    def _fresh_slots(self, values: np.ndarray) -> dict[str, Any]:
+        # Arrays where the dense optimizer makes them lazily (SGD's momentum buffer): a row's
+        # buffer starts at zero, so its first step equals torch's buf = grad (dampening 0).
+        made = self.optimizer.make_state(values)
+        return {k: np.zeros_like(values) if v is None else v for k, v in made.items()}
+
+    def _locate(self, ids: np.ndarray) -> np.ndarray:
+        if not self.spec.dynamic:
+            return ids - self.spec.row_start
+        rows = np.empty(len(ids), dtype=np.int64)
+        new: list[int] = []
+        lru = self._lru
+        for i, key in enumerate(ids.tolist()):
+            row = lru.get(key)
+            if row is None:
+                new.append(i)
+                rows[i] = -1
+            else:
+                lru.move_to_end(key)
+                rows[i] = row
+        if new:
+            self._create(ids, rows, np.asarray(new, dtype=np.int64))
+        return rows
+
+    def _create(self, ids: np.ndarray, rows: np.ndarray, new: np.ndarray) -> None:
+        """Makes rows for ``ids[new]``, then evicts the least recently used over capacity."""
+        needed = len(new) - len(self._free)
+        if needed > 0:
+            self._grow(len(self._lru) + len(self._free) + needed)
+        for i in new.tolist():
+            key = int(ids[i])
+            if key in self._lru:  # a repeated new id: the first occurrence made it
+                rows[i] = self._lru[key]
+                continue
+            row = self._free.pop() if self._free else len(self._lru) + len(self._free)
+            self._lru[key] = row
+            rows[i] = row
+        made = rows[new]
+        self.values[made] = self._fresh(ids[new])
+        fresh = self._fresh_slots(self.values[made])
+        for k, v in fresh.items():
+            if isinstance(v, np.ndarray):
+                self.slots[k][made] = v
+        cap = self.spec.capacity
+        while cap and len(self._lru) > cap:
+            _, row = self._lru.popitem(last=False)
+            self._free.append(row)
+            self.evictions += 1
+
+    def _grow(self, at_least: int) -> None:
+        size = len(self.values)
+        if at_least <= size:
+            return
+        size = max(at_least, 2 * size)
+        self.values = _resized(self.values, size)
+        self.slots = {
+            k: _resized(v, size) if isinstance(v, np.ndarray) else v for k, v in self.slots.items()
+        }
+
+
+def _resized(array: np.ndarray, rows: int) -> np.ndarray:
+    out = np.zeros((rows, *array.shape[1:]), dtype=array.dtype)
+    out[: len(array)] = array
+    return out
+
+
+def _take(value: Any, index: Any) -> Any:
+    return value[index].copy() if isinstance(value, np.ndarray) else value

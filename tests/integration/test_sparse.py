@@ -1,0 +1,225 @@
+"""Embedding tables on real shards: sparse sync equals dense local, bad input, LRU, modes."""
+
+from __future__ import annotations
+
+import re
+
+import grpc
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from workers import run_workers  # noqa: E402
+
+import psworker  # noqa: E402
+from pswire.errors import InvalidRequestError, UnknownVariableError  # noqa: E402
+from pswire.proto import ps_pb2  # noqa: E402
+from pswire.tables import RowSparse, Table, init_rows  # noqa: E402
+from psworker.link import push_stream  # noqa: E402
+from psworker.torch import DistributedOptimizer, Embedding, EmbeddingBag  # noqa: E402
+
+ROWS, DIM, STEPS, BATCH, BAG = 50, 4, 30, 6, 3
+
+
+def data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    # Ids skewed towards a few rows, so both workers often touch the same rows (and many
+    # rows only one worker or neither touches in a step); the last 5 rows are never used.
+    ids = (torch.rand(n, BAG, generator=g) ** 2 * (ROWS - 5)).long()
+    return ids, torch.randn(n, 1, generator=g)
+
+
+class Net(torch.nn.Module):
+    def __init__(self, embedding: torch.nn.Module, bag: bool) -> None:
+        super().__init__()
+        self.embedding = embedding
+        self.bag = bag
+        self.head = torch.nn.Linear(DIM, 1)
+        # Not torch.manual_seed: workers build their nets in threads at once.
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            self.head.weight.copy_(torch.randn(1, DIM, generator=g))
+            self.head.bias.zero_()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.bag:
+            return self.head(self.embedding(ids))
+        return self.head(self.embedding(ids).mean(dim=1))
+
+
+def dense_embedding(bag: bool) -> torch.nn.Module:
+    """torch's own module, starting from the rows the shards make (seed 0, normal)."""
+    module = torch.nn.EmbeddingBag(ROWS, DIM, mode="mean") if bag else torch.nn.Embedding(ROWS, DIM)
+    with torch.no_grad():
+        module.weight.copy_(
+            torch.from_numpy(init_rows(np.arange(ROWS), DIM, "float32", "normal", 1.0, 0))
+        )
+    return module
+
+
+def train(opt: DistributedOptimizer, ids, y, lo, hi) -> None:
+    for t in range(STEPS):
+        opt.zero_grad()
+        a, b = lo(t), hi(t)
+        torch.nn.functional.mse_loss(opt.model(ids[a:b]), y[a:b]).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("bag", [False, True], ids=["embedding", "embedding_bag"])
+@pytest.mark.parametrize(
+    "optimizer", [psworker.SGD(lr=0.5), psworker.Adagrad(lr=0.3)], ids=["sgd", "adagrad"]
+)
+def test_sparse_sync_two_workers_equal_dense_local_with_the_combined_batch(shards, optimizer, bag):
+    ids, y = data(STEPS * 2 * BATCH)
+    with psworker.connect(mode="local") as local:
+        reference = Net(dense_embedding(bag), bag)
+        opt = DistributedOptimizer(reference, local, optimizer)
+        train(opt, ids, y, lambda t: 2 * BATCH * t, lambda t: 2 * BATCH * (t + 1))
+        expected = reference.embedding.weight.detach().numpy().copy()
+        expected_head = reference.head.weight.detach().numpy().copy()
+
+    addrs = [s.address for s in shards(2)]
+    got: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def worker(i: int):
+        def run():
+            with psworker.connect(addrs, worker_id=i, num_workers=2, mode="sync") as client:
+                cls = EmbeddingBag if bag else Embedding
+                net = Net(cls(ROWS, DIM, client, name="emb"), bag)
+                opt = DistributedOptimizer(net, client, optimizer)
+                lo = lambda t: 2 * BATCH * t + i * BATCH  # noqa: E731
+                train(opt, ids, y, lo, lambda t: lo(t) + BATCH)
+                table = client.pull_rows("emb", np.arange(ROWS))
+                got[i] = table, net.head.weight.detach().numpy().copy()
+
+        return run
+
+    run_workers([worker(0), worker(1)])
+    for i in (0, 1):
+        table, head = got[i]
+        assert np.abs(table - expected).max() < 1e-5
+        assert np.abs(head - expected_head).max() < 1e-5
+    # The test means something only if training moved the rows it used, and no others.
+    start = init_rows(np.arange(ROWS), DIM, "float32", "normal", 1.0, 0)
+    moved = np.abs(expected - start).max(axis=1) > 0
+    assert moved[: ROWS - 5].sum() > ROWS // 2 and not moved[ROWS - 5 :].any()
+
+
+def test_lazy_adam_moves_only_touched_rows_like_sparse_adam(shards):
+    (server,) = shards(1)
+    with psworker.connect([server.address], mode="async") as client:
+        client.init({}, psworker.Adam(lr=0.1), tables={"t": Table(8, 2, init="zeros")})
+        weight = torch.nn.Parameter(torch.zeros(8, 2))
+        sparse_adam = torch.optim.SparseAdam([weight], lr=0.1)
+        g = np.random.default_rng(0)
+        for _ in range(5):
+            ids = g.integers(0, 4, size=3)  # rows 4..7 never touched
+            grad = g.normal(size=(3, 2)).astype(np.float32)
+            client.push({"t": RowSparse(ids, grad)})
+            dense_ids = torch.from_numpy(ids).reshape(1, -1)
+            weight.grad = torch.sparse_coo_tensor(
+                dense_ids, torch.from_numpy(grad), (8, 2), check_invariants=True
+            )
+            sparse_adam.step()
+        rows = client.pull_rows("t", np.arange(8))
+    assert np.abs(rows - weight.detach().numpy()).max() < 1e-6
+    assert not rows[4:].any()
+
+
+def test_bad_rows_are_refused_by_name_and_change_nothing(shards):
+    (server,) = shards(1)
+    with psworker.connect([server.address], mode="async") as client:
+        client.init(
+            {"w": np.zeros(2, np.float32)}, psworker.SGD(lr=1.0), tables={"emb": Table(10, 3)}
+        )
+        before = client.pull_rows("emb", np.arange(10))
+        with pytest.raises(InvalidRequestError, match=r"table 'emb'.*id 10\b"):
+            client.pull_rows("emb", [3, 10])
+        with pytest.raises(InvalidRequestError, match=r"table 'emb'.*id -1\b"):
+            client.push({"emb": RowSparse([1, -1], np.ones((2, 3), np.float32))})
+        with pytest.raises(InvalidRequestError, match=r"table 'emb'.*\(2, 4\)"):
+            client.push({"emb": RowSparse([1, 2], np.ones((2, 4), np.float32))})
+        with pytest.raises(InvalidRequestError, match=r"table 'emb'.*3 ids.*\(2, 3\)"):
+            client.push({"emb": RowSparse([1, 2, 3], np.ones((2, 3), np.float32))})
+        with pytest.raises(UnknownVariableError, match="table 'nope'"):
+            client.pull_rows("nope", [1])
+
+        # The same requests straight to the shard (no client-side checks): the shard refuses
+        # them itself, with INVALID_ARGUMENT naming the table and the offending id.
+        stub = client.links[0].stub
+        bad_pushes = {
+            "id 10": {"emb": RowSparse([10], np.ones((1, 3), np.float32))},
+            r"\(1, 2\)": {"emb": RowSparse([1], np.ones((1, 2), np.float32))},
+            "non-finite.*id 4": {
+                "emb": RowSparse([2, 4], np.array([[0, 0, 0], [0, np.nan, 0]], np.float32))
+            },
+            "dense tensor": {"emb": np.ones((10, 3), np.float32)},
+            "not a table": {"w": RowSparse([0], np.ones((1, 2), np.float32))},
+        }
+        for step, (pattern, grads) in enumerate(bad_pushes.items()):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Push(push_stream(0, 100 + step, grads, 1 << 20), timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, pattern
+            assert re.search(f"('emb'|'w').*{pattern}", info.value.details()), pattern
+        query = ps_pb2.RowQuery(table="emb", ids=np.array([2, 99], "<i8").tobytes())
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Pull(ps_pb2.PullRequest(worker_id=0, step=0, rows=[query]), timeout=10))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert re.search("table 'emb'.*id 99", info.value.details())
+        with pytest.raises(Exception, match="embedding table"):
+            client.pull(["emb"])
+        assert np.array_equal(client.pull_rows("emb", np.arange(10)), before)
+        assert client.status()[0].pushes_applied == 0
+
+
+def test_dynamic_table_makes_rows_on_first_touch_and_evicts_least_recently_used(shards):
+    (server,) = shards(1)
+    table = Table(None, 3, init="uniform", init_scale=0.5, seed=9, capacity=4)
+    with psworker.connect([server.address], mode="async") as client:
+        client.init({}, psworker.SGD(lr=1.0), tables={"hashed": table})
+        big = [2**62 + 1, -(2**61), 7, 123456789]
+        rows = client.pull_rows("hashed", big)
+        assert np.array_equal(rows, init_rows(np.array(big), 3, "float32", "uniform", 0.5, 9))
+        client.push({"hashed": RowSparse([7, 7], np.ones((2, 3), np.float32))})  # summed
+        assert np.allclose(client.pull_rows("hashed", [7]), rows[2] - 2.0)
+        client.pull_rows("hashed", [1, 2])  # two new rows: the two least recently used go
+        (status,) = client.status()
+        (t,) = status.tables
+        assert (t.name, t.rows, t.evictions, t.capacity) == ("hashed", 4, 2, 4)
+        # 2**62 + 1 and -(2**61) were evicted: touched again, they start over from the seed;
+        # 7 kept its update.
+        again = client.pull_rows("hashed", [2**62 + 1, 7])
+        assert np.array_equal(again[0], rows[0]) and np.allclose(again[1], rows[2] - 2.0)
+        with pytest.raises(psworker.TooLargeError, match="capacity of 4"):
+            client.pull_rows("hashed", np.arange(5))
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_tables_train_in_async_and_ssp(shards, mode):
+    addrs = [s.address for s in shards(2)]
+    losses: dict[int, list[float]] = {}
+
+    def worker(i: int):
+        def run():
+            with psworker.connect(
+                addrs, worker_id=i, num_workers=2, mode=mode, staleness=1
+            ) as client:
+                emb = Embedding(None, 2, client, name="emb", init="zeros")
+                opt = DistributedOptimizer(torch.nn.Sequential(emb), client, psworker.SGD(lr=0.5))
+                g = torch.Generator().manual_seed(i)
+                losses[i] = []
+                for _ in range(25):
+                    ids = torch.randint(-5, 5, (8,), generator=g) * 1_000_003
+                    opt.zero_grad()
+                    # Target: every row should become (1, -1).
+                    loss = ((opt.model(ids) - torch.tensor([1.0, -1.0])) ** 2).mean()
+                    loss.backward()
+                    opt.step()
+                    losses[i].append(float(loss.detach()))
+
+        return run
+
+    run_workers([worker(0), worker(1)])
+    for i in (0, 1):
+        assert losses[i][-1] < 0.1 * losses[i][0]
