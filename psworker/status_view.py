@@ -69,7 +69,7 @@ def to_data(
     """The cluster as plain data: ``{"shards": [...], "workers": [...]}``.
 
     Each shard has its address, health, job (mode, ``staleness``: the ssp bound), clock,
-    variables, bytes, push counts, ``max_staleness`` (clock spread of the live workers),
+    variables, embedding tables (rows, bytes, evictions), bytes, push counts, ``max_staleness`` (clock spread of the live workers),
     workers (clock, staleness, live, seconds since heard) and newest checkpoint, or ``error``.
     The workers list merges the shards' views of each worker.
     """
@@ -87,6 +87,8 @@ def _shard_data(index: int, address: str, health: str, status: Status) -> dict[s
         data["error"] = status
         return data
     job = status.job if status.HasField("job") else None
+    dense = [v for v in (job.variables if job else []) if not v.HasField("table")]
+    specs = {v.name: v for v in (job.variables if job else []) if v.HasField("table")}
     clocks = {w.worker_id: int(w.clock) for w in status.workers}
     newest = max(clocks.values(), default=0)
     live = set(status.live_workers)
@@ -103,11 +105,11 @@ def _shard_data(index: int, address: str, health: str, status: Status) -> dict[s
             else None
         ),
         clock=int(status.clock),
-        num_variables=len(job.variables) if job else 0,
+        num_variables=len(dense),
         variables=[
-            {"name": v.name, "dtype": v.dtype, "shape": [int(d) for d in v.shape]}
-            for v in (job.variables if job else [])
+            {"name": v.name, "dtype": v.dtype, "shape": [int(d) for d in v.shape]} for v in dense
         ],
+        tables=[_table_data(t, specs.get(t.name)) for t in status.tables],
         total_bytes=int(status.total_bytes),
         pushes_applied=int(status.pushes_applied),
         pushes_duplicate=int(status.pushes_duplicate),
@@ -136,6 +138,23 @@ def _shard_data(index: int, address: str, health: str, status: Status) -> dict[s
         ),
     )
     return data
+
+
+def _table_data(t: ps_pb2.TableStatus, spec: ps_pb2.VariableSpec | None) -> dict[str, Any]:
+    """One shard's part of an embedding table: rows held, bytes (with optimizer state),
+    evictions, and which ids it serves ("ids": [start, end) of a fixed table, else None)."""
+    table = spec.table if spec is not None else None
+    fixed = table is not None and table.num_rows > 0
+    return {
+        "name": t.name,
+        "rows": int(t.rows),
+        "bytes": int(t.bytes),
+        "evictions": int(t.evictions),
+        "capacity": int(t.capacity),
+        "dim": int(spec.shape[1]) if spec is not None and len(spec.shape) == 2 else None,
+        "num_rows": int(table.num_rows) if fixed and table is not None else None,
+        "ids": [int(table.row_start), int(table.row_end)] if fixed and table is not None else None,
+    }
 
 
 def _merge_workers(shards: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -178,7 +197,7 @@ def render_json(
 def render_table(
     addresses: Sequence[str], statuses: Sequence[Status], health: Sequence[str] | None = None
 ) -> str:
-    """Shards, then workers, then variables, as aligned text tables.
+    """Shards, then workers, then embedding tables, then variables, as aligned text tables.
 
     Per shard: health, mode, clock, variables, bytes, live workers, the clock spread between
     live workers (staleness), pushes applied/duplicate/late, and the newest checkpoint. Per
@@ -232,6 +251,26 @@ def render_table(
         ]
         clock_header = "CLOCK" if len(answered) == 1 else f"CLOCKS (shards {_ids(answered)})"
         lines += _table(["WORKER", clock_header, "STALENESS", "LIVE", "LAST SEEN"], worker_rows)
+
+    table_rows = [
+        [
+            t["name"],
+            str(s["shard"]),
+            f"{t['ids'][0]}..{t['ids'][1] - 1} of {t['num_rows']}" if t["ids"] else "hashed",
+            str(t["dim"]),
+            str(t["rows"]),
+            _bytes(t["bytes"]),
+            str(t["evictions"]) if t["capacity"] else "-",
+            str(t["capacity"]) if t["capacity"] else "-",
+        ]
+        for s in shards
+        if not s.get("error")
+        for t in s["tables"]
+    ]
+    if table_rows:
+        lines.append("")
+        headers = ["TABLE", "SHARD", "IDS", "DIM", "ROWS", "BYTES", "EVICTIONS", "CAPACITY"]
+        lines += _table(headers, table_rows)
 
     variable_rows = [
         [v["name"], str(s["shard"]), "x".join(map(str, v["shape"])) or "scalar", v["dtype"]]

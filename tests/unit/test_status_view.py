@@ -80,3 +80,31 @@ def test_json_has_every_field_and_merged_workers() -> None:
     # Shard 1 never heard of worker 1: not live cluster-wide.
     assert workers[1]["live"] is False and workers[0]["live"] is True
     assert all_serving(["SERVING", "SERVING"], statuses)
+
+
+def test_tables_show_their_ids_rows_bytes_and_evictions() -> None:
+    statuses: list[Status] = []
+    for shard, (start, end) in enumerate([(0, 500), (500, 1000)]):
+        status = reply({0: 3}, live=[0])
+        fixed = status.job.variables.add(name="user", dtype="float32", shape=[end - start, 8])
+        fixed.table.num_rows, fixed.table.row_start, fixed.table.row_end = 1000, start, end
+        hashed = status.job.variables.add(name="item", dtype="float32", shape=[0, 4])
+        hashed.table.capacity = 100
+        status.tables.add(name="user", rows=end - start, bytes=(end - start) * 32)
+        status.tables.add(name="item", rows=100, bytes=1600, evictions=7 + shard, capacity=100)
+        statuses.append(status)
+    table = render_table(ADDRESSES[:2], statuses, ["SERVING", "SERVING"])
+    lines = table.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("TABLE"))
+    assert lines[header].split() == [
+        "TABLE", "SHARD", "IDS", "DIM", "ROWS", "BYTES", "EVICTIONS", "CAPACITY",
+    ]  # fmt: skip
+    user = ["user", "0", "0..499", "of", "1000", "8", "500", "15.6", "KiB", "-", "-"]
+    assert lines[header + 1].split() == user
+    item = ["item", "1", "hashed", "4", "100", "1.6", "KiB", "8", "100"]
+    assert lines[header + 4].split() == item
+    # Tables are not listed again as variables, nor counted in VARS.
+    assert "user  " not in "\n".join(lines[header + 5 :])
+    assert lines[1].split()[5] == "1"
+    data = to_data(ADDRESSES[:2], statuses)["shards"][1]["tables"]
+    assert data[0]["ids"] == [500, 1000] and data[1]["evictions"] == 8
