@@ -69,8 +69,9 @@ def to_data(
     """The cluster as plain data: ``{"shards": [...], "workers": [...]}``.
 
     Each shard has its address, health, job (mode, ``staleness``: the ssp bound), clock,
-    variables, embedding tables (rows, bytes, evictions), bytes, push counts, ``max_staleness`` (clock spread of the live workers),
-    workers (clock, staleness, live, seconds since heard) and newest checkpoint, or ``error``.
+    variables, embedding tables (rows, bytes, evictions), bytes, push counts,
+    ``max_staleness`` (clock spread of the live workers), workers (clock, staleness, live,
+    seconds since heard) and newest checkpoint, or ``error``.
     The workers list merges the shards' views of each worker.
     """
     health = list(health) if health is not None else ["UNKNOWN"] * len(addresses)
