@@ -89,7 +89,9 @@ def export_state_dict(
 ) -> Export:
     """Pulls the whole model from the shards and writes it as one state_dict file.
 
-    Split variables are joined, buffer names lose their ``buffer:`` prefix, so the file loads
+    Fixed-size embedding tables are written whole under their table name; dynamic tables
+    (no dense form) are left out with a warning. Split variables are joined, buffer names
+    lose their ``buffer:`` prefix, so the file loads
     into the module with ``model.load_state_dict(torch.load(path))``. It is a torch file
     (tensors only: ``torch.load(..., weights_only=True)`` reads it) unless ``out_path`` ends
     in ``.safetensors`` or torch is not installed; then it is safetensors, with that suffix.
@@ -134,12 +136,25 @@ def pull_pieces(
         )
         if not st.initialized or not st.HasField("job"):
             raise NotInitializedError(f"{where} holds no model yet: nothing to export")
-        keys = [v.name for v in st.job.variables]
-        if not keys:
+        keys = [v.name for v in st.job.variables if not v.HasField("table")]
+        # Fixed tables come whole (this shard's id range, as slices joined in shard order);
+        # dynamic ones have no dense form and stay in the shards' checkpoints.
+        tables = [v for v in st.job.variables if v.HasField("table") and v.table.num_rows]
+        skipped = [v.name for v in st.job.variables if v.HasField("table") and not v.table.num_rows]
+        if skipped and index == 0:
+            log.warning("dynamic tables %s have no dense form: not exported", skipped)
+        rows = [
+            ps_pb2.RowQuery(
+                table=v.name,
+                ids=np.arange(v.table.row_start, v.table.row_end, dtype="<i8").tobytes(),
+            )
+            for v in tables
+        ]
+        if not keys and not rows:
             return {}, int(st.clock), st.job.model_digest
         # Step 0 never waits in any mode once values exist, so this reads the current weights.
         # worker_id -1 marks an observer: the shard does not count it as a worker's sign of life.
-        request = ps_pb2.PullRequest(worker_id=-1, step=0, names=keys)
+        request = ps_pb2.PullRequest(worker_id=-1, step=0, names=keys, rows=rows)
 
         def pull(stub: ps_pb2_grpc.ParameterServerStub) -> tuple[dict[str, np.ndarray], int]:
             assembler = ChunkAssembler()
@@ -150,6 +165,9 @@ def pull_pieces(
             return assembler.finish(), clock
 
         arrays, clock = _call(address, security, f"Pull on {where}", pull)
+        n = len(addresses)
+        for v in tables:  # as the slices of a split variable, so join_pieces concatenates them
+            arrays[f"{v.name}/part{index}of{n}"] = arrays.pop(v.name)
         return arrays, clock, st.job.model_digest
 
     results = _all_or_raise(len(addresses), one)

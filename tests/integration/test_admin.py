@@ -12,6 +12,7 @@ from psserver.checkpoint import Checkpointer, CheckpointScheduler
 from psserver.server import RunningServer, start_server
 from psserver.shard import Shard
 from pswire.errors import ModelMismatchError, NotInitializedError, PSError
+from pswire.tables import RowSparse, Table, init_rows
 from psworker.admin import checkpoint_all, export_state_dict
 
 
@@ -102,3 +103,17 @@ def test_export_before_init_and_across_models_fails(shards, tmp_path: Path) -> N
     with pytest.raises(ModelMismatchError, match="different models"):
         export_state_dict([addresses[0], other[0]], tmp_path / "m.pt", timeout=10)
     assert not (tmp_path / "m.pt").exists()
+
+
+def test_export_writes_fixed_tables_whole_and_skips_dynamic_ones(shards, tmp_path: Path) -> None:
+    addresses = [s.address for s in shards(2)]
+    tables = {"user.weight": Table(7, 3, init="uniform"), "hashed": Table(None, 2)}
+    with psworker.connect(addresses, mode="async") as client:
+        client.init({"fc": np.ones(2, np.float32)}, psworker.SGD(lr=1.0), tables=tables)
+        client.push({"user.weight": RowSparse([0, 6], np.ones((2, 3), np.float32))})
+        client.pull_rows("hashed", [5])
+        expected = client.pull_rows("user.weight", np.arange(7))
+    done = export_state_dict(addresses, tmp_path / "model.safetensors", timeout=10)
+    assert sorted(done.tensors) == ["fc", "user.weight"]
+    assert np.array_equal(done.tensors["user.weight"], expected)
+    assert expected[0, 0] != init_rows(np.arange(1), 3, "float32", "uniform", 1.0, 0)[0, 0]

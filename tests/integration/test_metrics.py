@@ -177,3 +177,20 @@ def test_variable_groups_are_first_path_components_and_bounded() -> None:
     groups = {metrics.group(f"layer{i}.weight") for i in range(200)}
     assert OTHER_GROUP in groups and len(groups) <= 65
     assert metrics.group("layer0.bias") == "layer0"  # a known group stays itself
+
+
+@pytest.mark.timeout(30)
+def test_table_rows_bytes_and_evictions_are_exported(metered) -> None:
+    ((server, exporter),) = metered(1)
+    table = psworker.Table(None, 4, capacity=3)
+    with psworker.connect([server.address], worker_id=0, num_workers=1, mode="async") as c:
+        c.init({}, optimizer=psworker.Adagrad(lr=0.1), tables={"item": table})
+        c.pull_rows("item", [1, 2, 3])
+        c.push({"item": psworker.RowSparse([4, 5], np.ones((2, 4), np.float32))})  # evicts 2
+    samples = scrape(exporter)
+    labels = {"shard": "ps0", "table": "item"}
+    assert value(samples, "psserver_table_rows", **labels) == 3
+    assert value(samples, "psserver_table_bytes", **labels) == 3 * 4 * 4 * 2  # rows + sums
+    assert value(samples, "psserver_table_evictions_total", **labels) == 2
+    # Row pushes count as traffic of the table's group: 2 rows of 4 floats and their ids.
+    assert value(samples, "psserver_push_bytes_total", shard="ps0", group="item") == 2 * 16 + 16
