@@ -22,8 +22,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from pswire.codec import DEFAULT_CHUNK_BYTES
 from psworker.peer import Ring, RingServer
+from psworker.ring import RING_CHUNK_BYTES
 
 MIB = 1 << 20
 GB = 1e9  # bandwidth in decimal GB/s
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=None)
     parser.add_argument("--iters", type=int, default=None, help="timed iterations (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
-    parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
+    parser.add_argument("--chunk-bytes", type=int, default=RING_CHUNK_BYTES)
     parser.add_argument("--no-gloo", action="store_true", help="skip the torch gloo peer")
     parser.add_argument("--json", default=DEFAULT_JSON, help=f"output path ({DEFAULT_JSON})")
     args = parser.parse_args(argv)
@@ -317,7 +317,7 @@ def measure(quick: bool) -> Any:
     rows: list[Row] = []
     for world in worlds:
         print(f"allreduce: world {world}, {len(sizes)} sizes, {iters} iterations", flush=True)
-        rows += run_world(world, sizes, iters, 1, DEFAULT_CHUNK_BYTES, gloo)
+        rows += run_world(world, sizes, iters, 1, RING_CHUNK_BYTES, gloo)
     table_rows, ratios = [], []
     for row in rows:
         ours, peer = row.median(OURS), row.median(GLOO)

@@ -7,159 +7,45 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent import futures
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pswire.channel import MAX_MESSAGE_BYTES, OPTIONS, insecure_channel, wait_ready
-from pswire.codec import DEFAULT_CHUNK_BYTES, DTYPES, tensor_from_proto, tensor_to_proto
+from pswire.channel import MAX_MESSAGE_BYTES, insecure_channel, wait_ready
 from pswire.errors import (
     InvalidRequestError,
     PSError,
     UnavailableError,
     WaitTimeoutError,
-    error_for_status,
 )
-from pswire.proto import ring_pb2, ring_pb2_grpc
-from pswire.status import from_rpc_error, rpc_errors
+from pswire.proto import ring_pb2
+from pswire.status import from_rpc_error
 from psworker import ring
 from psworker.buckets import DEFAULT_BUCKET_BYTES, BucketPlan
-from psworker.ring import Failure, Mailbox, Peer, Tag
+from psworker.ring import Failure, Peer, Tag
+from psworker.ringwire import (
+    CERTAIN,
+    RingPeerStub,
+    RingServer,
+    encode_abort,
+    encode_data,
+)
+
+__all__ = ["Ring", "RingServer"]
 
 T = TypeVar("T")
-SERVICE_NAME = "pswire.v1.RingPeer"
 DEFAULT_TIMEOUT_S = ring.DEFAULT_TIMEOUT_S
-# A failure seen first-hand (a refused or dropped connection, a malformed chunk) outweighs any
-# verdict reached only by waiting, however far it travelled.
-CERTAIN = 1 << 16
-# Dtypes the codec cannot name travel as raw bytes and are viewed back; only bfloat16 bits need it.
-_VIEW_DTYPES = frozenset({"uint16"})
-_TENSOR_NAME = "ring"
 _END = None  # ends a request stream
+# A segment large enough travels in at least this many chunks, so sending one overlaps
+# reducing the next; but no chunk shrinks below 1 MiB for it (each message costs CPU).
+_PIPELINE_DEPTH = 4
+_MIN_PIPELINE_CHUNK = 1 << 20
 
 
-def _describe_default(rank: int) -> str:
-    return f"rank {rank}"
-
-
-class RingServer:
-    """A worker's RingPeer server: files the chunks its left neighbour streams into a mailbox.
-
-    Start it before the ``Ring`` when the port is chosen by the OS (bind port 0), so its
-    address can be shared with the other workers; the ``Ring`` then takes it over.
-    """
-
-    def __init__(self, bind: str = "127.0.0.1:0", threads: int = 8) -> None:
-        """Binds ``host:port`` (port 0 picks a free one) and starts serving.
-
-        Raises:
-            RuntimeError: the address could not be bound.
-        """
-        self.mailbox = Mailbox()
-        self.rank: int | None = None
-        self.world_size = 0
-        self.describe: Callable[[int], str] = _describe_default
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ring-peer"),
-            options=OPTIONS,
-        )
-        ring_pb2_grpc.add_RingPeerServicer_to_server(_RingPeerServicer(self), self._server)
-        self._health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        port = self._server.add_insecure_port(bind)
-        if port == 0:
-            raise RuntimeError(f"could not bind {bind}")
-        self._server.start()
-        for name in ("", SERVICE_NAME):
-            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self.port = port
-        self.address = f"{bind.rsplit(':', 1)[0]}:{port}"
-
-    def attach(self, rank: int, world_size: int, describe: Callable[[int], str]) -> None:
-        """Tells the server whose it is, so it can check senders and name them in errors."""
-        self.rank, self.world_size, self.describe = rank, world_size, describe
-
-    def stop(self, grace: float = 0.5) -> None:
-        self._health.enter_graceful_shutdown()
-        self._server.stop(grace).wait(grace + 1.0)
-
-
-class _RingPeerServicer(ring_pb2_grpc.RingPeerServicer):
-    """Decodes each chunk and files it; any trouble fails the mailbox so no wait lingers."""
-
-    def __init__(self, owner: RingServer) -> None:
-        self._owner = owner
-
-    @rpc_errors
-    def Send(
-        self, request_iterator: Iterator[ring_pb2.RingChunk], context: grpc.ServicerContext
-    ) -> ring_pb2.SendAck:
-        owner = self._owner
-        received = 0
-        last: ring_pb2.RingChunk | None = None
-        try:
-            for chunk in request_iterator:
-                received += 1
-                last = chunk
-                self._take(chunk)
-        except grpc.RpcError:
-            # The stream broke without the sender closing it: its process died or dropped us.
-            if last is not None:
-                me = owner.describe(owner.rank) if owner.rank is not None else "this rank"
-                detail = (
-                    f"{owner.describe(last.sender)} disconnected from {me} during collective "
-                    f"{last.op}"
-                )
-                owner.mailbox.fail(Failure(UnavailableError(detail), CERTAIN, last.sender, detail))
-        except PSError as exc:
-            sender = owner.describe(last.sender) if last is not None else "a peer"
-            detail = f"{sender} sent a malformed ring chunk: {exc}"
-            origin = last.sender if last is not None else -1
-            owner.mailbox.fail(Failure(InvalidRequestError(detail), CERTAIN, origin, detail))
-            raise
-        return ring_pb2.SendAck(received=received)
-
-    def _take(self, chunk: ring_pb2.RingChunk) -> None:
-        owner = self._owner
-        if owner.rank is not None and owner.world_size > 1:
-            left = (owner.rank - 1) % owner.world_size
-            if chunk.sender != left:
-                raise InvalidRequestError(
-                    f"rank {chunk.sender} sent to {owner.describe(owner.rank)}, whose left "
-                    f"neighbour is {owner.describe(left)}; do all workers use the same list of "
-                    "addresses?"
-                )
-        body = chunk.WhichOneof("body")
-        if body == "abort":
-            self._take_abort(chunk.abort)
-            return
-        if body != "tensor":
-            raise InvalidRequestError(f"ring chunk of collective {chunk.op} carries no tensor")
-        array = tensor_from_proto(chunk.tensor)
-        if chunk.view_dtype:
-            if chunk.view_dtype not in _VIEW_DTYPES or array.dtype != np.uint8:
-                raise InvalidRequestError(
-                    f"ring chunk views {array.dtype} data as {chunk.view_dtype!r}; only uint8 "
-                    f"data viewed as {sorted(_VIEW_DTYPES)} is accepted"
-                )
-            view = np.dtype(chunk.view_dtype).newbyteorder("<")
-            if array.size % view.itemsize:
-                raise InvalidRequestError(
-                    f"ring chunk of {array.size} bytes cannot be viewed as {chunk.view_dtype}"
-                )
-            array = array.view(view)
-        owner.mailbox.put((chunk.op, chunk.step, chunk.segment, chunk.index), array)
-
-    def _take_abort(self, abort: ring_pb2.RingAbort) -> None:
-        owner = self._owner
-        if abort.origin == owner.rank:
-            return  # our own verdict came all the way round the ring
-        weight = CERTAIN if abort.certain else abort.hops + 1
-        error = error_for_status(abort.status, f"the ring failed elsewhere: {abort.message}")
-        owner.mailbox.fail(Failure(error, weight, abort.origin, abort.message))
+def pipeline_chunk(max_chunk: int, segment_bytes: int) -> int:
+    """Chunk size for a segment: ``max_chunk``, or less to cut it into a few 1 MiB+ chunks."""
+    return min(max_chunk, max(_MIN_PIPELINE_CHUNK, segment_bytes // _PIPELINE_DEPTH))
 
 
 class _OpPeer:
@@ -215,7 +101,7 @@ class _OpPeer:
             origin=failure.origin,
         )
         self._aborting = True
-        self._stream().put(ring_pb2.RingChunk(op=self._op, sender=self.rank, abort=message))
+        self._stream().put(encode_abort(self._op, self.rank, message))
 
     def finish(self, timeout: float) -> None:
         """Closes the stream and waits until the right neighbour acknowledges all of it.
@@ -260,27 +146,13 @@ class _OpPeer:
             self._queue, self._call = requests, call
         return self._queue
 
-    def _requests(self, requests: queue.SimpleQueue[Any]) -> Iterator[ring_pb2.RingChunk]:
+    def _requests(self, requests: queue.SimpleQueue[Any]) -> Iterator[bytes]:
         while True:
             item = requests.get()
             if item is _END:
                 return
             self._sent += 1
-            yield item if isinstance(item, ring_pb2.RingChunk) else self._encode(*item)
-
-    def _encode(self, tag: Tag, array: np.ndarray) -> ring_pb2.RingChunk:
-        view = ""
-        if array.dtype.name not in DTYPES:
-            view, array = array.dtype.name, array.view(np.uint8)
-        return ring_pb2.RingChunk(
-            op=self._op,
-            sender=self.rank,
-            step=tag.step,
-            segment=tag.segment,
-            index=tag.chunk,
-            tensor=tensor_to_proto(_TENSOR_NAME, array),
-            view_dtype=view,
-        )
+            yield item if isinstance(item, bytes) else encode_data(self._op, self.rank, *item)
 
     def _send_error(self, exc: grpc.RpcError) -> PSError:
         right = self._ring.describe(self._ring.right_rank)
@@ -313,7 +185,7 @@ class Ring:
         addresses: Sequence[str],
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int = ring.RING_CHUNK_BYTES,
         server: RingServer | None = None,
         bind: str | None = None,
     ) -> None:
@@ -323,7 +195,8 @@ class Ring:
             rank: this worker's index in ``addresses``.
             addresses: ``host:port`` of every worker's ring server, in rank order.
             timeout: seconds any one wait may take (connecting, receiving, delivering).
-            chunk_bytes: bytes per message; a message's send overlaps the next one's reduction.
+            chunk_bytes: the most bytes per message; a message's send overlaps the next one's
+                reduction, so a smaller segment travels in a few chunks of at least 1 MiB.
             server: an already started server (needed when it bound port 0); the ring owns
                 it from now on and stops it on close.
             bind: where to listen when no server is given; defaults to ``addresses[rank]``.
@@ -357,7 +230,7 @@ class Ring:
         self._closed = False
         self._calls: list[grpc.Future] = []
         self._channel: grpc.Channel | None = None
-        self._stub: ring_pb2_grpc.RingPeerStub | None = None
+        self._stub: RingPeerStub | None = None
         if self.world_size > 1:
             channel = insecure_channel(self.addresses[self.right_rank])
             try:
@@ -370,7 +243,7 @@ class Ring:
                     f"connection within {self.timeout:g} s; is that worker running?"
                 ) from None
             self._channel = channel
-            self._stub = ring_pb2_grpc.RingPeerStub(channel)
+            self._stub = RingPeerStub(channel)
 
     # -- who is who --------------------------------------------------------------------------
 
@@ -423,7 +296,7 @@ class Ring:
                 peer,
                 buffer,
                 timeout=self.timeout,
-                chunk_bytes=self.chunk_bytes,
+                chunk_bytes=pipeline_chunk(self.chunk_bytes, buffer.nbytes // self.world_size),
                 bfloat16=bfloat16,
             )
         )
@@ -449,7 +322,11 @@ class Ring:
         buffer = self._flat(arr, inplace)
         self._collective(
             lambda peer: ring.broadcast(
-                peer, buffer, root, timeout=self.timeout, chunk_bytes=self.chunk_bytes
+                peer,
+                buffer,
+                root,
+                timeout=self.timeout,
+                chunk_bytes=pipeline_chunk(self.chunk_bytes, buffer.nbytes),
             )
         )
         return arr if inplace else buffer.reshape(arr.shape)
