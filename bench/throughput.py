@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+import psworker
 from bench import pushpull, torchps
 from bench.report import MB, Ratio, Table, check, median, print_table
 from bench.timing import Step, interleave
@@ -50,18 +51,23 @@ def nbytes_of(shapes: dict[str, tuple[int, ...]]) -> int:
 
 @contextlib.contextmanager
 def ours_step(shapes: dict[str, tuple[int, ...]], shards: int, workdir: Path) -> Iterator[Step]:
-    """Our client against ``shards`` daemons (``python -m psserver``): one push, one pull."""
+    """Our client against ``shards`` daemons (``python -m psserver``), async, SGD: one
+    ``push_pull`` per step (push every gradient, pull every weight, one round trip per shard),
+    as ``DistributedOptimizer.step`` does."""
     model = torchps.model_arrays(shapes)
     grads = {k: np.full_like(v, 1e-4) for k, v in model.items()}
     nbytes = nbytes_of(shapes)
-    m = pushpull.Measurement(OURS, "ours", pushpull.SEPARATE, shards, DEFAULT_CHUNK_BYTES, nbytes)
     with contextlib.ExitStack() as stack:
         addresses, _ = stack.enter_context(pushpull.shards(pushpull.SEPARATE, shards, workdir))
-        push, pull = pushpull.open_ours(m, addresses, model, grads, stack)
+        client = stack.enter_context(
+            psworker.connect(addresses, worker_id=0, num_workers=1, mode="async")
+        )
+        client.init(model, psworker.SGD(lr=1e-3))
 
         def step() -> None:
-            push()
-            pull()
+            got = sum(w.nbytes for w in client.push_pull(grads).values())
+            if got != nbytes:
+                raise RuntimeError(f"push_pull returned {got} bytes, expected {nbytes}")
 
         yield step
 

@@ -16,6 +16,7 @@ from pswire.codec import (
     ChunkAssembler,
     encode_chunk_messages,
     tensor_nbytes,
+    tensor_to_proto,
     varint_field,
 )
 from pswire.errors import InvalidRequestError, NotInitializedError
@@ -184,40 +185,39 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if not header.has_values:
             values = None
         job = job_from_proto(header.job)
-        accepted = self.shard.init(header.worker_id, job, values)
+        # The assembler's arrays belong to this call alone: the shard may keep them.
+        accepted = self.shard.init(header.worker_id, job, values, take=True)
         return ps_pb2.InitResponse(values_accepted=accepted)
+
+    def _encode_pull(self, arrays: Mapping[str, np.ndarray], clock: int) -> list[bytes]:
+        """The PullResponse messages of a snapshot; runs under the shard's lock (the encoded
+        reply is the snapshot: one copy)."""
+        if self.metrics is not None:
+            self.metrics.count_pull(arrays)
+        trailer = varint_field(2, clock)  # PullResponse.clock, after the chunk (field 1)
+        return [
+            message
+            for key, array in arrays.items()
+            for message in encode_chunk_messages(key, array, 1, self.chunk_bytes, trailer=trailer)
+        ]
 
     @rpc_errors
     def Pull(self, request, context):
-        def encode(arrays: Mapping[str, np.ndarray], clock: int) -> list[bytes]:
-            # Runs under the shard's lock: the encoded reply is the snapshot (one copy).
-            if self.metrics is not None:
-                self.metrics.count_pull(arrays)
-            trailer = varint_field(2, clock)  # PullResponse.clock, after the chunk (field 1)
-            return [
-                message
-                for key, array in arrays.items()
-                for message in encode_chunk_messages(
-                    key, array, 1, self.chunk_bytes, trailer=trailer
-                )
-            ]
-
         with self._waiting("Pull"):
             messages, _ = self.shard.pull(
                 request.worker_id,
                 request.step,
                 list(request.names),
                 timeout=_timeout(context),
-                encode=encode,
+                encode=self._encode_pull,
                 rows=_row_query(request),
             )
         yield from messages
 
-    @rpc_errors
-    def Push(self, request_iterator, context):
-        assembler = ChunkAssembler(self.shard.limits.max_request_bytes)
-        header = _header_then_chunks(request_iterator, "header", assembler, "Push")
-        assert isinstance(header, ps_pb2.PushHeader)
+    def _push(
+        self, header: ps_pb2.PushHeader, assembler: ChunkAssembler, context: grpc.ServicerContext
+    ) -> ps_pb2.PushResponse:
+        """Applies one decoded push (as the consistency rule says); its reply."""
         rows = assembler.indices
         grads = {
             k: RowSparse(rows[k], a) if k in rows else a for k, a in assembler.finish().items()
@@ -235,6 +235,37 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             incarnation=self.shard.incarnation,
             durable_step=result.durable_step,
         )
+
+    @rpc_errors
+    def Push(self, request_iterator, context):
+        assembler = ChunkAssembler(self.shard.limits.max_request_bytes)
+        header = _header_then_chunks(request_iterator, "header", assembler, "Push")
+        assert isinstance(header, ps_pb2.PushHeader)
+        return self._push(header, assembler, context)
+
+    @rpc_errors
+    def PushPull(self, request, context):
+        assembler = ChunkAssembler(self.shard.limits.max_request_bytes)
+        for chunk in request.chunks:
+            assembler.add(chunk)
+        pushed = self._push(request.header, assembler, context)
+        # The weights for the next step, as a Pull at step + 1 would read them (after a late
+        # sync push: the step the shard is in, which the client then moves on to).
+        step = request.header.step + 1
+        if pushed.reason == "late":
+            step = max(step, pushed.clock)
+
+        def encode(arrays: Mapping[str, np.ndarray], clock: int) -> list[ps_pb2.TensorChunk]:
+            # Under the shard's lock: the chunks' bytes are the snapshot (one copy).
+            if self.metrics is not None:
+                self.metrics.count_pull(arrays)
+            return [tensor_to_proto(key, array) for key, array in arrays.items()]
+
+        with self._waiting("Pull"):
+            chunks, clock = self.shard.pull(
+                request.header.worker_id, step, timeout=_timeout(context), encode=encode
+            )
+        return ps_pb2.PushPullResponse(push=pushed, chunks=chunks, clock=clock)
 
     @rpc_errors
     def Status(self, request, context):

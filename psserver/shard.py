@@ -112,11 +112,19 @@ class Shard:
 
     # -- init -------------------------------------------------------------------------------
 
-    def init(self, worker_id: int, job: Job, values: Mapping[str, np.ndarray] | None) -> bool:
+    def init(
+        self,
+        worker_id: int,
+        job: Job,
+        values: Mapping[str, np.ndarray] | None,
+        take: bool = False,
+    ) -> bool:
         """Agrees on the job; installs initial values if none are held yet.
 
         Returns whether ``values`` were installed (False when the shard already had values:
-        a restarted or later worker never overwrites trained weights).
+        a restarted or later worker never overwrites trained weights). ``take``: the caller
+        hands the arrays over (nothing else refers to them), so writable ones of the right
+        dtype are kept as they are instead of copied.
 
         Raises:
             InvalidRequestError: bad job description or values.
@@ -141,7 +149,7 @@ class Shard:
             if values is None or self._ready:
                 return False
             self._vars = {
-                key: np.array(values[key], dtype=np.dtype(spec.dtype), copy=True)
+                key: _owned(values[key], spec.dtype, take)
                 for key, spec in self._specs.items()
                 if spec.table is None
             }
@@ -394,7 +402,7 @@ class Shard:
                 # round in sync mode) replace the stored ones; no optimizer.
                 np.copyto(self._vars[key], grad, casting="unsafe")
             else:
-                opt.apply(self._vars[key], grad, self._slots[key])
+                opt.apply_blocked(self._vars[key], grad, self._slots[key])
         self._updates += 1
 
     # -- status and state -------------------------------------------------------------------
@@ -495,7 +503,8 @@ class Shard:
     # -- internals --------------------------------------------------------------------------
 
     def _clocks(self) -> Clocks:
-        return Clocks(self._updates, dict(self._finished), self._members.live)
+        # The live dict, not a copy: policies only read it, under the lock, and keep nothing.
+        return Clocks(self._updates, self._finished, self._members.live)
 
     def _touch(self, worker_id: int) -> None:
         if worker_id == OBSERVER:
@@ -565,6 +574,15 @@ class Shard:
             if remaining <= 0:
                 raise WaitTimeoutError(f"gave up after {limit:.1f}s waiting for {describe()}")
             self._cond.wait(min(remaining, tick))
+
+
+def _owned(array: np.ndarray, dtype: str, take: bool) -> np.ndarray:
+    """``array`` itself if it may be kept (handed over, writable, C-contiguous, the variable's
+    dtype), else a copy."""
+    keep = take and array.flags.writeable and array.flags.c_contiguous
+    if keep and array.dtype == np.dtype(dtype):
+        return array
+    return np.array(array, dtype=np.dtype(dtype), copy=True)
 
 
 def _copy_slots(slots: dict) -> dict:

@@ -174,10 +174,18 @@ def _indices_bytes(indices: np.ndarray) -> bytes:
     return np.ascontiguousarray(indices, dtype="<i8").tobytes()
 
 
-def tensor_to_proto(name: str, array: np.ndarray) -> ps_pb2.TensorChunk:
-    """Encodes a whole array as a single chunk (small tensors only)."""
-    chunks = list(tensor_to_chunks(name, array, chunk_bytes=max(1, array.nbytes)))
-    return chunks[0]
+def tensor_to_proto(
+    name: str, array: np.ndarray, bfloat16: bool = False, indices: np.ndarray | None = None
+) -> ps_pb2.TensorChunk:
+    """Encodes a whole array as a single chunk (small tensors only); arguments as
+    ``tensor_to_chunks``, whose first chunk this equals."""
+    view, dtype, dims = _wire_bytes(name, array, 1, bfloat16)
+    chunk = ps_pb2.TensorChunk(
+        name=name, dtype=dtype, shape=dims, total_bytes=len(view), data=bytes(view)
+    )
+    if indices is not None:
+        chunk.indices = _indices_bytes(indices)
+    return chunk
 
 
 def tensor_from_proto(chunk: ps_pb2.TensorChunk) -> np.ndarray:

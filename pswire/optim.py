@@ -9,6 +9,10 @@ import numpy as np
 
 from pswire.errors import InvalidRequestError
 
+# apply_blocked's piece: 1M elements (4 MiB of float32) keeps temporaries small and each numpy
+# call long enough that the per-call overhead does not show.
+DEFAULT_BLOCK_ELEMENTS = 1 << 20
+
 
 @dataclass(frozen=True)
 class Optimizer:
@@ -33,6 +37,34 @@ class Optimizer:
     def apply(self, param: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> None:
         """Updates ``param`` in place from ``grad``; ``state`` is this variable's slot dict."""
         raise NotImplementedError
+
+    def apply_blocked(
+        self,
+        param: np.ndarray,
+        grad: np.ndarray,
+        state: dict[str, Any],
+        block: int = DEFAULT_BLOCK_ELEMENTS,
+    ) -> None:
+        """``apply`` on ``block``-element pieces of a large variable in turn: the same result
+        bit for bit (every optimizer here is elementwise), with temporaries of one piece
+        instead of the whole variable. Scalar slots (the step count) advance once."""
+        if param.size <= block or not param.flags.c_contiguous:
+            self.apply(param, grad, state)
+            return
+        flat = param.reshape(-1)
+        flat_grad = np.ascontiguousarray(grad).reshape(-1)
+        arrays = {k: v.reshape(-1) for k, v in state.items() if isinstance(v, np.ndarray)}
+        made = {k: np.empty_like(flat) for k, v in state.items() if v is None}  # lazy slots
+        after: dict[str, Any] = {}
+        for start in range(0, flat.size, block):
+            part = slice(start, start + block)
+            sub = {k: arrays[k][part] if k in arrays else v for k, v in state.items()}
+            self.apply(flat[part], flat_grad[part], sub)
+            for key, whole in made.items():  # the first step made this piece of the slot
+                whole[part] = sub[key]
+            after = {k: v for k, v in sub.items() if k not in arrays and k not in made}
+        state.update(after)
+        state.update({k: whole.reshape(param.shape) for k, whole in made.items()})
 
     def apply_rows(
         self, param: np.ndarray, rows: np.ndarray, grad: np.ndarray, state: dict[str, Any]

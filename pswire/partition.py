@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -64,11 +65,16 @@ class ShardMap:
     def on_shard(self, shard: int) -> list[Piece]:
         return [p for p in self.pieces if p.shard == shard]
 
-    def shard_bytes(self) -> list[int]:
+    @functools.cached_property
+    def _totals(self) -> tuple[int, ...]:
         totals = [0] * self.num_shards
         for p in self.pieces:
             totals[p.shard] += p.nbytes
-        return totals
+        return tuple(totals)
+
+    def shard_bytes(self) -> list[int]:
+        """Bytes each shard holds (computed once: the map never changes)."""
+        return list(self._totals)
 
     def digest(self) -> str:
         """Digest of the model's (name, shape, dtype) list: equal models, equal digests."""

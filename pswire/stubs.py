@@ -95,7 +95,8 @@ class ParameterServerStub(ps_pb2_grpc.ParameterServerStub):
     """The generated stub with Init, Push and Pull carrying pre-encoded / lazily parsed data.
 
     ``Init``/``Push`` take an iterator of bytes (or protobuf messages); ``Pull`` yields
-    ``PullReply`` objects whose chunk data views the received bytes.
+    ``PullReply`` objects whose chunk data views the received bytes. ``PushPull`` (small
+    messages, where protobuf's C parser beats hand-coding) is the generated one.
     """
 
     def __init__(self, channel: grpc.Channel) -> None:
@@ -121,8 +122,8 @@ def add_servicer(servicer: ps_pb2_grpc.ParameterServerServicer, server: grpc.Ser
     """Registers ``servicer`` like the generated function, with the hand-coded tensor streams.
 
     The servicer's ``Init``/``Push`` receive ``StreamRequest`` objects; its ``Pull`` may yield
-    bytes (pre-encoded PullResponses) or protobuf messages. The unary RPCs are as generated:
-    ``XRequest`` in, ``XResponse`` out.
+    bytes (pre-encoded PullResponses) or protobuf messages.
+    The unary RPCs are as generated: ``XRequest`` in, ``XResponse`` out.
     """
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(
@@ -130,7 +131,7 @@ def add_servicer(servicer: ps_pb2_grpc.ParameterServerServicer, server: grpc.Ser
             request_deserializer=getattr(ps_pb2, f"{name}Request").FromString,
             response_serializer=getattr(ps_pb2, f"{name}Response").SerializeToString,
         )
-        for name in ("RegisterWorker", "Heartbeat", "Status", "Checkpoint")
+        for name in ("RegisterWorker", "Heartbeat", "PushPull", "Status", "Checkpoint")
     }
     handlers["Init"] = grpc.stream_unary_rpc_method_handler(
         servicer.Init,

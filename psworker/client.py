@@ -29,7 +29,7 @@ from pswire.status import from_rpc_error
 from pswire.stubs import ParameterServerStub
 from pswire.tables import RowSparse, Table, TableLayout, TableSlice, as_ids, tables_digest
 from psworker.allreduce import AllReduceClient
-from psworker.link import ShardLink, push_stream
+from psworker.link import ShardLink, push_pull_request, push_stream
 from psworker.local import LocalClient
 
 T = TypeVar("T")
@@ -224,18 +224,7 @@ class PSClient:
             WaitTimeoutError: the rule did not allow reading within the deadline.
         """
         shard_map = self._require_map()
-        wanted = list(names) if names is not None else [v.name for v in shard_map.variables]
-        keys_by_shard: list[list[str]] = [[] for _ in self.addresses]
-        for name in wanted:
-            parts = shard_map.pieces_of(name)
-            if not parts and name in self.tables:
-                raise InvalidRequestError(
-                    f"'{name}' is an embedding table: read its rows with pull_rows(name, ids)"
-                )
-            if not parts:
-                raise self._unknown(name)
-            for p in parts:
-                keys_by_shard[p.shard].append(p.key)
+        wanted, keys_by_shard = self._keys(names)
 
         def pull_one(shard: int) -> dict[str, np.ndarray]:
             if not keys_by_shard[shard]:
@@ -306,8 +295,107 @@ class PSClient:
             UnknownVariableError: a name not in the model.
             InvalidRequestError: wrong shape or dtype, NaN/Inf values, bad row ids.
         """
+        step = self.step if step is None else step
+        pieces = self._pieces(grads)
+
+        replies = self._fan_out(lambda shard: self._push_one(shard, step, pieces[shard]))
+        return self._pushed(step, replies)
+
+    def _push_one(
+        self, shard: int, step: int, pieces: Mapping[str, np.ndarray | RowSparse]
+    ) -> ps_pb2.PushResponse:
+        link = self.links[shard]
+        link.note_push(step, pieces)
+        reply = link.call(
+            "Push",
+            lambda stub: stub.Push(
+                push_stream(self.worker_id, step, pieces, self.chunk_bytes), timeout=self.timeout
+            ),
+        )
+        link.note_reply(reply.incarnation, reply.durable_step)
+        return reply
+
+    def push_pull(
+        self, grads: Mapping[str, np.ndarray | RowSparse], step: int | None = None
+    ) -> dict[str, np.ndarray]:
+        """``push(grads, step)`` then ``pull()``: one unary round trip per shard when the
+        shard's part of the push and of the weights each fit in ``chunk_bytes`` (small models
+        are bound by per-call latency), else a streamed push, then a streamed pull.
+
+        Each shard applies the push as ``push`` does, then answers with its variables once the
+        consistency rule lets this worker read the next step: what ``pull()`` would return.
+
+        Raises:
+            as ``push`` and ``pull``.
+        """
         shard_map = self._require_map()
         step = self.step if step is None else step
+        pieces = self._pieces(grads)
+        wanted, _ = self._keys(None)
+
+        pull_bytes = shard_map.shard_bytes()
+
+        def one(shard: int) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
+            link = self.links[shard]
+            push_bytes = sum(p.nbytes for p in pieces[shard].values())
+            if max(push_bytes, pull_bytes[shard]) > self.chunk_bytes:
+                # Too big for one message each way: stream the push, then the pull.
+                pushed = self._push_one(shard, step, pieces[shard])
+                request = ps_pb2.PullRequest(
+                    worker_id=self.worker_id, step=self._step_after(step, pushed)
+                )
+                return pushed, self._pull_shard(shard, request)
+            link.note_push(step, pieces[shard])
+            fused = push_pull_request(self.worker_id, step, pieces[shard])
+
+            def run(stub: ParameterServerStub) -> tuple[ps_pb2.PushResponse, dict]:
+                reply = stub.PushPull(fused, timeout=self.timeout)
+                assembler = ChunkAssembler()
+                for chunk in reply.chunks:
+                    assembler.add(chunk)
+                return reply.push, assembler.finish()
+
+            pushed, arrays = link.call("PushPull", run)
+            link.note_reply(pushed.incarnation, pushed.durable_step)
+            return pushed, arrays
+
+        results = self._fan_out(one)
+        self._pushed(step, [r for r, _ in results])
+        merged: dict[str, np.ndarray] = {}
+        for _, arrays in results:
+            merged.update(arrays)
+        return shard_map.join(merged, wanted)
+
+    def _keys(self, names: Sequence[str] | None) -> tuple[list[str], list[list[str]]]:
+        """(the variables asked for, each shard's piece keys of them).
+
+        Raises:
+            UnknownVariableError, InvalidRequestError: a name not in the model, or a table.
+        """
+        shard_map = self._require_map()
+        wanted = list(names) if names is not None else [v.name for v in shard_map.variables]
+        keys_by_shard: list[list[str]] = [[] for _ in self.addresses]
+        for name in wanted:
+            parts = shard_map.pieces_of(name)
+            if not parts and name in self.tables:
+                raise InvalidRequestError(
+                    f"'{name}' is an embedding table: read its rows with pull_rows(name, ids)"
+                )
+            if not parts:
+                raise self._unknown(name)
+            for p in parts:
+                keys_by_shard[p.shard].append(p.key)
+        return wanted, keys_by_shard
+
+    def _pieces(
+        self, grads: Mapping[str, np.ndarray | RowSparse]
+    ) -> list[dict[str, np.ndarray | RowSparse]]:
+        """Each shard's part of a push (compressed as asked; a table's rows by owner).
+
+        Raises:
+            UnknownVariableError, InvalidRequestError: a name not in the model, bad rows.
+        """
+        shard_map = self._require_map()
         dense = {n: g for n, g in grads.items() if not isinstance(g, RowSparse)}
         arrays = {name: self._compress(name, np.asarray(g)) for name, g in dense.items()}
         pieces: list[dict[str, np.ndarray | RowSparse]] = [dict(p) for p in shard_map.split(arrays)]
@@ -316,27 +404,23 @@ class PSClient:
                 for shard, part in enumerate(self._split_rows(name, grad)):
                     if part is not None:
                         pieces[shard][name] = part
+        return pieces
 
-        def push_one(shard: int) -> ps_pb2.PushResponse:
-            link = self.links[shard]
-            link.note_push(step, pieces[shard])
-            reply = link.call(
-                "Push",
-                lambda stub: stub.Push(
-                    push_stream(self.worker_id, step, pieces[shard], self.chunk_bytes),
-                    timeout=self.timeout,
-                ),
-            )
-            link.note_reply(reply.incarnation, reply.durable_step)
-            return reply
-
-        replies = self._fan_out(push_one)
+    def _pushed(self, step: int, replies: Sequence[ps_pb2.PushResponse]) -> bool:
+        """Advances the step counter past a push every shard answered; whether all applied."""
         self.step = max(self.step, step + 1)
         late = [r.clock for r in replies if r.reason == "late"]
         if late and self.mode == "sync":
             # A backup-worker step closed without us: move on to the step the shards are in.
             self.step = max(self.step, min(late))
         return all(r.applied for r in replies)
+
+    def _step_after(self, step: int, reply: ps_pb2.PushResponse) -> int:
+        """The step a worker reads at after pushing ``step`` and hearing ``reply`` (as the
+        shards' PushPull reads)."""
+        if reply.reason == "late" and self.mode == "sync":
+            return max(step + 1, self.step, int(reply.clock))
+        return max(step + 1, self.step)
 
     def heartbeat(self) -> None:
         """Tells every shard this worker is alive (a background thread does this every

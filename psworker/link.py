@@ -11,7 +11,7 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
-from pswire.codec import encode_chunk_messages
+from pswire.codec import encode_chunk_messages, tensor_to_proto
 from pswire.errors import UnavailableError
 from pswire.proto import ps_pb2
 from pswire.status import from_rpc_error
@@ -44,6 +44,19 @@ def push_stream(
         array = piece.values if isinstance(piece, RowSparse) else piece
         bf16 = array.dtype == np.uint16
         yield from encode_chunk_messages(key, array, 2, chunk_bytes, bfloat16=bf16, indices=ids)
+
+
+def push_pull_request(
+    worker_id: int, step: int, pieces: Mapping[str, np.ndarray | RowSparse]
+) -> ps_pb2.PushPullRequest:
+    """A PushPullRequest: the header and every piece whole (a table's rows with their ids)."""
+    request = ps_pb2.PushPullRequest(header=ps_pb2.PushHeader(worker_id=worker_id, step=step))
+    for key, piece in pieces.items():
+        ids = piece.ids if isinstance(piece, RowSparse) else None
+        array = piece.values if isinstance(piece, RowSparse) else piece
+        bf16 = array.dtype == np.uint16
+        request.chunks.append(tensor_to_proto(key, array, bfloat16=bf16, indices=ids))
+    return request
 
 
 class ShardLink:

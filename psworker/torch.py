@@ -242,12 +242,16 @@ class DistributedOptimizer:
         outgoing = self._staging.to_host({**grads, **self._buffers})
         # A table untouched this step is left out: it counts as zero, like a None grad.
         rows = {n: g for n, t in self._tables.items() if (g := t.take_grads()) is not None}
-        if rows:
-            assert not isinstance(self.client, AllReduceClient)  # _tables_of refused it
-            self.client.push({**outgoing, **rows})
+        if isinstance(self.client, PSClient):  # one round trip per shard per step
+            weights = self.client.push_pull({**outgoing, **rows})
         else:
-            self.client.push(outgoing)
-        self._staging.to_device(self.client.pull(), {**self._params, **self._buffers})
+            if rows:
+                assert isinstance(self.client, LocalClient)  # _tables_of refused allreduce
+                self.client.push({**outgoing, **rows})
+            else:
+                self.client.push(outgoing)
+            weights = self.client.pull()
+        self._staging.to_device(weights, {**self._params, **self._buffers})
 
     def state_dict(self) -> dict[str, Any]:
         """The worker-side state: step, mode and hyper-parameters (optimizer slots live on the

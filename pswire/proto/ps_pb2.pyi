@@ -596,6 +596,60 @@ class PushResponse(_message.Message):
 Global___PushResponse: _TypeAlias = PushResponse  # noqa: Y015
 
 @_typing.final
+class PushPullRequest(_message.Message):
+    """Every tensor whole, in one chunk each (offset 0)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    CHUNKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def header(self) -> Global___PushHeader: ...
+    @_builtins.property
+    def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorChunk]: ...
+    def __init__(
+        self,
+        *,
+        header: Global___PushHeader | None = ...,
+        chunks: _abc.Iterable[Global___TensorChunk] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "header", b"header"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushPullRequest: _TypeAlias = PushPullRequest  # noqa: Y015
+
+@_typing.final
+class PushPullResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PUSH_FIELD_NUMBER: _builtins.int
+    CHUNKS_FIELD_NUMBER: _builtins.int
+    CLOCK_FIELD_NUMBER: _builtins.int
+    clock: _builtins.int
+    """the shard's clock when the weights were read"""
+    @_builtins.property
+    def push(self) -> Global___PushResponse: ...
+    @_builtins.property
+    def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorChunk]: ...
+    def __init__(
+        self,
+        *,
+        push: Global___PushResponse | None = ...,
+        chunks: _abc.Iterable[Global___TensorChunk] | None = ...,
+        clock: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["push", b"push"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "clock", b"clock", "push", b"push"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushPullResponse: _TypeAlias = PushPullResponse  # noqa: Y015
+
+@_typing.final
 class StatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -59,6 +59,11 @@ class ParameterServerStub:
                 request_serializer=pswire_dot_proto_dot_ps__pb2.PushRequest.SerializeToString,
                 response_deserializer=pswire_dot_proto_dot_ps__pb2.PushResponse.FromString,
                 _registered_method=True)
+        self.PushPull = channel.unary_unary(
+                '/pswire.v1.ParameterServer/PushPull',
+                request_serializer=pswire_dot_proto_dot_ps__pb2.PushPullRequest.SerializeToString,
+                response_deserializer=pswire_dot_proto_dot_ps__pb2.PushPullResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/pswire.v1.ParameterServer/Status',
                 request_serializer=pswire_dot_proto_dot_ps__pb2.StatusRequest.SerializeToString,
@@ -104,6 +109,15 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushPull(self, request, context):
+        """A push, then a pull of every variable on the shard (not tables) for the next step, as Pull
+        at step + 1 would, in one unary call: for steps small enough to travel as one message each
+        way (the client picks it when both fit in a chunk); larger steps use Push, then Pull.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -143,6 +157,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=pswire_dot_proto_dot_ps__pb2.PushRequest.FromString,
                     response_serializer=pswire_dot_proto_dot_ps__pb2.PushResponse.SerializeToString,
+            ),
+            'PushPull': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushPull,
+                    request_deserializer=pswire_dot_proto_dot_ps__pb2.PushPullRequest.FromString,
+                    response_serializer=pswire_dot_proto_dot_ps__pb2.PushPullResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -290,6 +309,33 @@ class ParameterServer:
             '/pswire.v1.ParameterServer/Push',
             pswire_dot_proto_dot_ps__pb2.PushRequest.SerializeToString,
             pswire_dot_proto_dot_ps__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushPull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pswire.v1.ParameterServer/PushPull',
+            pswire_dot_proto_dot_ps__pb2.PushPullRequest.SerializeToString,
+            pswire_dot_proto_dot_ps__pb2.PushPullResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -40,6 +40,11 @@ class ParameterServerStub:
     Init: _grpc.StreamUnaryMultiCallable[_ps_pb2.InitRequest, _ps_pb2.InitResponse]
     Pull: _grpc.UnaryStreamMultiCallable[_ps_pb2.PullRequest, _ps_pb2.PullResponse]
     Push: _grpc.StreamUnaryMultiCallable[_ps_pb2.PushRequest, _ps_pb2.PushResponse]
+    PushPull: _grpc.UnaryUnaryMultiCallable[_ps_pb2.PushPullRequest, _ps_pb2.PushPullResponse]
+    """A push, then a pull of every variable on the shard (not tables) for the next step, as Pull
+    at step + 1 would, in one unary call: for steps small enough to travel as one message each
+    way (the client picks it when both fit in a chunk); larger steps use Push, then Pull.
+    """
     Status: _grpc.UnaryUnaryMultiCallable[_ps_pb2.StatusRequest, _ps_pb2.StatusResponse]
     Checkpoint: _grpc.UnaryUnaryMultiCallable[_ps_pb2.CheckpointRequest, _ps_pb2.CheckpointResponse]
 
@@ -51,6 +56,11 @@ class ParameterServerAsyncStub(ParameterServerStub):
     Init: _aio.StreamUnaryMultiCallable[_ps_pb2.InitRequest, _ps_pb2.InitResponse]  # type: ignore[assignment]
     Pull: _aio.UnaryStreamMultiCallable[_ps_pb2.PullRequest, _ps_pb2.PullResponse]  # type: ignore[assignment]
     Push: _aio.StreamUnaryMultiCallable[_ps_pb2.PushRequest, _ps_pb2.PushResponse]  # type: ignore[assignment]
+    PushPull: _aio.UnaryUnaryMultiCallable[_ps_pb2.PushPullRequest, _ps_pb2.PushPullResponse]  # type: ignore[assignment]
+    """A push, then a pull of every variable on the shard (not tables) for the next step, as Pull
+    at step + 1 would, in one unary call: for steps small enough to travel as one message each
+    way (the client picks it when both fit in a chunk); larger steps use Push, then Pull.
+    """
     Status: _aio.UnaryUnaryMultiCallable[_ps_pb2.StatusRequest, _ps_pb2.StatusResponse]  # type: ignore[assignment]
     Checkpoint: _aio.UnaryUnaryMultiCallable[_ps_pb2.CheckpointRequest, _ps_pb2.CheckpointResponse]  # type: ignore[assignment]
 
@@ -89,6 +99,17 @@ class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_ps_pb2.PushRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_ps_pb2.PushResponse, _abc.Awaitable[_ps_pb2.PushResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def PushPull(
+        self,
+        request: _ps_pb2.PushPullRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ps_pb2.PushPullResponse, _abc.Awaitable[_ps_pb2.PushPullResponse]]:
+        """A push, then a pull of every variable on the shard (not tables) for the next step, as Pull
+        at step + 1 would, in one unary call: for steps small enough to travel as one message each
+        way (the client picks it when both fit in a chunk); larger steps use Push, then Pull.
+        """
 
     @_abc_1.abstractmethod
     def Status(

@@ -40,11 +40,22 @@ class InjectedUnavailable(grpc.RpcError, grpc.Call):  # type: ignore[misc]
     def add_callback(self, callback) -> bool:  # pragma: no cover
         return False
 
+    # A unary call's interceptor returns an RpcError as the call's outcome (a grpc.Future).
+    def result(self, timeout=None):
+        raise self
+
+    def exception(self, timeout=None):  # pragma: no cover
+        return self
+
+    def done(self) -> bool:  # pragma: no cover
+        return True
+
 
 class FaultPlan(
     grpc.UnaryUnaryClientInterceptor,
     grpc.StreamUnaryClientInterceptor,
     grpc.UnaryStreamClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
 ):
     """Applies ``action`` to the calls of ``rpc`` whose 1-based count is in ``nth``.
 
@@ -101,6 +112,8 @@ class FaultPlan(
                 response.result()
             raise InjectedUnavailable(what)
         # duplicate (unary replies only): the same call again, as a retrying network delivers it
+        if streaming_response:
+            raise ValueError("duplicate applies to calls with a unary reply")
         response.result()
         return continuation(client_call_details, iter(request) if streaming_request else request)
 
@@ -112,3 +125,6 @@ class FaultPlan(
 
     def intercept_unary_stream(self, continuation, client_call_details, request):
         return self._run(continuation, client_call_details, request, False, True)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return self._run(continuation, client_call_details, request_iterator, True, True)

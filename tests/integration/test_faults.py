@@ -26,8 +26,11 @@ def grad_for(worker: int, step: int) -> dict[str, np.ndarray]:
     return {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
 
 
-def sync_run(addresses, steps: int, plans=None, **client_options) -> dict[str, np.ndarray]:
-    """Two sync workers pushing fixed gradients; returns worker 0's final weights."""
+def sync_run(
+    addresses, steps: int, plans=None, fused: bool = False, **client_options
+) -> dict[str, np.ndarray]:
+    """Two sync workers pushing fixed gradients (``fused``: one PushPull per step instead of
+    a pull and a push); returns worker 0's final weights."""
     result: dict[str, np.ndarray] = {}
 
     def worker(i: int):
@@ -43,6 +46,9 @@ def sync_run(addresses, steps: int, plans=None, **client_options) -> dict[str, n
             ) as client:
                 client.init(init_values(), SGD(lr=0.1, momentum=0.9))
                 for step in range(steps):
+                    if fused:
+                        client.push_pull(grad_for(i, step))
+                        continue
                     client.pull()
                     client.push(grad_for(i, step))
                 if i == 0:
@@ -69,6 +75,23 @@ def test_duplicated_and_dropped_pushes_change_nothing_in_sync_mode(shards):
     statuses = [s.shard.status() for s in servers]
     assert all(st.clock == steps for st in statuses)
     assert sum(st.pushes_duplicate for st in statuses) >= 4  # lost replies and the duplicate
+
+
+def test_fused_push_pull_equals_push_then_pull_through_lost_and_dropped_calls(shards):
+    steps = 10
+    clean = sync_run([s.address for s in shards(2)], steps)
+    plans = {
+        0: [FaultPlan("PushPull", {3, 9}, "lose_reply"), FaultPlan("PushPull", {6}, "duplicate")],
+        1: [FaultPlan("PushPull", {2, 12}, "drop"), FaultPlan("PushPull", {5}, "lose_reply")],
+    }
+    servers = shards(2)
+    faulty = sync_run([s.address for s in servers], steps, plans, fused=True)
+    assert all(p.fired for ps in plans.values() for p in ps), "every planned fault happened"
+    for k in clean:
+        assert clean[k].tobytes() == faulty[k].tobytes(), f"{k} differs from push then pull"
+    statuses = [s.shard.status() for s in servers]
+    assert all(st.clock == steps for st in statuses)
+    assert sum(st.pushes_duplicate for st in statuses) >= 4  # lost replies re-sent, duplicate
 
 
 def test_a_silent_worker_leaves_the_quorum_and_the_rest_continue(shards):

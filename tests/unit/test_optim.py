@@ -282,3 +282,33 @@ def test_torch_rejects_the_same_ranges() -> None:
     for make in bad:
         with pytest.raises(ValueError):
             make()
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        SGD(lr=0.1),
+        SGD(lr=0.1, momentum=0.9, dampening=0.2, weight_decay=0.01),
+        SGD(lr=0.1, momentum=0.9, nesterov=True),
+        Adam(lr=0.01, weight_decay=0.01),
+        Adagrad(lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1),
+    ],
+    ids=["sgd", "momentum-dampening-decay", "nesterov", "adam", "adagrad"],
+)
+def test_blocked_apply_is_bit_identical_to_whole_apply(optimizer) -> None:
+    rng = np.random.default_rng(0)
+    whole = rng.standard_normal((13, 7)).astype(np.float32)
+    blocked = whole.copy()
+    whole_state, blocked_state = optimizer.make_state(whole), optimizer.make_state(blocked)
+    for _ in range(4):
+        grad = rng.standard_normal((13, 7)).astype(np.float32)
+        optimizer.apply(whole, grad, whole_state)
+        optimizer.apply_blocked(blocked, grad, blocked_state, block=10)  # 10 pieces, 1 short
+    assert whole.tobytes() == blocked.tobytes()
+    assert whole_state.keys() == blocked_state.keys()
+    for key, value in whole_state.items():
+        if isinstance(value, np.ndarray):
+            assert value.tobytes() == blocked_state[key].tobytes(), key
+            assert blocked_state[key].shape == value.shape
+        else:
+            assert value == blocked_state[key], key
