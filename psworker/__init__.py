@@ -14,7 +14,8 @@ from pswire.errors import (
 )
 from pswire.optim import SGD, Adagrad, Adam, Optimizer
 from pswire.tables import RowSparse, Table
-from psworker.client import PSClient, connect
+from psworker.client import PSClient
+from psworker.connect import connect
 from psworker.data import shard
 from psworker.local import LocalClient
 

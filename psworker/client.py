@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +12,6 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from pswire.cluster import ClusterSpec
 from pswire.codec import (
     DEFAULT_CHUNK_BYTES,
     ChunkAssembler,
@@ -28,9 +26,7 @@ from pswire.security import ClientSecurity
 from pswire.status import from_rpc_error
 from pswire.stubs import ParameterServerStub
 from pswire.tables import RowSparse, Table, TableLayout, TableSlice, as_ids, tables_digest
-from psworker.allreduce import AllReduceClient
 from psworker.link import ShardLink, push_pull_request, push_stream
-from psworker.local import LocalClient
 
 T = TypeVar("T")
 MODES = ("sync", "async", "ssp")
@@ -549,90 +545,3 @@ def status(
             except grpc.RpcError as exc:
                 raise from_rpc_error(exc, f"Status on shard {i} ({address})") from None
     return out
-
-
-def _connect_ring(
-    peers: Sequence[str] | None, worker_id: int | None, cluster: str | None, options: dict
-) -> AllReduceClient:
-    """The all-reduce client: peers are the cluster's workers (``addresses`` if given)."""
-    if peers is None:
-        spec = ClusterSpec.load(cluster, role="worker")
-        if spec is None or not spec.workers:
-            raise ValueError(
-                "mode 'allreduce' needs the workers' ring addresses: addresses=..., "
-                "cluster=..., or $TF_CONFIG with cluster.worker"
-            )
-        peers = spec.workers
-        worker_id = spec.task_index if worker_id is None else worker_id
-    allowed = {"timeout", "bucket_bytes", "compression", "server"}
-    unknown = set(options) - allowed
-    if unknown:
-        raise ValueError(f"options {sorted(unknown)} do not apply to mode 'allreduce'")
-    if "compression" not in options and os.environ.get("PS_COMPRESSION"):
-        options["compression"] = os.environ["PS_COMPRESSION"]
-    return AllReduceClient(0 if worker_id is None else worker_id, peers, **options)
-
-
-def connect(
-    addresses: Sequence[str] | None = None,
-    *,
-    worker_id: int | None = None,
-    num_workers: int | None = None,
-    mode: str | None = None,
-    staleness: int | None = None,
-    cluster: str | None = None,
-    tls_ca: str | None = None,
-    tls_cert: str | None = None,
-    tls_key: str | None = None,
-    token: str | None = None,
-    **options: Any,
-) -> PSClient | LocalClient | AllReduceClient:
-    """Connects a worker to the job's shards, or returns an in-process or ring client.
-
-    With no ``addresses``, the cluster comes from ``cluster`` (TF_CONFIG JSON or a file path)
-    or the ``TF_CONFIG`` environment variable: shards from ``cluster.ps``, this worker's id from
-    ``task.index``, the worker count from ``cluster.worker``. ``mode`` and ``staleness`` default
-    to ``$PS_MODE`` / ``$PS_STALENESS``, else ``sync`` / 0. ``mode="local"``, or no mode and no
-    cluster at all, gives a ``LocalClient``: the same script then trains in one process.
-    ``mode="allreduce"`` gives an ``AllReduceClient``: no shards; ``addresses`` (or the
-    cluster's ``worker`` list) are the workers' own ring addresses, this one at ``worker_id``.
-
-    ``tls_ca`` (verify the shards; TLS on), ``tls_cert``/``tls_key`` (this worker's certificate,
-    for shards that demand mutual TLS) and ``token`` default to ``$PS_TLS_CA``,
-    ``$PS_TLS_CERT``, ``$PS_TLS_KEY`` and ``$PS_TOKEN`` (or the file ``$PS_TOKEN_FILE``).
-
-    Raises:
-        ValueError: a parameter-server mode with no cluster, or inconsistent arguments.
-    """
-    mode = mode or os.environ.get("PS_MODE") or None
-    if mode == "local":
-        return LocalClient()
-    if mode == "allreduce":
-        return _connect_ring(addresses, worker_id, cluster, options)
-    if addresses is None:
-        spec = ClusterSpec.load(cluster, role="worker")
-        if spec is None:
-            if mode is None:
-                return LocalClient()
-            raise ValueError(
-                f"mode {mode!r} needs shard addresses, cluster=..., or $TF_CONFIG "
-                "(or use mode='local')"
-            )
-        if not spec.ps:
-            raise ValueError("the cluster spec lists no parameter servers (cluster.ps)")
-        addresses = spec.ps
-        worker_id = spec.task_index if worker_id is None else worker_id
-        num_workers = (len(spec.workers) or 1) if num_workers is None else num_workers
-    if staleness is None:
-        staleness = int(os.environ.get("PS_STALENESS") or 0)
-    if "compression" not in options and os.environ.get("PS_COMPRESSION"):
-        options["compression"] = os.environ["PS_COMPRESSION"]
-    return PSClient(
-        addresses,
-        worker_id=0 if worker_id is None else worker_id,
-        num_workers=1 if num_workers is None else num_workers,
-        mode=mode or "sync",
-        staleness=staleness,
-        security=ClientSecurity.from_env(tls_ca, tls_cert, tls_key, token),
-        **options,
-    )
