@@ -51,10 +51,17 @@ class Job:
             for key in sorted(set(theirs_by) | set(mine_by)):
                 a, b = theirs_by.get(key), mine_by.get(key)
                 if a != b:
-                    have = f"{a.shape} {a.dtype}" if a else "nothing"
-                    sent = f"{b.shape} {b.dtype}" if b else "nothing"
-                    out.append(f"variable '{key}': shard has {have}, worker sent {sent}")
+                    out.append(
+                        f"variable '{key}': shard has {_describe(a)}, worker sent {_describe(b)}"
+                    )
         return out
+
+
+def _describe(v: VarSpec | None) -> str:
+    if v is None:
+        return "nothing"
+    text = f"{v.shape} {v.dtype}"
+    return text if v.table is None else f"{text}, table {v.table}"
 
 
 @dataclass(frozen=True)

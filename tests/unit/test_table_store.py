@@ -9,7 +9,7 @@ from psserver.checkpoint import Checkpointer
 from psserver.job import Job, VarSpec
 from psserver.shard import Shard
 from pswire.codec import ChunkAssembler, encode_chunk_messages, tensor_to_chunks
-from pswire.errors import InvalidRequestError
+from pswire.errors import InvalidRequestError, ModelMismatchError
 from pswire.optim import SGD, Adagrad, Adam
 from pswire.proto import ps_pb2
 from pswire.stubs import stream_request_parser
@@ -161,3 +161,15 @@ def test_checkpoint_round_trips_fixed_and_dynamic_tables(tmp_path):
     kept = restored.export_state()
     assert kept is not None and kept.tables["hashed"].ids is not None
     assert sorted(kept.tables["hashed"].ids.tolist()) == [20, 40, 50]
+
+
+def test_a_worker_with_other_table_settings_is_told_what_differs():
+    def job(seed: int) -> Job:
+        table = TableSlice("emb", 3, num_rows=8, row_start=0, row_end=8, seed=seed)
+        spec = VarSpec("emb", (8, 3), "float32", table=table)
+        return Job("async", 0, 1, SGD(lr=0.1), (spec,), "digest")
+
+    shard = Shard()
+    shard.init(0, job(1), {})
+    with pytest.raises(ModelMismatchError, match=r"variable 'emb'.*seed=1.*seed=2"):
+        shard.init(0, job(2), None)
