@@ -99,8 +99,9 @@ def measure(quick: bool, steps: int | None = None) -> Table:
         columns=["system", "median ms", "p90 ms", "min ms", "peer/ours time"],
         rows=rows,
         notes=[
-            f"{rounds} interleaved steps after 5 warm-up. ours: push then pull (2 RPCs); torch "
-            "RPC PS: one fused update_and_fetch RPC; echo: one unary call, 4 KB each way.",
+            f"{rounds} interleaved steps after 5 warm-up. ours: client.push_pull, one unary "
+            "PushPull RPC; torch RPC PS: one fused update_and_fetch RPC; echo: one unary call, "
+            "4 KB each way.",
             "peer/ours time > 1: ours faster.",
         ],
         ratios=ratios,

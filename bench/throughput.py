@@ -155,8 +155,9 @@ def measure(quick: bool, rounds: int | None = None, shard_counts: list[int] | No
         notes=[
             "MB/s = 2 x model bytes per step / median step time; one step = push grads + pull "
             f"weights; median of {rounds} interleaved rounds after 1 warm-up.",
-            "ours: psworker.connect(async, SGD) against `python -m psserver` daemons, push then "
-            "pull (2 RPCs per shard).",
+            "ours: psworker.connect(async, SGD) against `python -m psserver` daemons, "
+            "client.push_pull: a streamed push, then a streamed pull per shard (a share over "
+            "1 MiB; small ones are one unary PushPull).",
             "torch RPC PS: trainer + N PS processes; rpc_async(update_and_fetch) to every PS, "
             "SGD applied there, weights returned (1 fused RPC per PS), as in PyTorch's PS "
             "tutorial.",
