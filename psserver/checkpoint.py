@@ -26,7 +26,8 @@ from psserver.shard import Shard
 from pswire.codec import check_dtype, check_tensor
 from pswire.errors import NotInitializedError, PSError
 from pswire.optim import Optimizer, optimizer_from_spec
-from pswire.tables import TableSlice, TableState
+from pswire.rowstore import TableState
+from pswire.tables import TableSlice
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pswire.optim import Optimizer
-from pswire.tables import TableSlice, TableState
+from pswire.rowstore import TableState
+from pswire.tables import TableSlice
 
 OBSERVER = -1  # worker_id of a reader that is not one of the job's workers
 

@@ -23,7 +23,7 @@ from pswire.errors import InvalidRequestError, NotInitializedError
 from pswire.optim import optimizer_from_spec
 from pswire.proto import ps_pb2, ps_pb2_grpc
 from pswire.status import rpc_errors
-from pswire.tables import RowSparse, TableSlice
+from pswire.tables import RowSparse, table_from_proto, table_to_proto
 
 # Finish a server-side wait this long before the caller's deadline, so the caller gets our
 # specific error (what the wait was for) rather than a bare DEADLINE_EXCEEDED.
@@ -41,14 +41,7 @@ def job_from_proto(spec: ps_pb2.JobSpec) -> Job:
         # The same dtype and dims checks as a tensor on the wire: a job must not declare a
         # variable that no tensor could ever match (negative or absurd dims).
         tensor_nbytes(v.name, v.dtype, v.shape)
-        table = None
-        if v.HasField("table"):
-            t = v.table
-            dim = int(v.shape[1]) if len(v.shape) == 2 else 0
-            table = TableSlice(
-                v.name, dim, v.dtype, int(t.num_rows), int(t.row_start), int(t.row_end),
-                int(t.capacity), t.init, float(t.init_scale), int(t.seed),
-            )  # fmt: skip
+        table = table_from_proto(v) if v.HasField("table") else None
         shape = tuple(int(d) for d in v.shape)
         variables.append(VarSpec(v.name, shape, v.dtype, v.average, table))
     return Job(
@@ -74,23 +67,10 @@ def job_to_proto(job: Job) -> ps_pb2.JobSpec:
     )
 
 
-def table_to_proto(t: TableSlice) -> ps_pb2.TableSpec:
-    return ps_pb2.TableSpec(
-        num_rows=t.num_rows,
-        row_start=t.row_start,
-        row_end=t.row_end,
-        capacity=t.capacity,
-        init=t.init,
-        init_scale=t.init_scale,
-        seed=t.seed,
-    )
-
-
 def variable_to_proto(v: VarSpec) -> ps_pb2.VariableSpec:
-    spec = ps_pb2.VariableSpec(name=v.key, dtype=v.dtype, shape=v.shape, average=v.average)
     if v.table is not None:
-        spec.table.CopyFrom(table_to_proto(v.table))
-    return spec
+        return table_to_proto(v.table)
+    return ps_pb2.VariableSpec(name=v.key, dtype=v.dtype, shape=v.shape, average=v.average)
 
 
 def _row_query(request: ps_pb2.PullRequest) -> list[tuple[str, np.ndarray]]:

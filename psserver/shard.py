@@ -35,7 +35,8 @@ from pswire.errors import (
     UnknownVariableError,
     WaitTimeoutError,
 )
-from pswire.tables import RowSparse, RowStore, check_rows
+from pswire.rowstore import RowStore
+from pswire.tables import RowSparse, check_rows
 
 
 class Shard:

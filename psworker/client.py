@@ -25,7 +25,7 @@ from pswire.proto import ps_pb2, ps_pb2_grpc
 from pswire.security import ClientSecurity
 from pswire.status import from_rpc_error
 from pswire.stubs import ParameterServerStub
-from pswire.tables import RowSparse, Table, TableLayout, TableSlice, as_ids, tables_digest
+from pswire.tables import RowSparse, Table, TableLayout, as_ids, table_to_proto, tables_digest
 from psworker.link import ShardLink, push_pull_request, push_stream
 
 T = TypeVar("T")
@@ -184,7 +184,7 @@ class PSClient:
                     )
                     for p in shard_map.on_shard(shard)
                 ]
-                + [_table_spec(layout.slice_for(shard)) for layout in layouts.values()],
+                + [table_to_proto(layout.slice_for(shard)) for layout in layouts.values()],
                 model_digest=digest,
                 quorum=self.quorum,
             )
@@ -506,22 +506,6 @@ class PSClient:
             return [fn(0)]
         futures = [self._pool.submit(fn, s) for s in range(len(self.addresses))]
         return [f.result() for f in futures]
-
-
-def _table_spec(t: TableSlice) -> ps_pb2.VariableSpec:
-    spec = ps_pb2.VariableSpec(name=t.key, dtype=t.dtype, shape=(t.local_rows, t.dim))
-    spec.table.CopyFrom(
-        ps_pb2.TableSpec(
-            num_rows=t.num_rows,
-            row_start=t.row_start,
-            row_end=t.row_end,
-            capacity=t.capacity,
-            init=t.init,
-            init_scale=t.init_scale,
-            seed=t.seed,
-        )
-    )
-    return spec
 
 
 def status(

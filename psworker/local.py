@@ -9,7 +9,8 @@ import numpy as np
 from pswire.codec import check_tensor
 from pswire.errors import NotInitializedError, UnknownVariableError
 from pswire.optim import Optimizer
-from pswire.tables import RowSparse, RowStore, Table, TableLayout, as_ids, check_rows
+from pswire.rowstore import RowStore
+from pswire.tables import RowSparse, Table, TableLayout, as_ids, check_rows
 
 
 class LocalClient:

@@ -12,10 +12,10 @@ from pswire.codec import ChunkAssembler, encode_chunk_messages, tensor_to_chunks
 from pswire.errors import InvalidRequestError, ModelMismatchError
 from pswire.optim import SGD, Adagrad, Adam
 from pswire.proto import ps_pb2
+from pswire.rowstore import RowStore
 from pswire.stubs import stream_request_parser
 from pswire.tables import (
     RowSparse,
-    RowStore,
     Table,
     TableLayout,
     TableSlice,
