@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -81,6 +81,18 @@ def tensor_nbytes(name: str, dtype: str, shape: Iterable[int], limit: int | None
     return nbytes
 
 
+def all_finite(array: np.ndarray) -> bool:
+    """Whether a float array holds no NaN or Inf. A large float32/float64 array is first
+    dotted with itself (one BLAS pass, no temporary): a finite result proves it; a NaN or Inf
+    anywhere, or finite values large enough to overflow, fall through to the exact check."""
+    if array.size >= 1 << 16 and array.dtype in (np.float32, np.float64):
+        flat = array.reshape(-1)
+        with np.errstate(over="ignore", invalid="ignore"):
+            if np.isfinite(np.dot(flat, flat)):
+                return True
+    return bool(np.isfinite(array).all())
+
+
 def check_tensor(
     name: str, shape: tuple[int, ...], dtype: str, array: np.ndarray, what: str
 ) -> None:
@@ -99,7 +111,7 @@ def check_tensor(
             f"variable '{name}' has shape {tuple(shape)} on the server, {what} sent "
             f"{tuple(array.shape)}"
         )
-    if array.dtype.kind == "f" and not np.isfinite(array).all():
+    if array.dtype.kind == "f" and not all_finite(array):
         bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
         raise InvalidRequestError(
             f"variable '{name}': {what} has {bad} non-finite values (NaN or Inf)"
@@ -213,8 +225,14 @@ class ChunkAssembler:
         TooLargeError: the stream declares more bytes than ``max_bytes``.
     """
 
-    def __init__(self, max_bytes: int | None = None) -> None:
+    def __init__(
+        self, max_bytes: int | None = None, into: Mapping[str, np.ndarray] | None = None
+    ) -> None:
+        """``into``: arrays to decode tensors of those names straight into (when dtype and
+        shape match and the array is writable and C-contiguous), e.g. the rows of a split
+        variable's full array, so no second copy joins the pieces."""
         self._max_bytes = max_bytes
+        self._into = into or {}
         self._declared = 0
         self._done: dict[str, np.ndarray] = {}
         self._name: str | None = None
@@ -298,9 +316,18 @@ class ChunkAssembler:
         self._dtype = check_dtype(chunk.dtype, name)
         self._shape = tuple(int(d) for d in chunk.shape)
         self._ids = _row_ids(name, chunk.indices, self._shape) if chunk.indices else None
+        target = self._into.get(name)
+        if (
+            target is not None
+            and not self._bfloat16
+            and target.dtype == self._dtype
+            and target.shape == self._shape
+            and target.flags.c_contiguous
+            and target.flags.writeable
+        ):
+            self._buffer = target.reshape(-1).view(np.uint8)
         self._total = nbytes
         self._received = 0
-        self._buffer = None
 
     def _complete(self, array: np.ndarray) -> None:
         assert self._name is not None

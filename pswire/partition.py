@@ -98,12 +98,31 @@ class ShardMap:
                 out[p.shard][p.key] = array if len(parts) == 1 else array[p.start : p.stop]
         return out
 
-    def join(self, pieces: Mapping[str, np.ndarray], names: Sequence[str]) -> dict[str, np.ndarray]:
-        """Reassembles full variables from pieces keyed by piece key.
+    def destinations(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        """For each split variable among ``names``, views (by piece key) into one new array of
+        its full shape: decode the pieces there and ``join`` has nothing left to copy."""
+        into: dict[str, np.ndarray] = {}
+        for name in names:
+            parts = self.pieces_of(name)
+            if len(parts) > 1:
+                info = next(v for v in self.variables if v.name == name)
+                whole = np.empty(info.shape, dtype=info.dtype)
+                into.update({p.key: whole[p.start : p.stop] for p in parts})
+        return into
+
+    def join(
+        self,
+        pieces: Mapping[str, np.ndarray],
+        names: Sequence[str],
+        into: Mapping[str, np.ndarray] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Reassembles full variables from pieces keyed by piece key; a split variable whose
+        pieces were decoded into ``destinations`` views is returned without a copy.
 
         Raises:
             UnknownVariableError: a name is not in the model.
         """
+        into = into or {}
         result: dict[str, np.ndarray] = {}
         for name in names:
             parts = self.pieces_of(name)
@@ -111,6 +130,14 @@ class ShardMap:
                 raise UnknownVariableError(f"variable '{name}' is not in the model")
             if len(parts) == 1:
                 result[name] = pieces[parts[0].key]
+                continue
+            views = [into.get(p.key) for p in parts]
+            whole = views[0].base if views[0] is not None else None
+            if whole is not None and all(
+                v is not None and np.may_share_memory(pieces[p.key], v)
+                for p, v in zip(parts, views, strict=True)
+            ):
+                result[name] = whole
             else:
                 result[name] = np.concatenate([pieces[p.key] for p in parts], axis=0)
         return result

@@ -221,6 +221,7 @@ class PSClient:
         """
         shard_map = self._require_map()
         wanted, keys_by_shard = self._keys(names)
+        into = shard_map.destinations(wanted)
 
         def pull_one(shard: int) -> dict[str, np.ndarray]:
             if not keys_by_shard[shard]:
@@ -230,12 +231,13 @@ class PSClient:
                 ps_pb2.PullRequest(
                     worker_id=self.worker_id, step=self.step, names=keys_by_shard[shard]
                 ),
+                into,
             )
 
         merged: dict[str, np.ndarray] = {}
         for part in self._fan_out(pull_one):
             merged.update(part)
-        return shard_map.join(merged, wanted)
+        return shard_map.join(merged, wanted, into)
 
     def pull_rows(self, table: str, ids: np.ndarray | Sequence[int]) -> np.ndarray:
         """Rows ``ids`` of an embedding table, shape ``(len(ids), dim)``, in the order asked.
@@ -268,9 +270,14 @@ class PSClient:
                 out[owner == shard] = rows
         return out[inverse.reshape(-1)]
 
-    def _pull_shard(self, shard: int, request: ps_pb2.PullRequest) -> dict[str, np.ndarray]:
+    def _pull_shard(
+        self,
+        shard: int,
+        request: ps_pb2.PullRequest,
+        into: Mapping[str, np.ndarray] | None = None,
+    ) -> dict[str, np.ndarray]:
         def run(stub: ParameterServerStub) -> dict[str, np.ndarray]:
-            assembler = ChunkAssembler()
+            assembler = ChunkAssembler(into=into)
             for reply in stub.Pull(request, timeout=self.timeout):
                 assembler.add(reply.chunk)
             return assembler.finish()
@@ -328,7 +335,7 @@ class PSClient:
         step = self.step if step is None else step
         pieces = self._pieces(grads)
         wanted, _ = self._keys(None)
-
+        into = shard_map.destinations(wanted)
         pull_bytes = shard_map.shard_bytes()
 
         def one(shard: int) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
@@ -340,13 +347,13 @@ class PSClient:
                 request = ps_pb2.PullRequest(
                     worker_id=self.worker_id, step=self._step_after(step, pushed)
                 )
-                return pushed, self._pull_shard(shard, request)
+                return pushed, self._pull_shard(shard, request, into)
             link.note_push(step, pieces[shard])
             fused = push_pull_request(self.worker_id, step, pieces[shard])
 
             def run(stub: ParameterServerStub) -> tuple[ps_pb2.PushResponse, dict]:
                 reply = stub.PushPull(fused, timeout=self.timeout)
-                assembler = ChunkAssembler()
+                assembler = ChunkAssembler(into=into)
                 for chunk in reply.chunks:
                     assembler.add(chunk)
                 return reply.push, assembler.finish()
@@ -360,7 +367,7 @@ class PSClient:
         merged: dict[str, np.ndarray] = {}
         for _, arrays in results:
             merged.update(arrays)
-        return shard_map.join(merged, wanted)
+        return shard_map.join(merged, wanted, into)
 
     def _keys(self, names: Sequence[str] | None) -> tuple[list[str], list[list[str]]]:
         """(the variables asked for, each shard's piece keys of them).

@@ -368,3 +368,35 @@ def test_tensor_from_proto_rejects_a_partial_chunk() -> None:
     first = w_chunks()[0]
     with pytest.raises(InvalidRequestError, match="'w' is truncated"):
         tensor_from_proto(first)
+
+
+def test_assembler_decodes_into_given_arrays_when_they_fit() -> None:
+    whole = np.zeros((6, 3), np.float32)
+    into = {"w/part0of2": whole[:4], "w/part1of2": whole[4:], "odd": np.zeros(2, np.float64)}
+    a = np.arange(12, dtype=np.float32).reshape(4, 3)
+    b = -np.arange(6, dtype=np.float32).reshape(2, 3)
+    c = np.ones(3, np.float64)  # the wrong shape for its target: decoded on its own
+    assembler = ChunkAssembler(into=into)
+    for name, array in (("w/part0of2", a), ("w/part1of2", b), ("odd", c)):
+        for chunk in tensor_to_chunks(name, array, chunk_bytes=20):
+            assembler.add(chunk)
+    done = assembler.finish()
+    assert np.array_equal(whole, np.concatenate([a, b]))
+    assert np.shares_memory(done["w/part0of2"], whole) and np.shares_memory(
+        done["w/part1of2"], whole
+    )
+    assert np.array_equal(done["odd"], c) and not into["odd"].any()
+
+
+def test_all_finite_is_exact_for_large_arrays_and_huge_finite_values() -> None:
+    from pswire.codec import all_finite
+
+    a = np.zeros(1 << 17, np.float32)
+    assert all_finite(a)
+    for bad in (np.nan, np.inf, -np.inf):
+        b = a.copy()
+        b[12345] = bad
+        assert not all_finite(b)
+    huge = np.full(1 << 17, 3e38, np.float32)  # finite, but its dot product overflows
+    assert all_finite(huge)
+    assert all_finite(np.full(1 << 17, 1e300)) and not all_finite(np.full(3, np.nan))
