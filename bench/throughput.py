@@ -41,7 +41,7 @@ QUICK_SHAPES: dict[str, tuple[int, ...]] = {
 OURS = "ours"
 TORCH_DEFAULT = "torch RPC PS, default transport"
 TORCH_TCP = "torch RPC PS, TCP only"
-RAW_GRPC = "raw gRPC stream, 1 MiB chunks"
+RAW_GRPC = f"raw gRPC stream, {DEFAULT_CHUNK_BYTES >> 20} MiB chunks"
 RAW_TCP = "raw TCP (ceiling)"
 
 
@@ -157,7 +157,7 @@ def measure(quick: bool, rounds: int | None = None, shard_counts: list[int] | No
             f"weights; median of {rounds} interleaved rounds after 1 warm-up.",
             "ours: psworker.connect(async, SGD) against `python -m psserver` daemons, "
             "client.push_pull: a streamed push, then a streamed pull per shard (a share over "
-            "1 MiB; small ones are one unary PushPull).",
+            f"{DEFAULT_CHUNK_BYTES >> 20} MiB; small ones are one unary PushPull).",
             "torch RPC PS: trainer + N PS processes; rpc_async(update_and_fetch) to every PS, "
             "SGD applied there, weights returned (1 fused RPC per PS), as in PyTorch's PS "
             "tutorial.",

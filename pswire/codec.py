@@ -9,9 +9,10 @@ import numpy as np
 from pswire.errors import InvalidRequestError, ShapeMismatchError, TooLargeError
 from pswire.proto import ps_pb2
 
-# 1 MiB chunks: on loopback a stream of 1 MiB messages moves ~4x the bytes/s of one huge unary
-# message (see bench/pushpull.py), and per-message overhead is negligible at this size.
-DEFAULT_CHUNK_BYTES = 1 << 20
+# 4 MiB chunks: on loopback a stream of MiB-sized messages moves ~4x the bytes/s of one huge
+# unary message (bench/pushpull.py), and each message still costs ~0.6 ms of CPU in grpc Python
+# beyond its bytes: 4 MiB beat 1 MiB by 12-23% with 2 shards on 2 cores (bench/NOTES.md 10).
+DEFAULT_CHUNK_BYTES = 4 << 20
 # Dims whose product exceeds this are nonsense whatever the memory (2**48 elements).
 MAX_ELEMENTS = 1 << 48
 DTYPES = frozenset(
