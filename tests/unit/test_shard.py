@@ -174,3 +174,14 @@ def test_initial_values_are_validated_before_anything_is_installed():
     with pytest.raises(InvalidRequestError, match="non-finite"):
         shard.init(0, job("async"), {"w": np.full((2, 3), np.nan, np.float32), "b": VALUES["b"]})
     assert shard.status().job is None and not shard.status().initialized
+
+
+def test_the_daemon_caps_malloc_arenas_unless_the_operator_did(monkeypatch) -> None:
+    from psserver.main import limit_malloc_arenas
+
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
+    assert not limit_malloc_arenas()  # the operator's setting stands
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    import platform
+
+    assert limit_malloc_arenas() == (platform.libc_ver()[0] == "glibc")
