@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from psserver.consistency import make_policy
+from pswire.codec import check_tensor
+from pswire.errors import InvalidRequestError, TooLargeError, UnknownVariableError
 from pswire.optim import Optimizer
 from pswire.rowstore import TableState
 from pswire.tables import TableSlice
@@ -36,6 +40,60 @@ class Job:
     variables: tuple[VarSpec, ...]
     model_digest: str
     quorum: int = 0
+
+    def check(self, limits: Limits) -> None:
+        """Validates the job against a shard's limits.
+
+        Raises:
+            InvalidRequestError: bad worker count, mode, duplicate names or table slices.
+            TooLargeError: more variables than the limit.
+        """
+        if self.num_workers < 1 or self.num_workers > limits.max_workers:
+            raise InvalidRequestError(
+                f"num_workers must be in [1, {limits.max_workers}], got {self.num_workers}"
+            )
+        make_policy(self.mode, self.staleness, self.quorum)  # validates mode, staleness, quorum
+        if len(self.variables) > limits.max_variables:
+            raise TooLargeError(
+                f"job declares {len(self.variables)} variables on this shard, over the limit "
+                f"of {limits.max_variables}"
+            )
+        keys = [v.key for v in self.variables]
+        if len(set(keys)) != len(keys):
+            raise InvalidRequestError(f"job declares a variable twice: {keys}")
+        for v in self.variables:
+            if v.table is not None:
+                v.table.check(self.optimizer)
+                if v.shape != (v.table.local_rows, v.table.dim) or v.dtype != v.table.dtype:
+                    raise InvalidRequestError(
+                        f"table '{v.key}' declares shape {v.shape} {v.dtype}, but its slice "
+                        f"holds ({v.table.local_rows}, {v.table.dim}) {v.table.dtype}"
+                    )
+
+    def check_values(self, values: Mapping[str, np.ndarray]) -> None:
+        """Validates initial values against the job's dense variables (tables are never sent).
+
+        Raises:
+            UnknownVariableError: a value for a variable the job lacks.
+            InvalidRequestError: a missing value, a table's value, wrong dtype or NaN.
+            ShapeMismatchError: wrong shape.
+        """
+        specs = {v.key: v for v in self.variables if v.table is None}
+        for v in self.variables:
+            if v.table is not None and v.key in values:
+                raise InvalidRequestError(
+                    f"initial values for table '{v.key}': tables start from their seeded "
+                    "initialiser on the shards and are never sent"
+                )
+        for key in values:
+            if key not in specs:
+                raise UnknownVariableError(
+                    f"initial value for variable '{key}', which the job does not declare"
+                )
+        for key, spec in specs.items():
+            if key not in values:
+                raise InvalidRequestError(f"initial values lack variable '{key}'")
+            check_tensor(key, spec.shape, spec.dtype, values[key], "initial value")
 
     def differences(self, other: Job) -> list[str]:
         """Human-readable list of what differs from ``other`` (the shard's job)."""

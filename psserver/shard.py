@@ -132,10 +132,10 @@ class Shard:
             ModelMismatchError: the job differs from the one the shard holds.
             TooLargeError: more variables than the shard's limit.
         """
-        self._check_job(job)
+        job.check(self.limits)
         self._check_worker(worker_id, job.num_workers, "init")
         if values is not None:
-            self._check_values(job, values)
+            job.check_values(values)
         with self._cond:
             if self._job is None:
                 self._set_job(job)
@@ -174,47 +174,6 @@ class Shard:
         self._policy = make_policy(job.mode, job.staleness, job.quorum)
         self._specs = {v.key: v for v in job.variables}
         self._members.start(job.num_workers, self._now())
-
-    def _check_job(self, job: Job) -> None:
-        if job.num_workers < 1 or job.num_workers > self.limits.max_workers:
-            raise InvalidRequestError(
-                f"num_workers must be in [1, {self.limits.max_workers}], got {job.num_workers}"
-            )
-        make_policy(job.mode, job.staleness, job.quorum)  # validates mode, staleness, quorum
-        if len(job.variables) > self.limits.max_variables:
-            raise TooLargeError(
-                f"job declares {len(job.variables)} variables on this shard, over the limit "
-                f"of {self.limits.max_variables}"
-            )
-        keys = [v.key for v in job.variables]
-        if len(set(keys)) != len(keys):
-            raise InvalidRequestError(f"job declares a variable twice: {keys}")
-        for v in job.variables:
-            if v.table is not None:
-                v.table.check(job.optimizer)
-                if v.shape != (v.table.local_rows, v.table.dim) or v.dtype != v.table.dtype:
-                    raise InvalidRequestError(
-                        f"table '{v.key}' declares shape {v.shape} {v.dtype}, but its slice "
-                        f"holds ({v.table.local_rows}, {v.table.dim}) {v.table.dtype}"
-                    )
-
-    def _check_values(self, job: Job, values: Mapping[str, np.ndarray]) -> None:
-        specs = {v.key: v for v in job.variables if v.table is None}
-        for v in job.variables:
-            if v.table is not None and v.key in values:
-                raise InvalidRequestError(
-                    f"initial values for table '{v.key}': tables start from their seeded "
-                    "initialiser on the shards and are never sent"
-                )
-        for key in values:
-            if key not in specs:
-                raise UnknownVariableError(
-                    f"initial value for variable '{key}', which the job does not declare"
-                )
-        for key, spec in specs.items():
-            if key not in values:
-                raise InvalidRequestError(f"initial values lack variable '{key}'")
-            check_tensor(key, spec.shape, spec.dtype, values[key], "initial value")
 
     # -- pull / push ------------------------------------------------------------------------
 
@@ -479,7 +438,7 @@ class Shard:
         Raises:
             InvalidRequestError: the state does not match its own job.
         """
-        self._check_values(state.job, state.variables)
+        state.job.check_values(state.variables)
         specs = {v.key: v.table for v in state.job.variables if v.table is not None}
         if set(specs) != set(state.tables):
             raise InvalidRequestError(
