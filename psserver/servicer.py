@@ -191,6 +191,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 timeout=_timeout(context),
                 encode=self._encode_pull,
                 rows=_row_query(request),
+                incarnation=request.incarnation,
             )
         yield from messages
 
@@ -206,7 +207,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             self.metrics.count_push(grads)
         with self._waiting("Push"):
             result = self.shard.push(
-                header.worker_id, header.step, grads, timeout=_timeout(context)
+                header.worker_id,
+                header.step,
+                grads,
+                timeout=_timeout(context),
+                incarnation=header.incarnation,
             )
         return ps_pb2.PushResponse(
             applied=result.applied,
@@ -243,7 +248,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
         with self._waiting("Pull"):
             chunks, clock = self.shard.pull(
-                request.header.worker_id, step, timeout=_timeout(context), encode=encode
+                request.header.worker_id,
+                step,
+                timeout=_timeout(context),
+                encode=encode,
+                incarnation=request.header.incarnation,
             )
         return ps_pb2.PushPullResponse(push=pushed, chunks=chunks, clock=clock)
 

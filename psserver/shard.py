@@ -31,6 +31,7 @@ from pswire.errors import (
     InvalidRequestError,
     ModelMismatchError,
     NotInitializedError,
+    ShardRestartedError,
     TooLargeError,
     UnknownVariableError,
     WaitTimeoutError,
@@ -185,6 +186,7 @@ class Shard:
         timeout: float | None = None,
         encode: Callable[[Mapping[str, np.ndarray], int], Any] | None = None,
         rows: Sequence[tuple[str, np.ndarray]] = (),
+        incarnation: str = "",
     ) -> tuple[Any, int]:
         """Snapshot of the variables once the consistency rule lets a worker at ``step`` read.
 
@@ -204,6 +206,7 @@ class Shard:
             UnknownVariableError: a name the shard does not hold.
             WaitTimeoutError: the rule or the initial values did not allow reading in time.
         """
+        self._check_incarnation(incarnation, worker_id, "pull")
         job = self._require_job()
         if worker_id != OBSERVER:
             self._check_worker(worker_id, job.num_workers, "pull")
@@ -258,6 +261,7 @@ class Shard:
         step: int,
         grads: Mapping[str, np.ndarray | RowSparse],
         timeout: float | None = None,
+        incarnation: str = "",
     ) -> PushResult:
         """Takes one worker's gradients for one step, applying them as the rule says.
 
@@ -274,6 +278,7 @@ class Shard:
             UnknownVariableError, ShapeMismatchError, InvalidRequestError: bad gradients.
             WaitTimeoutError: the rule did not let the push in within the deadline.
         """
+        self._check_incarnation(incarnation, worker_id, "push")
         job = self._require_job()
         if not 0 <= worker_id < job.num_workers:
             raise InvalidRequestError(
@@ -480,6 +485,19 @@ class Shard:
         if update is not None:
             self._apply(update)
         self._cond.notify_all()
+
+    def _check_incarnation(self, seen: str, worker_id: int, what: str) -> None:
+        """Refuses a call made for an earlier incarnation of this shard (before a restart):
+        the worker must re-register and replay what the restart lost, not carry on.
+
+        Raises:
+            ShardRestartedError: ``seen`` is set and is not this shard's incarnation.
+        """
+        if seen and seen != self.incarnation:
+            raise ShardRestartedError(
+                f"{what} by worker {worker_id} was made for shard incarnation {seen}, but the "
+                f"shard restarted (now {self.incarnation}): re-register and replay first"
+            )
 
     def _require_job(self) -> Job:
         job = self._job

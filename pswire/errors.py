@@ -59,6 +59,12 @@ class UnavailableError(PSError):
     status = "UNAVAILABLE"
 
 
+class ShardRestartedError(PSError):
+    """The shard is not the one the worker last saw (it restarted): re-register, replay."""
+
+    status = "ABORTED"
+
+
 class UnauthenticatedError(PSError):
     status = "UNAUTHENTICATED"
 
@@ -75,6 +81,7 @@ _BY_STATUS: dict[str, type[PSError]] = {
     "RESOURCE_EXHAUSTED": TooLargeError,
     "DEADLINE_EXCEEDED": WaitTimeoutError,
     "UNAVAILABLE": UnavailableError,
+    "ABORTED": ShardRestartedError,
     "UNAUTHENTICATED": UnauthenticatedError,
     "CANCELLED": CancelledError,
 }

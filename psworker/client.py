@@ -276,7 +276,10 @@ class PSClient:
         request: ps_pb2.PullRequest,
         into: Mapping[str, np.ndarray] | None = None,
     ) -> dict[str, np.ndarray]:
+        link = self.links[shard]
+
         def run(stub: ParameterServerStub) -> dict[str, np.ndarray]:
+            request.incarnation = link.incarnation or ""  # per attempt, as in push_pull
             assembler = ChunkAssembler(into=into)
             for reply in stub.Pull(request, timeout=self.timeout):
                 assembler.add(reply.chunk)
@@ -312,7 +315,8 @@ class PSClient:
         reply = link.call(
             "Push",
             lambda stub: stub.Push(
-                push_stream(self.worker_id, step, pieces, self.chunk_bytes), timeout=self.timeout
+                push_stream(self.worker_id, step, pieces, self.chunk_bytes, link.incarnation),
+                timeout=self.timeout,
             ),
         )
         link.note_reply(reply.incarnation, reply.durable_step)
@@ -349,9 +353,10 @@ class PSClient:
                 )
                 return pushed, self._pull_shard(shard, request, into)
             link.note_push(step, pieces[shard])
-            fused = push_pull_request(self.worker_id, step, pieces[shard])
 
             def run(stub: ParameterServerStub) -> tuple[ps_pb2.PushResponse, dict]:
+                # Built per attempt: a retry after a restart carries the new incarnation.
+                fused = push_pull_request(self.worker_id, step, pieces[shard], link.incarnation)
                 reply = stub.PushPull(fused, timeout=self.timeout)
                 assembler = ChunkAssembler(into=into)
                 for chunk in reply.chunks:

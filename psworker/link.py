@@ -22,6 +22,8 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 BACKOFF_BASE_S = 0.1
 BACKOFF_CAP_S = 2.0
+# Unreachable, or (ABORTED) a shard other than the one this link last saw: re-register, retry.
+_RECOVERABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
 
 
 def backoff(attempt: int, rng: random.Random) -> float:
@@ -30,7 +32,11 @@ def backoff(attempt: int, rng: random.Random) -> float:
 
 
 def push_stream(
-    worker_id: int, step: int, pieces: Mapping[str, np.ndarray | RowSparse], chunk_bytes: int
+    worker_id: int,
+    step: int,
+    pieces: Mapping[str, np.ndarray | RowSparse],
+    chunk_bytes: int,
+    incarnation: str | None = None,
 ) -> Iterator[bytes | ps_pb2.PushRequest]:
     """A Push request stream: the header, then every piece as chunks (a table's rows with
     their ids).
@@ -38,7 +44,8 @@ def push_stream(
     A uint16 piece is a gradient compressed to bfloat16 (no gradient is an integer).
     """
     # A protobuf message or bytes alike: stubs.as_bytes serializes whichever it gets.
-    yield ps_pb2.PushRequest(header=ps_pb2.PushHeader(worker_id=worker_id, step=step))
+    header = ps_pb2.PushHeader(worker_id=worker_id, step=step, incarnation=incarnation or "")
+    yield ps_pb2.PushRequest(header=header)
     for key, piece in pieces.items():
         ids = piece.ids if isinstance(piece, RowSparse) else None
         array = piece.values if isinstance(piece, RowSparse) else piece
@@ -47,10 +54,14 @@ def push_stream(
 
 
 def push_pull_request(
-    worker_id: int, step: int, pieces: Mapping[str, np.ndarray | RowSparse]
+    worker_id: int,
+    step: int,
+    pieces: Mapping[str, np.ndarray | RowSparse],
+    incarnation: str | None = None,
 ) -> ps_pb2.PushPullRequest:
     """A PushPullRequest: the header and every piece whole (a table's rows with their ids)."""
-    request = ps_pb2.PushPullRequest(header=ps_pb2.PushHeader(worker_id=worker_id, step=step))
+    header = ps_pb2.PushHeader(worker_id=worker_id, step=step, incarnation=incarnation or "")
+    request = ps_pb2.PushPullRequest(header=header)
     for key, piece in pieces.items():
         ids = piece.ids if isinstance(piece, RowSparse) else None
         array = piece.values if isinstance(piece, RowSparse) else piece
@@ -65,7 +76,9 @@ class ShardLink:
     Calls that fail with UNAVAILABLE are retried with jittered exponential backoff for up to
     ``retry_s`` seconds. Before each retry the link re-registers; if the shard's incarnation
     changed (it restarted, from its last checkpoint), the link first re-sends the pushes this
-    worker made after that checkpoint, so those steps are recomputed rather than lost. A
+    worker made after that checkpoint, so those steps are recomputed rather than lost. Pushes
+    and pulls carry the incarnation the link last saw, so a shard that restarted between two
+    calls (no call ever failed) refuses with ABORTED and the link recovers the same way. A
     shard that restarted with no checkpoint cannot be recovered: that is a clear error.
     """
 
@@ -113,7 +126,7 @@ class ShardLink:
                 return fn(self.stub)
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
-                if code != grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline:
+                if code not in _RECOVERABLE or time.monotonic() >= deadline:
                     raise from_rpc_error(exc, self.where(rpc)) from None
                 pause = min(backoff(attempt, self._rng), max(0.0, deadline - time.monotonic()))
                 log.info("%s unavailable; retry %d in %.2fs", self.where(rpc), attempt + 1, pause)
@@ -183,7 +196,9 @@ class ShardLink:
         )
         for step in steps:
             self.stub.Push(
-                push_stream(self.worker_id, step, self.log[step], self.chunk_bytes),
+                push_stream(
+                    self.worker_id, step, self.log[step], self.chunk_bytes, reply.incarnation
+                ),
                 timeout=self.timeout,
             )
         self.incarnation = reply.incarnation

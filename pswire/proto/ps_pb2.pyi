@@ -433,9 +433,12 @@ class PullRequest(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     NAMES_FIELD_NUMBER: _builtins.int
     ROWS_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.int
     step: _builtins.int
     """steps this worker has finished; the consistency rule gates on it"""
+    incarnation: _builtins.str
+    """as PushHeader.incarnation"""
     @_builtins.property
     def names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """empty: every variable on the shard (not tables), unless"""
@@ -451,10 +454,11 @@ class PullRequest(_message.Message):
         step: _builtins.int = ...,
         names: _abc.Iterable[_builtins.str] | None = ...,
         rows: _abc.Iterable[Global___RowQuery] | None = ...,
+        incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["names", b"names", "rows", b"rows", "step", b"step", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "names", b"names", "rows", b"rows", "step", b"step", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -543,18 +547,22 @@ class PushHeader(_message.Message):
 
     WORKER_ID_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.int
     step: _builtins.int
     """the step this gradient belongs to (0-based)"""
+    incarnation: _builtins.str
+    """the shard incarnation this worker last saw; a shard that is"""
     def __init__(
         self,
         *,
         worker_id: _builtins.int = ...,
         step: _builtins.int = ...,
+        incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["step", b"step", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "step", b"step", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -223,3 +223,57 @@ def test_tables_train_in_async_and_ssp(shards, mode):
     run_workers([worker(0), worker(1)])
     for i in (0, 1):
         assert losses[i][-1] < 0.1 * losses[i][0]
+
+
+def _table_run(address: str, steps: int, after_step=lambda step: None) -> tuple[np.ndarray, int]:
+    """One async worker pushing fixed row gradients; ``after_step(step)`` runs after each push.
+    Returns the table's rows and how many shard restarts the worker recovered from."""
+    table = Table(None, 3, init="uniform", seed=4, capacity=100)
+    with psworker.connect([address], mode="async", timeout=20, retry_s=20) as client:
+        client.init({"w": np.zeros(2, np.float32)}, psworker.Adagrad(lr=0.1), tables={"t": table})
+        g = np.random.default_rng(5)
+        for step in range(steps):
+            ids = g.integers(-30, 30, size=6) * 7919
+            grads = {"t": RowSparse(ids, g.standard_normal((6, 3)).astype(np.float32))}
+            client.push({**grads, "w": np.ones(2, np.float32)})
+            after_step(step)
+        return client.pull_rows("t", np.arange(-30, 30) * 7919), client.links[0].recoveries
+
+
+def test_a_shard_restarted_between_calls_resumes_tables_and_the_worker_replays(tmp_path):
+    """The shard is replaced between two pushes (no call fails: the new one is up before the
+    next push): it restores its last checkpoint, refuses the push made for the old incarnation
+    with ABORTED, and the worker replays the steps since that checkpoint."""
+    from psserver.checkpoint import Checkpointer, CheckpointScheduler
+    from psserver.server import start_server
+    from psserver.shard import Shard
+
+    servers: list = []
+
+    def serve(port: int = 0) -> None:
+        shard = Shard()
+        saver = CheckpointScheduler(shard, Checkpointer(tmp_path))
+        saver.resume()  # the newest checkpoint, if any
+        servers.append((start_server(shard, port=port, checkpoint=saver.checkpoint), saver))
+
+    def after_step(step: int) -> None:
+        server, saver = servers[-1]
+        if step == 7:
+            saver.checkpoint()  # covers steps 0-7
+        if step == 10:  # as kill -9 and a restart: steps 8-10 are gone with the process
+            server.stop(grace=0)
+            serve(int(server.address.rsplit(":", 1)[1]))
+
+    serve()
+    try:
+        faulty, recoveries = _table_run(servers[0][0].address, 14, after_step)
+    finally:
+        for server, _ in servers:
+            server.stop(grace=0)
+    assert recoveries == 1 and len(servers) == 2
+    clean_server = start_server(Shard())  # the same pushes, no fault
+    try:
+        clean, _ = _table_run(clean_server.address, 14)
+    finally:
+        clean_server.stop(grace=0)
+    assert clean.tobytes() == faulty.tobytes()

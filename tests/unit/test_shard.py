@@ -185,3 +185,19 @@ def test_the_daemon_caps_malloc_arenas_unless_the_operator_did(monkeypatch) -> N
     import platform
 
     assert limit_malloc_arenas() == (platform.libc_ver()[0] == "glibc")
+
+
+def test_calls_made_for_an_earlier_incarnation_are_refused_and_change_nothing() -> None:
+    from pswire.errors import ShardRestartedError
+
+    shard = ready_shard("async")
+    grad = ones()
+    with pytest.raises(ShardRestartedError, match=r"incarnation 0ld.*restarted") as info:
+        shard.push(0, 0, grad, incarnation="0ld")
+    assert info.value.status == "ABORTED"
+    with pytest.raises(ShardRestartedError):
+        shard.pull(0, 0, incarnation="0ld")
+    assert np.array_equal(shard.snapshot()["w"], VALUES["w"])
+    assert shard.status().pushes_applied == 0
+    assert shard.push(0, 0, grad, incarnation=shard.incarnation).applied
+    assert shard.push(0, 1, grad).applied  # no incarnation: no check (older clients, tools)
