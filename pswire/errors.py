@@ -87,9 +87,23 @@ _BY_STATUS: dict[str, type[PSError]] = {
 }
 
 
-def error_for_status(status: str, message: str) -> PSError:
-    """Builds the exception a status code name stands for, carrying the server's message."""
-    cls = _BY_STATUS.get(status, PSError)
+# Trailing metadata key naming the PSError class a server raised, where one status code stands
+# for several (FAILED_PRECONDITION: ModelMismatchError or NotInitializedError).
+ERROR_CLASS_KEY = "ps-error"
+
+
+def _subclasses(cls: type[PSError]) -> list[type[PSError]]:
+    return [cls, *(s for sub in cls.__subclasses__() for s in _subclasses(sub))]
+
+
+def error_for_status(status: str, message: str, class_name: str = "") -> PSError:
+    """Builds the exception a status code name stands for, carrying the server's message.
+
+    ``class_name``: the class the server raised (``ERROR_CLASS_KEY`` metadata); used when it
+    is a PSError subclass of that same status, else the status's usual class.
+    """
+    named = {c.__name__: c for c in _subclasses(PSError)}.get(class_name)
+    cls = named if named is not None and named.status == status else _BY_STATUS.get(status, PSError)
     err = cls(message)
     if cls is PSError:
         # Keep the real code (e.g. UNIMPLEMENTED) on a plain PSError.

@@ -10,7 +10,7 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-from pswire.errors import PSError, error_for_status
+from pswire.errors import ERROR_CLASS_KEY, PSError, error_for_status
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -18,6 +18,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def _abort(context: grpc.ServicerContext, exc: Exception, name: str) -> NoReturn:
     if isinstance(exc, PSError):
+        # The exact class travels too: several share a status code.
+        context.set_trailing_metadata(((ERROR_CLASS_KEY, type(exc).__name__),))
         context.abort(exc.code, str(exc))
     log.error("unexpected error in %s", name, exc_info=exc)
     context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}: {type(exc).__name__}")
@@ -61,4 +63,6 @@ def from_rpc_error(exc: grpc.RpcError, where: str = "") -> PSError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
     prefix = f"{where}: " if where else ""
-    return error_for_status(code.name, f"{prefix}{details}")
+    metadata = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    named = dict(metadata or ()).get(ERROR_CLASS_KEY, "")
+    return error_for_status(code.name, f"{prefix}{details}", str(named))

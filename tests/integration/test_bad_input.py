@@ -253,3 +253,27 @@ def test_worker_id_out_of_range_is_invalid(served):
         info.value.code() == StatusCode.INVALID_ARGUMENT and "worker_id 5" in info.value.details()
     )
     unchanged(server, before)
+
+
+def test_errors_sharing_a_status_code_arrive_as_their_own_class(shards) -> None:
+    from pswire.errors import ModelMismatchError, NotInitializedError, ShapeMismatchError
+    from pswire.proto import ps_pb2
+    from pswire.status import from_rpc_error
+
+    (server,) = shards(1)
+    with psworker.connect([server.address], mode="async") as client:
+        # Straight to a shard that has no job yet: FAILED_PRECONDITION, NotInitializedError.
+        request = ps_pb2.PullRequest(worker_id=0, step=0)
+        with pytest.raises(grpc.RpcError) as raw:
+            list(client.links[0].stub.Pull(request, timeout=10))
+        assert raw.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert type(from_rpc_error(raw.value)) is NotInitializedError
+        client.init({"w": np.zeros((2, 3), np.float32)}, psworker.SGD(lr=0.1))
+        with pytest.raises(ShapeMismatchError, match=r"'w'.*\(2, 3\).*\(3, 2\)"):
+            client.push({"w": np.zeros((3, 2), np.float32)})
+    with (
+        psworker.connect([server.address], mode="sync") as other,
+        pytest.raises(ModelMismatchError, match="mode") as mismatch,
+    ):
+        other.init({"w": np.zeros((2, 3), np.float32)}, psworker.SGD(lr=0.1))
+    assert type(mismatch.value) is ModelMismatchError
