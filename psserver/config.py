@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="PEM CA certificate: require client certificates it signed (mutual TLS)",
     )
-    # Health checks stay open without the token so orchestrators can probe (psserver/auth.py).
+    # Health checks stay open without the token so orchestrators can probe (pswire/security.py).
     cli.add(
         parser,
         "--token",

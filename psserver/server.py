@@ -10,13 +10,12 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from psserver.auth import TokenInterceptor
 from psserver.metrics import RpcMetricsInterceptor, ShardMetrics
 from psserver.parsing import MalformedRequestInterceptor
 from psserver.servicer import ParameterServerServicer
 from psserver.shard import Shard
 from pswire.channel import OPTIONS
-from pswire.security import ServerSecurity
+from pswire.security import ServerSecurity, TokenInterceptor
 from pswire.stubs import add_servicer
 
 SERVICE_NAME = "pswire.v1.ParameterServer"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hmac
+import logging
 import os
 import string
 from collections.abc import Callable
@@ -20,6 +22,8 @@ TOKEN_SCHEME = "Bearer "
 # A token travels as an HTTP/2 header value: printable ASCII, no whitespace, so neither end
 # has to guess at trimming or encoding.
 _TOKEN_CHARS = frozenset(string.ascii_letters + string.digits + string.punctuation)
+
+log = logging.getLogger(__name__)
 
 
 def check_token(token: str, source: str = "token") -> str:
@@ -178,6 +182,24 @@ class ClientSecurity:
     def tls(self) -> bool:
         return self.ca is not None or self.cert is not None
 
+    def peer_server(self) -> ServerSecurity:
+        """The settings for a server this client also runs as a peer (an all-reduce worker's
+        ring server): its own certificate, clients verified against the same CA (mutual TLS),
+        the same token.
+
+        Raises:
+            ValueError: TLS (a CA) without a certificate and key to serve with.
+        """
+        if self.ca is not None and self.cert is None:
+            raise ValueError(
+                "all-reduce with TLS needs each worker's certificate and key (tls_cert, "
+                "tls_key: e.g. psctl certs' server.pem, valid for every worker's host) for its "
+                "ring server"
+            )
+        return ServerSecurity(
+            cert=self.cert, key=self.key, ca=self.ca if self.cert else None, token=self.token
+        )
+
     def channel(self, address: str) -> grpc.Channel:
         """A channel to ``host:port`` with these credentials and the project's options.
 
@@ -241,3 +263,68 @@ class _TokenInterceptor(
     intercept_unary_stream = _intercept
     intercept_stream_unary = _intercept
     intercept_stream_stream = _intercept
+
+
+# Health checks stay open: orchestrators (Kubernetes probes, grpc_health_probe, psctl local)
+# probe without the job's secret, and SERVING/NOT_SERVING reveals nothing about the model.
+# Everything else, the ParameterServer service included, needs the token.
+OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Rejects calls whose ``authorization: Bearer <token>`` header is missing or wrong.
+
+    A rejected call gets UNAUTHENTICATED before its handler runs, so it reads nothing from the
+    request stream and changes nothing. Tokens are compared in constant time.
+    """
+
+    def __init__(self, token: str, open_prefixes: tuple[str, ...] = OPEN_PREFIXES) -> None:
+        self._expected = (TOKEN_SCHEME + check_token(token)).encode("ascii")
+        self._open = open_prefixes
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        method = handler_call_details.method
+        if method.startswith(self._open):
+            return continuation(handler_call_details)
+        problem = self._problem(handler_call_details.invocation_metadata)
+        if problem is None:
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None  # unknown method: UNIMPLEMENTED either way
+        return _refusing(handler, method, problem)
+
+    def _problem(self, metadata: Any) -> str | None:
+        """Why the call's credentials fail, or None when they pass."""
+        values = [v for k, v in (metadata or ()) if k == TOKEN_HEADER]
+        if not values:
+            return (
+                "this server requires a token: pass token=... to psworker.connect, "
+                "or set $PS_TOKEN / $PS_TOKEN_FILE"
+            )
+        given = values[0]
+        given_bytes = given.encode("utf-8", "replace") if isinstance(given, str) else bytes(given)
+        # compare_digest on every call, whatever the length: timing must not leak the token.
+        if len(values) != 1 or not hmac.compare_digest(given_bytes, self._expected):
+            return "the token this call carries is not this server's token"
+        return None
+
+
+def _refusing(handler: grpc.RpcMethodHandler, method: str, problem: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` that aborts with UNAUTHENTICATED."""
+
+    def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+        log.warning("refused %s from %s: %s", method, context.peer(), problem)
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{method}: {problem}")
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse)
+    return grpc.unary_unary_rpc_method_handler(refuse)

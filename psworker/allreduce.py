@@ -9,6 +9,7 @@ import numpy as np
 from pswire.codec import bfloat16_to_float32, float32_to_bfloat16
 from pswire.errors import InvalidRequestError, UnknownVariableError
 from pswire.optim import Optimizer
+from pswire.security import ClientSecurity
 from psworker.buckets import DEFAULT_BUCKET_BYTES, BucketPlan
 from psworker.local import LocalClient
 from psworker.peer import Ring, RingServer
@@ -39,6 +40,7 @@ class AllReduceClient:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         compression: str | None = None,
         server: RingServer | None = None,
+        security: ClientSecurity | None = None,
     ) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
@@ -47,7 +49,7 @@ class AllReduceClient:
         self.addresses = list(peers)
         self.bucket_bytes = bucket_bytes
         self.compression = compression
-        self.ring = Ring(rank, peers, timeout=timeout, server=server)
+        self.ring = Ring(rank, peers, timeout=timeout, server=server, security=security)
         self._local = LocalClient()
         self._buffers: set[str] = set()
         self._plan: BucketPlan | None = None

@@ -209,10 +209,14 @@ def _certificate(
             encipher_only=False,
             decipher_only=False,
         )
-        purpose = ExtendedKeyUsageOID.CLIENT_AUTH if client else ExtendedKeyUsageOID.SERVER_AUTH
+        # The server certificate is a peer's: all-reduce workers' ring servers present it and
+        # also call their neighbours with it (mutual TLS), so it carries both purposes.
+        purposes = [ExtendedKeyUsageOID.CLIENT_AUTH]
+        if not client:
+            purposes = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
         builder = (
             builder.add_extension(usage, critical=True)
-            .add_extension(x509.ExtendedKeyUsage([purpose]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage(purposes), critical=False)
             .add_extension(
                 x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()),
                 critical=False,

@@ -14,7 +14,11 @@ from psworker.local import LocalClient
 
 
 def _connect_ring(
-    peers: Sequence[str] | None, worker_id: int | None, cluster: str | None, options: dict
+    peers: Sequence[str] | None,
+    worker_id: int | None,
+    cluster: str | None,
+    options: dict,
+    security: ClientSecurity,
 ) -> AllReduceClient:
     """The all-reduce client: peers are the cluster's workers (``addresses`` if given)."""
     if peers is None:
@@ -32,7 +36,9 @@ def _connect_ring(
         raise ValueError(f"options {sorted(unknown)} do not apply to mode 'allreduce'")
     if "compression" not in options and os.environ.get("PS_COMPRESSION"):
         options["compression"] = os.environ["PS_COMPRESSION"]
-    return AllReduceClient(0 if worker_id is None else worker_id, peers, **options)
+    return AllReduceClient(
+        0 if worker_id is None else worker_id, peers, security=security, **options
+    )
 
 
 def connect(
@@ -61,7 +67,10 @@ def connect(
 
     ``tls_ca`` (verify the shards; TLS on), ``tls_cert``/``tls_key`` (this worker's certificate,
     for shards that demand mutual TLS) and ``token`` default to ``$PS_TLS_CA``,
-    ``$PS_TLS_CERT``, ``$PS_TLS_KEY`` and ``$PS_TOKEN`` (or the file ``$PS_TOKEN_FILE``).
+    ``$PS_TLS_CERT``, ``$PS_TLS_KEY`` and ``$PS_TOKEN`` (or the file ``$PS_TOKEN_FILE``). In
+    ``allreduce`` they secure the ring: each worker's ring server serves with its certificate
+    (demanding its neighbour's, signed by the CA) and the token, and calls its neighbour with
+    them.
 
     Raises:
         ValueError: a parameter-server mode with no cluster, or inconsistent arguments.
@@ -70,7 +79,8 @@ def connect(
     if mode == "local":
         return LocalClient()
     if mode == "allreduce":
-        return _connect_ring(addresses, worker_id, cluster, options)
+        security = ClientSecurity.from_env(tls_ca, tls_cert, tls_key, token)
+        return _connect_ring(addresses, worker_id, cluster, options, security)
     if addresses is None:
         spec = ClusterSpec.load(cluster, role="worker")
         if spec is None:

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from pswire.channel import MAX_MESSAGE_BYTES, insecure_channel, wait_ready
+from pswire.channel import MAX_MESSAGE_BYTES, wait_ready
 from pswire.errors import (
     InvalidRequestError,
     PSError,
@@ -20,6 +20,7 @@ from pswire.errors import (
     WaitTimeoutError,
 )
 from pswire.proto import ring_pb2
+from pswire.security import ClientSecurity
 from pswire.status import from_rpc_error
 from psworker import ring
 from psworker.buckets import DEFAULT_BUCKET_BYTES, BucketPlan
@@ -188,8 +189,14 @@ class Ring:
         chunk_bytes: int = ring.RING_CHUNK_BYTES,
         server: RingServer | None = None,
         bind: str | None = None,
+        security: ClientSecurity | None = None,
     ) -> None:
         """Starts (or takes over) this rank's server and connects to the right neighbour.
+
+        ``security`` is this worker's TLS and token settings (``ClientSecurity.from_env``):
+        its neighbour is called with them, and its own server (when the ring starts it) serves
+        with ``security.peer_server()``: TLS with the same certificate, mutual when a CA is
+        given, and the same token. None: plaintext, no token.
 
         Args:
             rank: this worker's index in ``addresses``.
@@ -222,7 +229,10 @@ class Ring:
         self.chunk_bytes = chunk_bytes
         # Long enough for a verdict from further upstream to overtake ours, short against timeout.
         self._grace = min(1.0, self.timeout / 4)
-        self._server = server if server is not None else RingServer(bind or self.addresses[rank])
+        self.security = security or ClientSecurity()
+        if server is None:
+            server = RingServer(bind or self.addresses[rank], security=self.security.peer_server())
+        self._server = server
         self._server.attach(rank, self.world_size, self.describe)
         self._lock = threading.Lock()
         self._next_op = 0
@@ -232,7 +242,7 @@ class Ring:
         self._channel: grpc.Channel | None = None
         self._stub: RingPeerStub | None = None
         if self.world_size > 1:
-            channel = insecure_channel(self.addresses[self.right_rank])
+            channel = self.security.channel(self.addresses[self.right_rank])
             try:
                 wait_ready(channel, self.timeout)
             except grpc.FutureTimeoutError:

@@ -28,6 +28,7 @@ from pswire.codec import (
 )
 from pswire.errors import InvalidRequestError, PSError, UnavailableError, error_for_status
 from pswire.proto import ring_pb2
+from pswire.security import ServerSecurity, TokenInterceptor
 from pswire.status import rpc_errors
 from pswire.stubs import as_bytes
 from psworker.ring import Failure, Mailbox, Tag
@@ -207,12 +208,18 @@ class RingServer:
     address can be shared with the other workers; the ``Ring`` then takes it over.
     """
 
-    def __init__(self, bind: str = "127.0.0.1:0", threads: int = 8) -> None:
-        """Binds ``host:port`` (port 0 picks a free one) and starts serving.
+    def __init__(
+        self, bind: str = "127.0.0.1:0", threads: int = 8, security: ServerSecurity | None = None
+    ) -> None:
+        """Binds ``host:port`` (port 0 picks a free one) and starts serving. ``security``: TLS
+        (mutual with a CA) and the token, as a shard's; None: plaintext, no token.
 
         Raises:
             RuntimeError: the address could not be bound.
+            ValueError: a TLS file cannot be read.
         """
+        security = security or ServerSecurity()
+        credentials = security.credentials() if security.tls else None
         self.mailbox = Mailbox()
         self.rank: int | None = None
         self.world_size = 0
@@ -220,11 +227,15 @@ class RingServer:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ring-peer"),
             options=OPTIONS,
+            interceptors=[TokenInterceptor(security.token)] if security.token else [],
         )
         _add_servicer(_RingPeerServicer(self), self._server)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        port = self._server.add_insecure_port(bind)
+        if credentials is not None:
+            port = self._server.add_secure_port(bind, credentials)
+        else:
+            port = self._server.add_insecure_port(bind)
         if port == 0:
             raise RuntimeError(f"could not bind {bind}")
         self._server.start()

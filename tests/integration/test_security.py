@@ -162,10 +162,14 @@ def test_mtls_client_without_a_certificate_or_from_another_ca_is_unavailable(
         server,
         ClientSecurity(ca=certs.ca, cert=other_certs.client_cert, key=other_certs.client_key),
     )
-    # A server certificate is not a client certificate (its extended key usage says so).
-    refused_by_transport(
-        server, ClientSecurity(ca=certs.ca, cert=certs.server_cert, key=certs.server_key)
+    # The server certificate is a peer's (all-reduce workers present it both ways), so it is
+    # also a client certificate; a client certificate is not a server's (extended key usage).
+    peer = ClientSecurity(ca=certs.ca, cert=certs.server_cert, key=certs.server_key)
+    assert shard_status([server.address], 10, peer)[0].initialized
+    client_as_server = serve(
+        ServerSecurity(cert=certs.client_cert, key=certs.client_key, ca=certs.ca)
     )
+    refused_by_transport(client_as_server, ClientSecurity(**right))
 
 
 # -- token ----------------------------------------------------------------------------------
@@ -276,3 +280,68 @@ def test_connect_arguments_win_over_environment(monkeypatch, certs: CertPaths) -
     assert security.ca == certs.ca and security.token == "from-arg"
     security = ClientSecurity.from_env()
     assert security.ca == Path("/nowhere/ca.pem") and security.token == "from-env"
+
+
+def _ring_pair(certs: CertPaths, tokens: tuple[str, str], timeout: float = 10.0):
+    """Two all-reduce workers, each with a TLS + token ring server; returns their outcomes."""
+    import threading
+
+    from psworker.ringwire import RingServer
+
+    servers = [
+        RingServer(
+            "127.0.0.1:0",
+            security=ServerSecurity(
+                cert=certs.server_cert, key=certs.server_key, ca=certs.ca, token=token
+            ),
+        )
+        for token in tokens
+    ]
+    peers = [s.address for s in servers]
+    results: dict[int, Any] = {}
+
+    def run(i: int) -> None:
+        try:
+            with psworker.connect(
+                peers,
+                mode="allreduce",
+                worker_id=i,
+                tls_ca=str(certs.ca),
+                tls_cert=str(certs.server_cert),
+                tls_key=str(certs.server_key),
+                token=tokens[i],
+                server=servers[i],
+                timeout=timeout,
+            ) as client:
+                client.init({"w": np.zeros(3, np.float32)}, psworker.SGD(lr=1.0))
+                client.push({"w": np.full(3, i + 1.0, np.float32)})
+                results[i] = client.pull()["w"]
+        except Exception as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 20)
+    assert len(results) == 2, "a ring worker hung"
+    return results
+
+
+def test_the_allreduce_ring_runs_over_mutual_tls_with_the_token(certs: CertPaths) -> None:
+    results = _ring_pair(certs, ("ring-secret", "ring-secret"))
+    for i in (0, 1):
+        assert isinstance(results[i], np.ndarray), results[i]
+        assert np.allclose(results[i], -1.5)  # minus the mean of 1 and 2
+
+
+def test_a_ring_peer_with_another_token_is_refused_by_name(certs: CertPaths) -> None:
+    results = _ring_pair(certs, ("ring-secret", "other-secret"), timeout=3.0)
+    errors = [r for r in results.values() if isinstance(r, Exception)]
+    assert errors, "a worker with the wrong token joined the ring"
+    assert any("token" in str(e) or "UNAUTHENTICATED" in str(e) for e in errors), errors
+
+
+def test_allreduce_tls_without_a_certificate_is_refused_before_it_starts(certs) -> None:
+    with pytest.raises(ValueError, match="ring server"):
+        psworker.connect(["127.0.0.1:1", "127.0.0.1:2"], mode="allreduce", tls_ca=str(certs.ca))
