@@ -47,9 +47,7 @@ def push_stream(
     header = ps_pb2.PushHeader(worker_id=worker_id, step=step, incarnation=incarnation or "")
     yield ps_pb2.PushRequest(header=header)
     for key, piece in pieces.items():
-        ids = piece.ids if isinstance(piece, RowSparse) else None
-        array = piece.values if isinstance(piece, RowSparse) else piece
-        bf16 = array.dtype == np.uint16
+        array, ids, bf16 = _wire_parts(piece)
         yield from encode_chunk_messages(key, array, 2, chunk_bytes, bfloat16=bf16, indices=ids)
 
 
@@ -63,11 +61,17 @@ def push_pull_request(
     header = ps_pb2.PushHeader(worker_id=worker_id, step=step, incarnation=incarnation or "")
     request = ps_pb2.PushPullRequest(header=header)
     for key, piece in pieces.items():
-        ids = piece.ids if isinstance(piece, RowSparse) else None
-        array = piece.values if isinstance(piece, RowSparse) else piece
-        bf16 = array.dtype == np.uint16
+        array, ids, bf16 = _wire_parts(piece)
         request.chunks.append(tensor_to_proto(key, array, bfloat16=bf16, indices=ids))
     return request
+
+
+def _wire_parts(piece: np.ndarray | RowSparse) -> tuple[np.ndarray, np.ndarray | None, bool]:
+    """(the values, a table's row ids or None, whether the values are bfloat16 bit patterns:
+    a uint16 piece is a compressed gradient, as no gradient is an integer)."""
+    if isinstance(piece, RowSparse):
+        return piece.values, piece.ids, piece.values.dtype == np.uint16
+    return piece, None, piece.dtype == np.uint16
 
 
 class ShardLink:

@@ -100,12 +100,15 @@ class LocalClient:
         step = self.step if step is None else step
         if step < self.step:
             return False  # already applied, as a shard acknowledges a retried push
-        rows = {n: g for n, g in grads.items() if isinstance(g, RowSparse)}
-        for name, sparse in rows.items():
-            layout, store = self._table(name)
-            ids = as_ids(name, sparse.ids)
-            layout.check_ids(ids, "push")
-            check_rows(store.spec, ids, np.asarray(sparse.values), "push")
+        # Each table's (store, ids, rows), checked before anything is applied.
+        rows: dict[str, tuple[RowStore, np.ndarray, np.ndarray]] = {}
+        for name, grad in grads.items():
+            if isinstance(grad, RowSparse):
+                layout, store = self._table(name)
+                ids, values = as_ids(name, grad.ids), np.asarray(grad.values)
+                layout.check_ids(ids, "push")
+                check_rows(store.spec, ids, values, "push")
+                rows[name] = store, ids, values
         for name, grad in grads.items():
             if isinstance(grad, RowSparse):
                 continue
@@ -115,8 +118,8 @@ class LocalClient:
                     f"variable '{name}' is not in the model; known: {list(self._vars)[:20]}"
                 )
             check_tensor(name, var.shape, var.dtype.name, np.asarray(grad), "push")
-        for name, sparse in rows.items():
-            self._tables[name][1].apply(as_ids(name, sparse.ids), np.asarray(sparse.values))
+        for store, ids, values in rows.values():
+            store.apply(ids, values)
         for name, grad in grads.items():
             if isinstance(grad, RowSparse):
                 continue
