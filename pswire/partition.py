@@ -59,8 +59,17 @@ class ShardMap:
     variables: tuple[VarInfo, ...]
     pieces: tuple[Piece, ...]
 
+    @functools.cached_property
+    def _by_var(self) -> dict[str, list[Piece]]:
+        # Looked up per variable on every push and pull: a scan of all pieces each time made
+        # a step O(variables x pieces).
+        by_var: dict[str, list[Piece]] = {}
+        for p in self.pieces:
+            by_var.setdefault(p.var, []).append(p)
+        return by_var
+
     def pieces_of(self, var: str) -> list[Piece]:
-        return [p for p in self.pieces if p.var == var]
+        return list(self._by_var.get(var, ()))
 
     def on_shard(self, shard: int) -> list[Piece]:
         return [p for p in self.pieces if p.shard == shard]
@@ -85,9 +94,7 @@ class ShardMap:
     def split(self, arrays: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
         """Cuts full arrays into per-shard pieces (views, no copy): one dict per shard."""
         out: list[dict[str, np.ndarray]] = [{} for _ in range(self.num_shards)]
-        by_var: dict[str, list[Piece]] = {}
-        for p in self.pieces:
-            by_var.setdefault(p.var, []).append(p)
+        by_var = self._by_var
         for name, array in arrays.items():
             parts = by_var.get(name)
             if parts is None:
