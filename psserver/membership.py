@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Set as AbstractSet
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,11 @@ class Membership:
     @property
     def live(self) -> frozenset[int]:
         return frozenset(self._live)
+
+    @property
+    def live_view(self) -> AbstractSet[int]:
+        """The live set itself, not a copy: for readers under the shard's lock."""
+        return self._live
 
     def seconds_since(self, worker: int, now: float) -> float:
         return now - self._last_seen.get(worker, now)

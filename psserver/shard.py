@@ -469,7 +469,7 @@ class Shard:
 
     def _clocks(self) -> Clocks:
         # The live dict, not a copy: policies only read it, under the lock, and keep nothing.
-        return Clocks(self._updates, self._finished, self._members.live)
+        return Clocks(self._updates, self._finished, self._members.live_view)
 
     def _touch(self, worker_id: int) -> None:
         if worker_id == OBSERVER:
@@ -539,6 +539,8 @@ class Shard:
         Raises:
             WaitTimeoutError: not ready within the deadline; the message says what was missing.
         """
+        if ready():
+            return
         limit = self.limits.max_wait_s if timeout is None else min(timeout, self.limits.max_wait_s)
         deadline = time.monotonic() + max(0.0, limit)
         # Wake up often enough to notice a worker passing its heartbeat timeout.

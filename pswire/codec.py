@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
@@ -21,6 +22,13 @@ DTYPES = frozenset(
 # bfloat16 has no numpy dtype: it travels as uint16 bit patterns and arrives widened to float32
 # (exactly: bfloat16 is float32's top half).
 BFLOAT16 = "bfloat16"
+# Looked up, not built, per tensor: a small step's whole budget is a few hundred microseconds,
+# and numpy's dtype constructor and ``dtype.name`` cost microseconds each.
+_NUMPY_DTYPE = {
+    name: np.dtype("uint16" if name == BFLOAT16 else name).newbyteorder("<") for name in DTYPES
+}
+_WIRE_NAME = {dt: name for name, dt in _NUMPY_DTYPE.items() if name != BFLOAT16}
+_WIRE_NAME[np.dtype("uint16")] = "uint16"  # bfloat16 bit patterns, before their label
 
 
 def check_dtype(dtype: str, name: str) -> np.dtype:
@@ -29,11 +37,16 @@ def check_dtype(dtype: str, name: str) -> np.dtype:
     Raises:
         InvalidRequestError: the name is not a supported dtype.
     """
-    if dtype not in DTYPES:
-        raise InvalidRequestError(
-            f"variable '{name}' has unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}"
-        )
-    return np.dtype("uint16" if dtype == BFLOAT16 else dtype).newbyteorder("<")
+    dt = _NUMPY_DTYPE.get(dtype)
+    if dt is None:
+        raise _unsupported(dtype, name)
+    return dt
+
+
+def _unsupported(dtype: str, name: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"variable '{name}' has unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}"
+    )
 
 
 def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
@@ -63,18 +76,16 @@ def tensor_nbytes(name: str, dtype: str, shape: Iterable[int], limit: int | None
         TooLargeError: the tensor is larger than ``limit`` bytes.
     """
     dt = check_dtype(dtype, name)
-    dims = tuple(int(d) for d in shape)
-    if any(d < 0 for d in dims):
+    dims = tuple(map(int, shape))
+    if dims and min(dims) < 0:
         raise InvalidRequestError(f"variable '{name}' has a negative dim in shape {dims}")
+    count = math.prod(dims)
     # Zero dims are skipped: (0, 2**62) holds no elements, but numpy still refuses the shape.
-    count = 1
-    for d in dims:
-        count *= max(d, 1)
-        if count > MAX_ELEMENTS:
-            raise InvalidRequestError(
-                f"variable '{name}' has shape {dims}: dims multiply past {MAX_ELEMENTS} elements"
-            )
-    nbytes = (count if 0 not in dims else 0) * dt.itemsize
+    if (count or math.prod(d for d in dims if d)) > MAX_ELEMENTS:
+        raise InvalidRequestError(
+            f"variable '{name}' has shape {dims}: dims multiply past {MAX_ELEMENTS} elements"
+        )
+    nbytes = count * dt.itemsize
     if limit is not None and nbytes > limit:
         raise TooLargeError(
             f"variable '{name}' of shape {dims} is {nbytes} bytes, over the limit of {limit}"
@@ -103,7 +114,7 @@ def check_tensor(
         InvalidRequestError: wrong dtype or non-finite floats.
         ShapeMismatchError: wrong shape.
     """
-    if array.dtype != np.dtype(dtype):
+    if array.dtype != check_dtype(dtype, name):
         raise InvalidRequestError(
             f"variable '{name}' has dtype {dtype} on the server, {what} sent {array.dtype}"
         )
@@ -136,14 +147,15 @@ def _wire_bytes(
         arr = np.ascontiguousarray(arr)
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
-    dtype = arr.dtype.name
+    dtype = _WIRE_NAME.get(arr.dtype)
     if bfloat16:
         if dtype != "uint16":
-            raise ValueError(f"bfloat16 bit patterns are uint16, '{name}' is {dtype}")
+            raise ValueError(f"bfloat16 bit patterns are uint16, '{name}' is {arr.dtype}")
         dtype = BFLOAT16
-    check_dtype(dtype, name)
+    elif dtype is None or dtype == "uint16":  # uint16 travels only as bfloat16
+        raise _unsupported(arr.dtype.name, name)
     view = arr.reshape(-1).view(np.uint8).data if arr.size else memoryview(b"")
-    return view, dtype, tuple(int(d) for d in arr.shape)
+    return view, dtype, arr.shape
 
 
 def tensor_to_chunks(
@@ -315,7 +327,7 @@ class ChunkAssembler:
         self._name = name
         self._bfloat16 = chunk.dtype == BFLOAT16
         self._dtype = check_dtype(chunk.dtype, name)
-        self._shape = tuple(int(d) for d in chunk.shape)
+        self._shape = tuple(chunk.shape)
         self._ids = _row_ids(name, chunk.indices, self._shape) if chunk.indices else None
         target = self._into.get(name)
         if (

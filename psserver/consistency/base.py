@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Set as AbstractSet
+from typing import Any, NamedTuple
 
 
-@dataclass(frozen=True)
-class Clocks:
-    """What a rule may look at: optimizer updates applied and each worker's finished steps."""
+class Clocks(NamedTuple):
+    """What a rule may look at: optimizer updates applied and each worker's finished steps.
+
+    Built several times per push, hence a tuple over the shard's live containers (read only,
+    under its lock) rather than copies."""
 
     updates: int
     finished: Mapping[int, int]  # worker id -> steps it has pushed
-    live: frozenset[int]
+    live: AbstractSet[int]
 
     def min_live(self) -> int:
         return min((self.finished.get(w, 0) for w in self.live), default=0)
