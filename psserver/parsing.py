@@ -19,8 +19,9 @@ class _Malformed:
         self.message = message
 
 
-class MalformedRequestInterceptor(grpc.ServerInterceptor):
-    """Turns undecodable request bytes into INVALID_ARGUMENT with a message naming the method.
+def tolerant(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """``handler`` for ``method``, answering undecodable request bytes with INVALID_ARGUMENT
+    and a message naming the method.
 
     grpc answers a request it cannot deserialize with INTERNAL ("Exception deserializing
     request!") and logs a traceback, which blames the server for the client's bytes. Here the
@@ -29,17 +30,13 @@ class MalformedRequestInterceptor(grpc.ServerInterceptor):
     ``InvalidRequestError`` where the handler reads it, so the handler's one error mapping sends
     it, and the handler's own validation (nothing applied until the stream is whole) keeps the
     shard unchanged.
-    """
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(handler_call_details)
-        if handler is None or handler.request_deserializer is None:
-            return handler
-        return _tolerant(handler, handler_call_details.method)
+    Applied once, when the service is registered (``add_servicer(wrap=tolerant)``): a server
+    interceptor doing the same ran on every call and cost ~50 us of a ~1 ms small step.
+    """
+    if handler.request_deserializer is None:
+        return handler
+    return _tolerant(handler, method)
 
 
 def _tolerant(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:

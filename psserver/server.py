@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from psserver.metrics import RpcMetricsInterceptor, ShardMetrics
-from psserver.parsing import MalformedRequestInterceptor
+from psserver.parsing import tolerant
 from psserver.servicer import ParameterServerServicer
 from psserver.shard import Shard
 from pswire.channel import OPTIONS
@@ -70,9 +70,9 @@ def start_server(
     # Credentials are read before anything binds, so a bad file fails the start cleanly.
     credentials = security.credentials() if security.tls else None
     # The token check runs first, so an unauthenticated caller's bytes are never even parsed.
-    interceptors: list[grpc.ServerInterceptor] = [MalformedRequestInterceptor()]
+    interceptors: list[grpc.ServerInterceptor] = []
     if security.token:
-        interceptors.insert(0, TokenInterceptor(security.token))
+        interceptors.append(TokenInterceptor(security.token))
     if metrics is not None:
         # Outermost, so refused and malformed calls are timed and counted as well.
         interceptors.insert(0, RpcMetricsInterceptor(metrics))
@@ -82,7 +82,7 @@ def start_server(
         interceptors=interceptors,
     )
     servicer = ParameterServerServicer(shard, checkpoint=checkpoint, metrics=metrics)
-    add_servicer(servicer, server)
+    add_servicer(servicer, server, wrap=tolerant)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{host}:{port}"

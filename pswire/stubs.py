@@ -118,8 +118,14 @@ class ParameterServerStub(ps_pb2_grpc.ParameterServerStub):
         )
 
 
-def add_servicer(servicer: ps_pb2_grpc.ParameterServerServicer, server: grpc.Server) -> None:
+def add_servicer(
+    servicer: ps_pb2_grpc.ParameterServerServicer,
+    server: grpc.Server,
+    wrap: Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler] | None = None,
+) -> None:
     """Registers ``servicer`` like the generated function, with the hand-coded tensor streams.
+
+    ``wrap(method path, handler)``, if given, replaces each method's handler once, here.
 
     The servicer's ``Init``/``Push`` receive ``StreamRequest`` objects; its ``Pull`` may yield
     bytes (pre-encoded PullResponses) or protobuf messages.
@@ -148,5 +154,7 @@ def add_servicer(servicer: ps_pb2_grpc.ParameterServerServicer, server: grpc.Ser
         request_deserializer=ps_pb2.PullRequest.FromString,
         response_serializer=as_bytes,
     )
+    if wrap is not None:
+        handlers = {name: wrap(f"/{SERVICE}/{name}", h) for name, h in handlers.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)
