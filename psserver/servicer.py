@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import grpc
 import numpy as np
@@ -19,7 +21,7 @@ from pswire.codec import (
     tensor_to_proto,
     varint_field,
 )
-from pswire.errors import InvalidRequestError, NotInitializedError
+from pswire.errors import InvalidRequestError, NotInitializedError, PSError
 from pswire.optim import optimizer_from_spec
 from pswire.proto import ps_pb2, ps_pb2_grpc
 from pswire.status import rpc_errors
@@ -92,6 +94,17 @@ def _row_query(request: ps_pb2.PullRequest) -> list[tuple[str, np.ndarray]]:
 def _timeout(context: grpc.ServicerContext) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None else max(0.0, remaining - DEADLINE_MARGIN_S)
+
+
+def _until_gone(requests: Iterable[Any]) -> Iterator[Any]:
+    """The requests of a stream, ending quietly when the client cancels or goes away (grpc
+    raises RpcError from the iterator then: there is no one left to answer)."""
+    iterator = iter(requests)
+    while True:
+        try:
+            yield next(iterator)
+        except (StopIteration, grpc.RpcError):
+            return
 
 
 def _header_then_chunks(
@@ -196,7 +209,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         yield from messages
 
     def _push(
-        self, header: ps_pb2.PushHeader, assembler: ChunkAssembler, context: grpc.ServicerContext
+        self, header: ps_pb2.PushHeader, assembler: ChunkAssembler, timeout: float | None
     ) -> ps_pb2.PushResponse:
         """Applies one decoded push (as the consistency rule says); its reply."""
         rows = assembler.indices
@@ -210,7 +223,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 header.worker_id,
                 header.step,
                 grads,
-                timeout=_timeout(context),
+                timeout=timeout,
                 incarnation=header.incarnation,
             )
         return ps_pb2.PushResponse(
@@ -226,14 +239,43 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         assembler = ChunkAssembler(self.shard.limits.max_request_bytes)
         header = _header_then_chunks(request_iterator, "header", assembler, "Push")
         assert isinstance(header, ps_pb2.PushHeader)
-        return self._push(header, assembler, context)
+        return self._push(header, assembler, _timeout(context))
 
     @rpc_errors
     def PushPull(self, request, context):
+        return self._push_pull(request, _timeout(context))
+
+    @rpc_errors
+    def PushPullStream(self, request_iterator, context):
+        for request in _until_gone(request_iterator):
+            # Each step's own deadline, within the call's.
+            timeout = request.timeout_ms / 1000 if request.timeout_ms else None
+            remaining = _timeout(context)
+            if remaining is not None:
+                timeout = remaining if timeout is None else min(timeout, remaining)
+            if self.metrics is None:
+                yield self._push_pull(request, timeout)
+                continue
+            # Each step is timed and counted as a PushPull, as if it were its own call.
+            start = time.perf_counter()
+            code = grpc.StatusCode.UNKNOWN
+            try:
+                reply = self._push_pull(request, timeout)
+                code = grpc.StatusCode.OK
+            except PSError as exc:
+                code = grpc.StatusCode[exc.status]
+                raise
+            finally:
+                self.metrics.observe_rpc("PushPull", code, time.perf_counter() - start)
+            yield reply
+
+    def _push_pull(
+        self, request: ps_pb2.PushPullRequest, timeout: float | None
+    ) -> ps_pb2.PushPullResponse:
         assembler = ChunkAssembler(self.shard.limits.max_request_bytes)
         for chunk in request.chunks:
             assembler.add(chunk)
-        pushed = self._push(request.header, assembler, context)
+        pushed = self._push(request.header, assembler, timeout)
         # The weights for the next step, as a Pull at step + 1 would read them (after a late
         # sync push: the step the shard is in, which the client then moves on to).
         step = request.header.step + 1
@@ -250,7 +292,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             chunks, clock = self.shard.pull(
                 request.header.worker_id,
                 step,
-                timeout=_timeout(context),
+                timeout=timeout,
                 encode=encode,
                 incarnation=request.header.incarnation,
             )

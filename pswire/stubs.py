@@ -95,8 +95,9 @@ class ParameterServerStub(ps_pb2_grpc.ParameterServerStub):
     """The generated stub with Init, Push and Pull carrying pre-encoded / lazily parsed data.
 
     ``Init``/``Push`` take an iterator of bytes (or protobuf messages); ``Pull`` yields
-    ``PullReply`` objects whose chunk data views the received bytes. ``PushPull`` (small
-    messages, where protobuf's C parser beats hand-coding) is the generated one.
+    ``PullReply`` objects whose chunk data views the received bytes. ``PushPull`` and
+    ``PushPullStream`` (small messages, where protobuf's C parser beats hand-coding) are the
+    generated ones.
     """
 
     def __init__(self, channel: grpc.Channel) -> None:
@@ -139,6 +140,11 @@ def add_servicer(
         )
         for name in ("RegisterWorker", "Heartbeat", "PushPull", "Status", "Checkpoint")
     }
+    handlers["PushPullStream"] = grpc.stream_stream_rpc_method_handler(
+        servicer.PushPullStream,
+        request_deserializer=ps_pb2.PushPullRequest.FromString,
+        response_serializer=ps_pb2.PushPullResponse.SerializeToString,
+    )
     handlers["Init"] = grpc.stream_unary_rpc_method_handler(
         servicer.Init,
         request_deserializer=stream_request_parser(ps_pb2.InitHeader),

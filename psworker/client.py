@@ -121,6 +121,8 @@ class PSClient:
         if self._beater is not None:
             self._beater.join(timeout=2.0)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for link in self.links:
+            link.steps.close()
         for channel in self._channels:
             channel.close()
 
@@ -325,9 +327,10 @@ class PSClient:
     def push_pull(
         self, grads: Mapping[str, np.ndarray | RowSparse], step: int | None = None
     ) -> dict[str, np.ndarray]:
-        """``push(grads, step)`` then ``pull()``: one unary round trip per shard when the
-        shard's part of the push and of the weights each fit in ``chunk_bytes`` (small models
-        are bound by per-call latency), else a streamed push, then a streamed pull.
+        """``push(grads, step)`` then ``pull()``: one round trip per shard when the shard's part
+        of the push and of the weights each fit in ``chunk_bytes`` (small models are bound by
+        per-call latency: one message each way on a call kept open across steps), else a
+        streamed push, then a streamed pull.
 
         Each shard applies the push as ``push`` does, then answers with its variables once the
         consistency rule lets this worker read the next step: what ``pull()`` would return.
@@ -354,10 +357,10 @@ class PSClient:
                 return pushed, self._pull_shard(shard, request, into)
             link.note_push(step, pieces[shard])
 
-            def run(stub: ParameterServerStub) -> tuple[ps_pb2.PushResponse, dict]:
+            def run(_: ParameterServerStub) -> tuple[ps_pb2.PushResponse, dict]:
                 # Built per attempt: a retry after a restart carries the new incarnation.
                 fused = push_pull_request(self.worker_id, step, pieces[shard], link.incarnation)
-                reply = stub.PushPull(fused, timeout=self.timeout)
+                reply = link.steps.step(fused, self.timeout)
                 assembler = ChunkAssembler(into=into)
                 for chunk in reply.chunks:
                     assembler.add(chunk)

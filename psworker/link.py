@@ -17,6 +17,7 @@ from pswire.proto import ps_pb2
 from pswire.status import from_rpc_error
 from pswire.stubs import ParameterServerStub
 from pswire.tables import RowSparse
+from psworker.stepstream import StepStream
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -111,6 +112,8 @@ class ShardLink:
         self.log: dict[int, dict[str, np.ndarray | RowSparse]] = {}  # step -> pushed, for replay
         self.recoveries = 0
         self._rng = random.Random(worker_id * 7919 + index)
+        # Small fused steps travel on one open call (see StepStream).
+        self.steps = StepStream(self.stub, self.where("PushPullStream"))
 
     def where(self, rpc: str) -> str:
         return f"{rpc} on shard {self.index} ({self.address})"

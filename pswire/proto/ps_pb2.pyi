@@ -611,6 +611,11 @@ class PushPullRequest(_message.Message):
 
     HEADER_FIELD_NUMBER: _builtins.int
     CHUNKS_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    timeout_ms: _builtins.int
+    """On PushPullStream, where the call's deadline spans many steps: this step's own (0: the
+    shard's longest wait). Ignored on the unary PushPull, whose call deadline is the step's.
+    """
     @_builtins.property
     def header(self) -> Global___PushHeader: ...
     @_builtins.property
@@ -620,10 +625,11 @@ class PushPullRequest(_message.Message):
         *,
         header: Global___PushHeader | None = ...,
         chunks: _abc.Iterable[Global___TensorChunk] | None = ...,
+        timeout_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "header", b"header"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "header", b"header", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -64,6 +64,11 @@ class ParameterServerStub:
                 request_serializer=pswire_dot_proto_dot_ps__pb2.PushPullRequest.SerializeToString,
                 response_deserializer=pswire_dot_proto_dot_ps__pb2.PushPullResponse.FromString,
                 _registered_method=True)
+        self.PushPullStream = channel.stream_stream(
+                '/pswire.v1.ParameterServer/PushPullStream',
+                request_serializer=pswire_dot_proto_dot_ps__pb2.PushPullRequest.SerializeToString,
+                response_deserializer=pswire_dot_proto_dot_ps__pb2.PushPullResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/pswire.v1.ParameterServer/Status',
                 request_serializer=pswire_dot_proto_dot_ps__pb2.StatusRequest.SerializeToString,
@@ -118,6 +123,15 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushPullStream(self, request_iterator, context):
+        """PushPull over one long-lived call: one reply per request, in order. A worker keeps it open
+        across its small steps, as a message on an open stream costs ~250 us here against ~430 us
+        for a new unary call. An error ends the call (the worker opens a new one).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -160,6 +174,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
             ),
             'PushPull': grpc.unary_unary_rpc_method_handler(
                     servicer.PushPull,
+                    request_deserializer=pswire_dot_proto_dot_ps__pb2.PushPullRequest.FromString,
+                    response_serializer=pswire_dot_proto_dot_ps__pb2.PushPullResponse.SerializeToString,
+            ),
+            'PushPullStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PushPullStream,
                     request_deserializer=pswire_dot_proto_dot_ps__pb2.PushPullRequest.FromString,
                     response_serializer=pswire_dot_proto_dot_ps__pb2.PushPullResponse.SerializeToString,
             ),
@@ -334,6 +353,33 @@ class ParameterServer:
             request,
             target,
             '/pswire.v1.ParameterServer/PushPull',
+            pswire_dot_proto_dot_ps__pb2.PushPullRequest.SerializeToString,
+            pswire_dot_proto_dot_ps__pb2.PushPullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushPullStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pswire.v1.ParameterServer/PushPullStream',
             pswire_dot_proto_dot_ps__pb2.PushPullRequest.SerializeToString,
             pswire_dot_proto_dot_ps__pb2.PushPullResponse.FromString,
             options,

@@ -45,6 +45,11 @@ class ParameterServerStub:
     at step + 1 would, in one unary call: for steps small enough to travel as one message each
     way (the client picks it when both fit in a chunk); larger steps use Push, then Pull.
     """
+    PushPullStream: _grpc.StreamStreamMultiCallable[_ps_pb2.PushPullRequest, _ps_pb2.PushPullResponse]
+    """PushPull over one long-lived call: one reply per request, in order. A worker keeps it open
+    across its small steps, as a message on an open stream costs ~250 us here against ~430 us
+    for a new unary call. An error ends the call (the worker opens a new one).
+    """
     Status: _grpc.UnaryUnaryMultiCallable[_ps_pb2.StatusRequest, _ps_pb2.StatusResponse]
     Checkpoint: _grpc.UnaryUnaryMultiCallable[_ps_pb2.CheckpointRequest, _ps_pb2.CheckpointResponse]
 
@@ -60,6 +65,11 @@ class ParameterServerAsyncStub(ParameterServerStub):
     """A push, then a pull of every variable on the shard (not tables) for the next step, as Pull
     at step + 1 would, in one unary call: for steps small enough to travel as one message each
     way (the client picks it when both fit in a chunk); larger steps use Push, then Pull.
+    """
+    PushPullStream: _aio.StreamStreamMultiCallable[_ps_pb2.PushPullRequest, _ps_pb2.PushPullResponse]  # type: ignore[assignment]
+    """PushPull over one long-lived call: one reply per request, in order. A worker keeps it open
+    across its small steps, as a message on an open stream costs ~250 us here against ~430 us
+    for a new unary call. An error ends the call (the worker opens a new one).
     """
     Status: _aio.UnaryUnaryMultiCallable[_ps_pb2.StatusRequest, _ps_pb2.StatusResponse]  # type: ignore[assignment]
     Checkpoint: _aio.UnaryUnaryMultiCallable[_ps_pb2.CheckpointRequest, _ps_pb2.CheckpointResponse]  # type: ignore[assignment]
@@ -109,6 +119,17 @@ class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
         """A push, then a pull of every variable on the shard (not tables) for the next step, as Pull
         at step + 1 would, in one unary call: for steps small enough to travel as one message each
         way (the client picks it when both fit in a chunk); larger steps use Push, then Pull.
+        """
+
+    @_abc_1.abstractmethod
+    def PushPullStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_ps_pb2.PushPullRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_ps_pb2.PushPullResponse], _abc.AsyncIterator[_ps_pb2.PushPullResponse]]:
+        """PushPull over one long-lived call: one reply per request, in order. A worker keeps it open
+        across its small steps, as a message on an open stream costs ~250 us here against ~430 us
+        for a new unary call. An error ends the call (the worker opens a new one).
         """
 
     @_abc_1.abstractmethod

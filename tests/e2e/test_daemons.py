@@ -7,6 +7,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 from e2e_support import SERVING, Processes, child_env, free_port, health_status, wait_port_file
 
 import psworker
+from pswire.errors import WaitTimeoutError
 
 
 @pytest.mark.timeout(30)
@@ -170,3 +172,25 @@ def test_port_file_appears_only_once_serving(procs: Processes, tmp_path: Path) -
     port = wait_port_file(proc, port_file, 20.0)
     # No wait_for_ready: the port file promises the server already accepts connections.
     assert health_status(f"127.0.0.1:{port}", 5.0, wait=False) == SERVING
+
+
+@pytest.mark.timeout(60)
+def test_a_frozen_shard_cannot_hang_a_step_and_the_step_counts_once(procs: Processes) -> None:
+    daemon = procs.psserver()
+    one = {"w": np.ones(4, np.float32)}
+    with psworker.connect([daemon.address], mode="async", timeout=2.0, retry_s=0) as client:
+        client.init({"w": np.zeros(4, np.float32)}, psworker.SGD(lr=1.0))
+        client.push_pull(one)  # the step call is open now
+        daemon.proc.send_signal(signal.SIGSTOP)  # alive, connected, silent
+        try:
+            start = time.monotonic()
+            with pytest.raises(WaitTimeoutError, match=r"no reply within 2\.0s"):
+                client.push_pull(one)
+            waited = time.monotonic() - start
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        assert waited < 10
+        # The same step again, on a new call: whether or not the frozen one reached the shard,
+        # it is applied once.
+        w = client.push_pull(one)["w"]
+    np.testing.assert_array_equal(w, np.full(4, -2.0, np.float32))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Iterable
@@ -127,4 +128,53 @@ class FaultPlan(
         return self._run(continuation, client_call_details, request, False, True)
 
     def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        if client_call_details.method.endswith("/PushPullStream"):
+            return self._per_message(continuation, client_call_details, request_iterator)
         return self._run(continuation, client_call_details, request_iterator, True, True)
+
+    def _per_message(self, continuation, client_call_details, request_iterator):
+        """A long-lived call with one reply per request (PushPullStream): the plan counts and
+        hits its messages, not its calls; a hit message's fault reaches the caller as
+        UNAVAILABLE, as a broken connection would."""
+        if self.rpc != "PushPullStream":
+            return continuation(client_call_details, request_iterator)
+        actions: queue.SimpleQueue = queue.SimpleQueue()  # each request's fault, in order
+
+        def requests():
+            for request in request_iterator:
+                action = self.action if self._should_fire(client_call_details.method) else None
+                actions.put(action)
+                if action == "drop":
+                    continue
+                if action == "delay":
+                    time.sleep(self.delay_s)
+                yield request
+                if action == "duplicate":
+                    yield request
+
+        return _FaultyReplies(continuation(client_call_details, requests()), actions)
+
+
+class _FaultyReplies:
+    """The replies of a PushPullStream call, with the planned faults applied."""
+
+    def __init__(self, call, actions: queue.SimpleQueue) -> None:
+        self._call = call
+        self._actions = actions
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        action = self._actions.get(timeout=30)  # put when grpc took the request to send
+        if action == "drop":
+            raise InjectedUnavailable("injected drop of a PushPullStream message")
+        reply = next(self._call)
+        if action == "lose_reply":
+            raise InjectedUnavailable("injected lose_reply of a PushPullStream message")
+        if action == "duplicate":
+            reply = next(self._call)  # the shard's answer to the copy: a duplicate push
+        return reply
+
+    def cancel(self) -> bool:
+        return self._call.cancel()

@@ -80,9 +80,10 @@ def test_duplicated_and_dropped_pushes_change_nothing_in_sync_mode(shards):
 def test_fused_push_pull_equals_push_then_pull_through_lost_and_dropped_calls(shards):
     steps = 10
     clean = sync_run([s.address for s in shards(2)], steps)
+    stream = "PushPullStream"  # the plans hit its messages: one per step per shard
     plans = {
-        0: [FaultPlan("PushPull", {3, 9}, "lose_reply"), FaultPlan("PushPull", {6}, "duplicate")],
-        1: [FaultPlan("PushPull", {2, 12}, "drop"), FaultPlan("PushPull", {5}, "lose_reply")],
+        0: [FaultPlan(stream, {3, 9}, "lose_reply"), FaultPlan(stream, {6}, "duplicate")],
+        1: [FaultPlan(stream, {2, 12}, "drop"), FaultPlan(stream, {5}, "lose_reply")],
     }
     servers = shards(2)
     faulty = sync_run([s.address for s in servers], steps, plans, fused=True)

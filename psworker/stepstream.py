@@ -1,0 +1,147 @@
+"""A worker's long-lived PushPullStream call to one shard, and the watchdog bounding each step."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from pswire.errors import UnavailableError, WaitTimeoutError
+from pswire.proto import ps_pb2
+from pswire.stubs import ParameterServerStub
+
+# How often the watchdog looks for late replies: a step's deadline holds to within this.
+WATCH_TICK_S = 0.05
+# The watchdog thread ends after this long with nothing to watch (the next step starts one).
+WATCH_IDLE_S = 5.0
+
+
+class StepStream:
+    """Small steps as messages on one open ``PushPullStream`` call to a shard.
+
+    A new unary call costs ~430 us on loopback here, a message each way on an open stream
+    ~250 us (bench/NOTES.md entry 14), and a small model's step is little else. The call stays
+    open across steps. Each step has its own deadline: the shard waits no longer than the
+    request's ``timeout_ms``, and a watchdog cancels the call if the reply is late anyway (the
+    step then raises ``WaitTimeoutError``). Any error ends the call; the next step opens a new
+    one. One step at a time.
+    """
+
+    def __init__(self, stub: ParameterServerStub, where: str) -> None:
+        self._stub = stub
+        self._where = where
+        self._lock = threading.Lock()
+        self._requests: queue.SimpleQueue[ps_pb2.PushPullRequest | None] | None = None
+        self._call: Any = None
+        self._expired = False
+        self._steps = 0  # steps sent: which one the watchdog means
+
+    def step(self, request: ps_pb2.PushPullRequest, timeout: float) -> ps_pb2.PushPullResponse:
+        """Sends one step's request; returns its reply.
+
+        Raises:
+            grpc.RpcError: the call failed (it is closed: the next step opens a new one).
+            WaitTimeoutError: no reply within ``timeout`` seconds.
+            UnavailableError: the shard ended the call without an answer.
+        """
+        request.timeout_ms = max(1, round(timeout * 1000))
+        with self._lock:
+            if self._call is None:
+                self._open()
+            assert self._requests is not None
+            self._expired = False
+            self._steps += 1
+            self._requests.put(request)
+            _WATCHDOG.watch(self, time.monotonic() + timeout, self._steps)
+            try:
+                return next(self._call)
+            except grpc.RpcError:
+                self._end()
+                if self._expired:
+                    raise WaitTimeoutError(
+                        f"{self._where}: no reply within {timeout:.1f}s"
+                    ) from None
+                raise
+            except StopIteration:
+                self._end()
+                raise UnavailableError(f"{self._where}: the shard ended the step stream") from None
+            finally:
+                _WATCHDOG.unwatch(self)
+
+    def close(self) -> None:
+        """Ends the call (the shard sees the stream end and finishes it)."""
+        with self._lock:
+            self._end()
+
+    def expire(self, step: int) -> None:
+        """Called by the watchdog: the reply to ``step`` is late; cancel the call."""
+        if step != self._steps:
+            return  # that step was answered after all, and another has begun
+        self._expired = True
+        call = self._call
+        if call is not None:
+            call.cancel()
+
+    def _open(self) -> None:
+        requests: queue.SimpleQueue[ps_pb2.PushPullRequest | None] = queue.SimpleQueue()
+
+        def messages() -> Iterator[ps_pb2.PushPullRequest]:
+            # Consumed by grpc's sending thread; None ends the stream.
+            while (request := requests.get()) is not None:
+                yield request
+
+        self._requests = requests
+        # No call deadline: the call outlives any one step, and each step has its own.
+        self._call = self._stub.PushPullStream(messages())
+
+    def _end(self) -> None:
+        if self._requests is not None:
+            self._requests.put(None)
+        self._requests = None
+        self._call = None
+
+
+class _Watchdog:
+    """One thread per process cancelling the step streams whose reply is overdue."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: dict[StepStream, tuple[float, int]] = {}
+        self._thread: threading.Thread | None = None
+
+    def watch(self, stream: StepStream, deadline: float, step: int) -> None:
+        with self._cond:
+            self._due[stream] = (deadline, step)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="ps-step-watchdog", daemon=True
+                )
+                self._thread.start()
+
+    def unwatch(self, stream: StepStream) -> None:
+        with self._cond:
+            self._due.pop(stream, None)
+
+    def _run(self) -> None:
+        idle_since = time.monotonic()
+        while True:
+            with self._cond:
+                self._cond.wait(WATCH_TICK_S)
+                now = time.monotonic()
+                late = [(s, step) for s, (due, step) in self._due.items() if now >= due]
+                for stream, _ in late:
+                    del self._due[stream]
+                if self._due or late:
+                    idle_since = now
+                elif now - idle_since > WATCH_IDLE_S:
+                    self._thread = None
+                    return
+            for stream, step in late:
+                stream.expire(step)
+
+
+_WATCHDOG = _Watchdog()
