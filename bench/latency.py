@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import queue
 import sys
 import tempfile
 import time
@@ -22,13 +23,19 @@ from bench.timing import Step, interleave
 SHAPES: dict[str, tuple[int, ...]] = {"w": (30, 30), "b": (100,)}  # 1,000 float32 parameters
 ECHO = "raw gRPC unary echo"
 ECHO_METHOD = "/bench.Echo/Echo"
+STREAM_ECHO = "raw gRPC echo on an open stream"
+STREAM_METHOD = "/bench.Echo/Stream"
 
 
 def _serve_echo(conn: Connection) -> None:
     """Child process: a gRPC server whose one unary method sends the request bytes back."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     handler = grpc.method_handlers_generic_handler(
-        "bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req)}
+        "bench.Echo",
+        {
+            "Echo": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req),
+            "Stream": grpc.stream_stream_rpc_method_handler(lambda reqs, ctx: iter(reqs)),
+        },
     )
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
@@ -42,19 +49,32 @@ def _serve_echo(conn: Connection) -> None:
 
 
 @contextlib.contextmanager
-def echo_step(nbytes: int) -> Iterator[Step]:
+def echo_steps(nbytes: int) -> Iterator[tuple[Step, Step]]:
+    """(a unary echo call, an echo on one open bidirectional stream), ``nbytes`` each way."""
     address, stop = pushpull.start_child(_serve_echo)
+    requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
     try:
         with grpc.insecure_channel(address) as channel:
             grpc.channel_ready_future(channel).result(timeout=pushpull.START_TIMEOUT_S)
             call = channel.unary_unary(ECHO_METHOD)
             payload = bytes(nbytes)
+            replies = channel.stream_stream(STREAM_METHOD)(
+                iter(requests.get, None), timeout=pushpull.RPC_TIMEOUT_S * 10
+            )
 
-            def step() -> None:
-                if len(call(payload, timeout=pushpull.RPC_TIMEOUT_S)) != nbytes:
+            def check(reply: bytes) -> None:
+                if len(reply) != nbytes:
                     raise RuntimeError("echo returned the wrong number of bytes")
 
-            yield step
+            def unary() -> None:
+                check(call(payload, timeout=pushpull.RPC_TIMEOUT_S))
+
+            def streamed() -> None:
+                requests.put(payload)
+                check(next(replies))
+
+            yield unary, streamed
+            requests.put(None)
     finally:
         stop()
 
@@ -67,7 +87,7 @@ def measure(quick: bool, steps: int | None = None) -> Table:
         systems: dict[str, Step] = {OURS: st.enter_context(ours_step(SHAPES, 1, Path(tmp)))}
         systems[TORCH_DEFAULT] = st.enter_context(torchps.torch_ps(SHAPES, 1, torchps.DEFAULT))
         systems[TORCH_TCP] = st.enter_context(torchps.torch_ps(SHAPES, 1, torchps.TCP))
-        systems[ECHO] = st.enter_context(echo_step(nbytes))
+        systems[ECHO], systems[STREAM_ECHO] = st.enter_context(echo_steps(nbytes))
         print(f"latency: {len(systems)} systems, {rounds} steps", flush=True)
         times = interleave(systems, rounds, warmup=5)
     med = {k: median(v) for k, v in times.items()}
@@ -91,7 +111,12 @@ def measure(quick: bool, steps: int | None = None) -> Table:
             goal=goal,
             met=check(med[peer] / med[OURS], goal),
         )
-        for peer, goal in ((TORCH_TCP, ">= 1.0"), (TORCH_DEFAULT, ">= 1.0"), (ECHO, ""))
+        for peer, goal in (
+            (TORCH_TCP, ">= 1.0"),
+            (TORCH_DEFAULT, ">= 1.0"),
+            (ECHO, ""),
+            (STREAM_ECHO, ""),
+        )
     ]
     return Table(
         name="latency",
@@ -99,9 +124,10 @@ def measure(quick: bool, steps: int | None = None) -> Table:
         columns=["system", "median ms", "p90 ms", "min ms", "peer/ours time"],
         rows=rows,
         notes=[
-            f"{rounds} interleaved steps after 5 warm-up. ours: client.push_pull, one unary "
-            "PushPull RPC; torch RPC PS: one fused update_and_fetch RPC; echo: one unary call, "
-            "4 KB each way.",
+            f"{rounds} interleaved steps after 5 warm-up. ours: client.push_pull, one "
+            "PushPullRequest and its reply on a PushPullStream call kept open across steps; "
+            "torch RPC PS: one fused update_and_fetch RPC; echoes: 4 KB each way, a unary "
+            "call, or one message each way on an open bidirectional stream (the floor for ours).",
             "peer/ours time > 1: ours faster.",
         ],
         ratios=ratios,
