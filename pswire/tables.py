@@ -205,7 +205,15 @@ class RowSparse:
     values: np.ndarray
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ids", np.asarray(self.ids, dtype=np.int64).reshape(-1))
+        """Raises:
+        InvalidRequestError: ids that are not integers (a float id would be truncated).
+        """
+        ids = np.asarray(self.ids)
+        if ids.size and ids.dtype.kind not in "iu":
+            raise InvalidRequestError(
+                f"RowSparse row ids must be integers, got {ids.dtype} (e.g. {ids.flat[0]!r})"
+            )
+        object.__setattr__(self, "ids", ids.astype(np.int64, copy=False).reshape(-1))
         object.__setattr__(self, "values", np.asarray(self.values))
 
     @property

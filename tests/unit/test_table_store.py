@@ -173,3 +173,12 @@ def test_a_worker_with_other_table_settings_is_told_what_differs():
     shard.init(0, job(1), {})
     with pytest.raises(ModelMismatchError, match=r"variable 'emb'.*seed=1.*seed=2"):
         shard.init(0, job(2), None)
+
+
+def test_row_sparse_refuses_ids_that_are_not_integers():
+    with pytest.raises(
+        InvalidRequestError, match=r"integers, got float64 \(e\.g\. np\.float64\(3\.7\)\)"
+    ):
+        RowSparse([3.7, 1.0], np.ones((2, 3), np.float32))
+    assert RowSparse(np.array([3, 1], np.uint32), np.ones((2, 3))).ids.dtype == np.int64
+    assert RowSparse([], np.ones((0, 3))).ids.shape == (0,)
