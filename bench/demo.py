@@ -9,7 +9,7 @@ import sys
 import tempfile
 import time
 
-from bench.report import Ratio, Table, print_table
+from bench.report import Ratio, Table, median, print_table
 
 MODES = ("local", "sync", "async", "ssp", "allreduce")
 THROUGHPUT = re.compile(r"throughput\s+([0-9.]+) samples/s")
@@ -46,16 +46,22 @@ def run_demo(mode: str, epochs: int) -> float | None:
 
 def measure(quick: bool, epochs: int = 2) -> Table:
     t0 = time.perf_counter()
-    rates: dict[str, float | None] = {}
+    rounds = 1 if quick else 3
+    runs: dict[str, list[float]] = {mode: [] for mode in MODES}
     retried: list[str] = []
-    for mode in MODES:
-        print(f"demo: --mode {mode} --epochs {epochs}", flush=True)
-        rates[mode] = run_demo(mode, epochs)
-        if rates[mode] is None:
-            # One retry, reported: a flaky start should not blank the row, nor hide the failure.
-            print(f"demo: --mode {mode} failed; retrying once", flush=True)
-            retried.append(mode)
-            rates[mode] = run_demo(mode, epochs)
+    # Round by round, every mode once per round: a busy spell on the machine hits all alike.
+    for r in range(rounds):
+        for mode in MODES:
+            print(f"demo: round {r + 1}/{rounds}, --mode {mode} --epochs {epochs}", flush=True)
+            rate = run_demo(mode, epochs)
+            if rate is None:
+                # One retry, reported: a flaky start should not blank the row, nor hide it.
+                print(f"demo: --mode {mode} failed; retrying once", flush=True)
+                retried.append(mode)
+                rate = run_demo(mode, epochs)
+            if rate is not None:
+                runs[mode].append(rate)
+    rates = {mode: median(r) if r else None for mode, r in runs.items()}
     local = rates["local"]
     rows = [[mode, rate, rate / local if rate and local else None] for mode, rate in rates.items()]
     return Table(
@@ -64,8 +70,9 @@ def measure(quick: bool, epochs: int = 2) -> Table:
         columns=["mode", "samples/s", "vs local"],
         rows=rows,
         notes=[
-            "`python -m psworker.ctl demo --mode M --epochs 2`: 2 shards and 2 workers (local: "
-            "1 process); throughput from its 'throughput' line (worker 0's training wall time).",
+            f"`python -m psworker.ctl demo --mode M --epochs {epochs}`: 2 shards and 2 workers "
+            "(local: 1 process); throughput from its 'throughput' line (worker 0's training "
+            f"wall time); median of {rounds} interleaved round(s).",
             "A tiny model: this measures per-step overhead, not bandwidth.",
             *([f"failed once, retried: {', '.join(retried)}"] if retried else []),
         ],
@@ -75,14 +82,14 @@ def measure(quick: bool, epochs: int = 2) -> Table:
             if mode != "local"
         ],
         plot=((0,), 1, "samples/s (higher is better)"),
-        raw={"samples_per_s": rates, "epochs": epochs, "retried": retried},
+        raw={"samples_per_s": rates, "runs": runs, "epochs": epochs, "retried": retried},
         elapsed_s=time.perf_counter() - t0,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.demo", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="same as default (2 epochs)")
+    parser.add_argument("--quick", action="store_true", help="one round instead of 3")
     parser.add_argument("--epochs", type=int, default=2)
     args = parser.parse_args(argv)
     print_table(measure(args.quick, args.epochs))
