@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -96,6 +97,16 @@ def _timeout(context: grpc.ServicerContext) -> float | None:
     return None if remaining is None else max(0.0, remaining - DEADLINE_MARGIN_S)
 
 
+class _Reply(list):
+    """A pull reply's messages; a list that can be weakly referenced, keyed by what it holds."""
+
+    key: tuple = ()
+
+
+def _none() -> None:
+    return None
+
+
 def _until_gone(requests: Iterable[Any]) -> Iterator[Any]:
     """The requests of a stream, ending quietly when the client cancels or goes away (grpc
     raises RpcError from the iterator then: there is no one left to answer)."""
@@ -144,6 +155,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.save_checkpoint = checkpoint
         self.metrics = metrics
         shard.checkpointing = checkpoint is not None
+        self._shared_pull: Callable[[], _Reply | None] = _none  # see _encode_pull
 
     def _waiting(self, rpc: str) -> AbstractContextManager[None]:
         return self.metrics.waiting(rpc) if self.metrics is not None else nullcontext()
@@ -184,26 +196,49 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def _encode_pull(self, arrays: Mapping[str, np.ndarray], clock: int) -> list[bytes]:
         """The PullResponse messages of a snapshot; runs under the shard's lock (the encoded
-        reply is the snapshot: one copy)."""
+        reply is the snapshot: one copy).
+
+        Pulls of the same variables at the same clock share one encoded reply while any of
+        them is still sending it: in sync mode every worker pulls as a step closes, and each
+        reply is a whole copy of the shard's variables. (The clock moves with every update;
+        values change no other way while the shard serves.)
+        """
         if self.metrics is not None:
             self.metrics.count_pull(arrays)
+        key = (clock, tuple(arrays))
+        shared = self._shared_pull()
+        if shared is not None and shared.key == key:
+            return shared
+        reply = self._messages(arrays, clock)
+        reply.key = key
+        self._shared_pull = weakref.ref(reply)
+        return reply
+
+    def _encode_rows_pull(self, arrays: Mapping[str, np.ndarray], clock: int) -> list[bytes]:
+        """As ``_encode_pull``, for a pull with table rows: its own reply, never shared."""
+        if self.metrics is not None:
+            self.metrics.count_pull(arrays)
+        return self._messages(arrays, clock)
+
+    def _messages(self, arrays: Mapping[str, np.ndarray], clock: int) -> _Reply:
         trailer = varint_field(2, clock)  # PullResponse.clock, after the chunk (field 1)
-        return [
+        return _Reply(
             message
-            for key, array in arrays.items()
-            for message in encode_chunk_messages(key, array, 1, self.chunk_bytes, trailer=trailer)
-        ]
+            for name, array in arrays.items()
+            for message in encode_chunk_messages(name, array, 1, self.chunk_bytes, trailer=trailer)
+        )
 
     @rpc_errors
     def Pull(self, request, context):
+        rows = _row_query(request)
         with self._waiting("Pull"):
             messages, _ = self.shard.pull(
                 request.worker_id,
                 request.step,
                 list(request.names),
                 timeout=_timeout(context),
-                encode=self._encode_pull,
-                rows=_row_query(request),
+                encode=self._encode_rows_pull if rows else self._encode_pull,
+                rows=rows,
                 incarnation=request.incarnation,
             )
         yield from messages

@@ -62,3 +62,28 @@ def test_connect_from_tf_config_and_status(shards, monkeypatch):
     assert sum(s.pushes_applied for s in statuses) == 2
     clocks = {w.worker_id: w.clock for s in statuses for w in s.workers}
     assert clocks == {0: 0, 1: 1}
+
+
+class _Context:
+    """What the servicer asks of a call's context when it is called directly."""
+
+    def time_remaining(self) -> float:
+        return 10.0
+
+
+def test_pulls_at_one_clock_share_one_encoded_reply_while_it_is_being_sent(shards):
+    from psserver.servicer import ParameterServerServicer
+
+    (server,) = shards(1)
+    with psworker.connect([server.address], worker_id=0, num_workers=1, mode="async") as client:
+        client.init({"w": np.arange(12, dtype=np.float32)}, psworker.SGD(lr=1.0))
+        servicer = ParameterServerServicer(server.shard)
+        first = servicer.Pull(ps_pb2.PullRequest(worker_id=0, step=1), _Context())
+        message = next(first)  # the first reply is encoded and still being sent
+        second = list(servicer.Pull(ps_pb2.PullRequest(worker_id=0, step=1), _Context()))
+        assert second[0] is message  # one copy of the variables, not two
+        client.push({"w": np.ones(12, np.float32)})  # the clock moves on
+        third = list(servicer.Pull(ps_pb2.PullRequest(worker_id=0, step=1), _Context()))
+        assert third[0] is not message and third[0] != message
+        del first, second, third, message
+        assert servicer._shared_pull() is None  # nothing kept once no reply is being sent
