@@ -260,6 +260,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 grads,
                 timeout=timeout,
                 incarnation=header.incarnation,
+                take=True,  # the assembler's arrays belong to this call alone
             )
         return ps_pb2.PushResponse(
             applied=result.applied,

@@ -262,8 +262,12 @@ class Shard:
         grads: Mapping[str, np.ndarray | RowSparse],
         timeout: float | None = None,
         incarnation: str = "",
+        take: bool = False,
     ) -> PushResult:
         """Takes one worker's gradients for one step, applying them as the rule says.
+
+        ``take``: the arrays were decoded for this call alone and may be changed (the
+        servicer's); sync mode then sums a step's pushes into one of them instead of a copy.
 
         A push is applied at most once per (worker, step): a duplicate is acknowledged with
         ``applied=False, reason="duplicate"``; in ``sync`` a push for a step that already
@@ -320,7 +324,7 @@ class Shard:
             skipped = self._skip(policy, worker_id, step)
             if skipped is not None:
                 return skipped
-            update = policy.submit(self._clocks(), worker_id, step, grads)
+            update = policy.submit(self._clocks(), worker_id, step, grads, owned=take)
             self._finished[worker_id] = max(self._finished.get(worker_id, 0), step + 1)
             self._counters["applied"] += 1
             if update is not None:

@@ -12,6 +12,11 @@ class AsyncPolicy(ConsistencyPolicy):
     name = "async"
 
     def submit(
-        self, clocks: Clocks, worker: int, step: int, grads: Mapping[str, Any]
+        self,
+        clocks: Clocks,
+        worker: int,
+        step: int,
+        grads: Mapping[str, Any],
+        owned: bool = False,
     ) -> Mapping[str, Any] | None:
         return grads

@@ -61,9 +61,17 @@ class ConsistencyPolicy(ABC):
 
     @abstractmethod
     def submit(
-        self, clocks: Clocks, worker: int, step: int, grads: Mapping[str, Any]
+        self,
+        clocks: Clocks,
+        worker: int,
+        step: int,
+        grads: Mapping[str, Any],
+        owned: bool = False,
     ) -> Mapping[str, Any] | None:
-        """Takes a validated, non-duplicate push; returns the gradient to apply now, if any."""
+        """Takes a validated, non-duplicate push; returns the gradient to apply now, if any.
+
+        ``owned``: the push's arrays are this call's to change (decoded for it alone), so a
+        rule may sum into one of them instead of copying it."""
 
     def membership_changed(self, clocks: Clocks) -> Mapping[str, Any] | None:
         """Re-evaluates after workers leave; returns a gradient to apply if that completes one."""

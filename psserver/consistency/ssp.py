@@ -40,6 +40,11 @@ class StalenessPolicy(ConsistencyPolicy):
         return max(mine, min(others)) if others else mine
 
     def submit(
-        self, clocks: Clocks, worker: int, step: int, grads: Mapping[str, Any]
+        self,
+        clocks: Clocks,
+        worker: int,
+        step: int,
+        grads: Mapping[str, Any],
+        owned: bool = False,
     ) -> Mapping[str, Any] | None:
         return grads

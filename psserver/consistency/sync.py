@@ -26,6 +26,7 @@ class SyncPolicy(ConsistencyPolicy):
     def __init__(self, quorum: int = 0) -> None:
         self.quorum = quorum
         self._pushes: dict[int, Mapping[str, Any]] = {}
+        self._owned: set[int] = set()  # workers whose pushed arrays are ours to change
 
     def push_ready(self, clocks: Clocks, worker: int, step: int) -> bool:
         # A push for a later step waits for the current round to close.
@@ -58,9 +59,16 @@ class SyncPolicy(ConsistencyPolicy):
         return min(finished, updates)
 
     def submit(
-        self, clocks: Clocks, worker: int, step: int, grads: Mapping[str, Any]
+        self,
+        clocks: Clocks,
+        worker: int,
+        step: int,
+        grads: Mapping[str, Any],
+        owned: bool = False,
     ) -> Mapping[str, Any] | None:
         self._pushes[worker] = grads
+        if owned:
+            self._owned.add(worker)
         return self._close_if_complete(clocks)
 
     def membership_changed(self, clocks: Clocks) -> Mapping[str, Any] | None:
@@ -81,7 +89,10 @@ class SyncPolicy(ConsistencyPolicy):
                     continue
                 acc = mean.get(key)
                 if acc is None:
-                    mean[key] = np.array(grad, copy=True)
+                    # The first push's own array when it is ours to change: one model copy
+                    # less while a step is open (the same additions, in the same order).
+                    mine = worker in self._owned and grad.flags.writeable
+                    mean[key] = grad if mine and grad.flags.c_contiguous else grad.copy()
                 else:
                     acc += grad
         for key, acc in mean.items():
@@ -99,6 +110,7 @@ class SyncPolicy(ConsistencyPolicy):
             values /= values.dtype.type(count)
             update[key] = RowSparse(ids, values)
         self._pushes = {}
+        self._owned = set()
         return update
 
     def pending_bytes(self) -> int:

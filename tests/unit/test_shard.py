@@ -201,3 +201,23 @@ def test_calls_made_for_an_earlier_incarnation_are_refused_and_change_nothing() 
     assert shard.status().pushes_applied == 0
     assert shard.push(0, 0, grad, incarnation=shard.incarnation).applied
     assert shard.push(0, 1, grad).applied  # no incarnation: no check (older clients, tools)
+
+
+def test_sync_sums_into_a_pushed_array_only_when_the_push_hands_it_over() -> None:
+    rng = np.random.default_rng(3)
+    pushes = [{k: rng.standard_normal(v.shape).astype(np.float32) for k, v in VALUES.items()}]
+    pushes.append({k: rng.standard_normal(v.shape).astype(np.float32) for k, v in VALUES.items()})
+    before = [{k: g.copy() for k, g in p.items()} for p in pushes]
+    results = []
+    for take in (False, True):
+        shard = ready_shard("sync", workers=2)
+        grads = [{k: g.copy() for k, g in p.items()} for p in pushes]
+        for worker in (1, 0):  # arrival order differs from the summing order
+            assert shard.push(worker, 0, grads[worker], take=take).applied
+        results.append(shard.pull(0, 1, timeout=1)[0])
+        handed_over = any(not np.array_equal(g, before[0][k]) for k, g in grads[0].items())
+        assert handed_over == take, "the first worker's array is the sum only when taken"
+        for k, g in grads[1].items():  # never the accumulator: left as pushed
+            np.testing.assert_array_equal(g, before[1][k])
+    for k in VALUES:
+        assert results[0][k].tobytes() == results[1][k].tobytes()  # the same sums, bit for bit
