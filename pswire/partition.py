@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pswire.errors import UnknownVariableError
+from pswire.errors import InvalidRequestError, UnknownVariableError
 
 # Variables above this many bytes are split along dim 0 across shards (like TF's
 # MinSizePartitioner), so one huge embedding does not sit on a single shard.
@@ -105,36 +105,60 @@ class ShardMap:
                 out[p.shard][p.key] = array if len(parts) == 1 else array[p.start : p.stop]
         return out
 
-    def destinations(self, names: Sequence[str]) -> dict[str, np.ndarray]:
-        """For each split variable among ``names``, views (by piece key) into one new array of
-        its full shape: decode the pieces there and ``join`` has nothing left to copy."""
+    def destinations(
+        self, names: Sequence[str], out: Mapping[str, np.ndarray] | None = None
+    ) -> dict[str, np.ndarray]:
+        """Where each piece of ``names`` should be decoded, by piece key: into ``out[name]``
+        (rows of it for a split variable) where given; else, for a split variable, views into
+        one new array of its full shape. ``join`` then has nothing left to copy."""
+        out = out or {}
         into: dict[str, np.ndarray] = {}
         for name in names:
             parts = self.pieces_of(name)
-            if len(parts) > 1:
+            whole = out.get(name)
+            if whole is None and len(parts) > 1:
                 info = next(v for v in self.variables if v.name == name)
                 whole = np.empty(info.shape, dtype=info.dtype)
-                into.update({p.key: whole[p.start : p.stop] for p in parts})
+            if whole is not None:
+                into.update({p.key: _rows(whole, p, len(parts)) for p in parts})
         return into
+
+    def check_out(self, out: Mapping[str, np.ndarray] | None, names: Sequence[str]) -> None:
+        """``check_out`` against this model's variables among ``names``."""
+        if out:
+            wanted = set(names)
+            check_out(out, {v.name: (v.shape, v.dtype) for v in self.variables if v.name in wanted})
 
     def join(
         self,
         pieces: Mapping[str, np.ndarray],
         names: Sequence[str],
         into: Mapping[str, np.ndarray] | None = None,
+        out: Mapping[str, np.ndarray] | None = None,
     ) -> dict[str, np.ndarray]:
         """Reassembles full variables from pieces keyed by piece key; a split variable whose
-        pieces were decoded into ``destinations`` views is returned without a copy.
+        pieces were decoded into ``destinations`` views is returned without a copy. A name in
+        ``out`` comes back as ``out[name]``, holding its pieces (copied in if they were
+        decoded elsewhere).
 
         Raises:
             UnknownVariableError: a name is not in the model.
         """
         into = into or {}
+        out = out or {}
         result: dict[str, np.ndarray] = {}
         for name in names:
             parts = self.pieces_of(name)
             if not parts:
                 raise UnknownVariableError(f"variable '{name}' is not in the model")
+            target = out.get(name)
+            if target is not None:
+                for p in parts:
+                    rows = _rows(target, p, len(parts))
+                    if not np.may_share_memory(pieces[p.key], rows):
+                        np.copyto(rows, pieces[p.key])
+                result[name] = target
+                continue
             if len(parts) == 1:
                 result[name] = pieces[parts[0].key]
                 continue
@@ -148,6 +172,34 @@ class ShardMap:
             else:
                 result[name] = np.concatenate([pieces[p.key] for p in parts], axis=0)
         return result
+
+
+def check_out(
+    out: Mapping[str, np.ndarray] | None, variables: Mapping[str, tuple[tuple[int, ...], str]]
+) -> None:
+    """Checks arrays offered to receive a pull's variables in place (``out``).
+
+    ``variables``: (shape, dtype) of each variable the pull reads.
+
+    Raises:
+        InvalidRequestError: a name the pull does not read, or an array of the wrong shape or
+            dtype, or read-only.
+    """
+    for name, array in (out or {}).items():
+        if name not in variables:
+            raise InvalidRequestError(f"out['{name}']: this pull does not read '{name}'")
+        shape, dtype = variables[name]
+        if array.shape != tuple(shape) or array.dtype != np.dtype(dtype):
+            raise InvalidRequestError(
+                f"out['{name}'] is {array.dtype} {array.shape}; the variable is {dtype} {shape}"
+            )
+        if not array.flags.writeable:
+            raise InvalidRequestError(f"out['{name}'] is read-only")
+
+
+def _rows(whole: np.ndarray, piece: Piece, count: int) -> np.ndarray:
+    """The part of a variable's full array that ``piece`` (one of ``count``) holds."""
+    return whole if count == 1 else whole[piece.start : piece.stop]
 
 
 def plan(

@@ -94,9 +94,12 @@ class AllReduceClient:
         self._specs = {k: (v.shape, v.dtype) for k, v in arrays.items()}
         self._buffers = set(buffers)
 
-    def pull(self, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
-        """This replica's current values (identical on every worker)."""
-        return self._local.pull(names)
+    def pull(
+        self, names: Sequence[str] | None = None, out: Mapping[str, np.ndarray] | None = None
+    ) -> dict[str, np.ndarray]:
+        """This replica's current values (identical on every worker); ``out`` as
+        ``PSClient.pull``."""
+        return self._local.pull(names, out)
 
     def push(self, grads: Mapping[str, np.ndarray], step: int | None = None) -> bool:
         """Averages this step's gradients over all workers and applies them locally.

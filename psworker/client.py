@@ -211,19 +211,27 @@ class PSClient:
             )
             self._beater.start()
 
-    def pull(self, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+    def pull(
+        self, names: Sequence[str] | None = None, out: Mapping[str, np.ndarray] | None = None
+    ) -> dict[str, np.ndarray]:
         """Fresh weights, once the job's consistency rule lets this worker read.
 
         In ``sync`` this waits until every worker's push for the previous step is applied; in
         ``ssp`` until no worker is more than ``staleness`` steps behind; in ``async`` never.
 
+        ``out``: arrays (the variables' shape and dtype, writable) to receive some variables
+        in place of new ones, e.g. the model's own memory: the bytes are decoded straight into
+        them, with no second copy. If the pull fails, their contents are unspecified.
+
         Raises:
             UnknownVariableError: a name not in the model.
+            InvalidRequestError: an ``out`` array of the wrong shape or dtype, or read-only.
             WaitTimeoutError: the rule did not allow reading within the deadline.
         """
         shard_map = self._require_map()
         wanted, keys_by_shard = self._keys(names)
-        into = shard_map.destinations(wanted)
+        shard_map.check_out(out, wanted)
+        into = shard_map.destinations(wanted, out)
 
         def pull_one(shard: int) -> dict[str, np.ndarray]:
             if not keys_by_shard[shard]:
@@ -239,7 +247,7 @@ class PSClient:
         merged: dict[str, np.ndarray] = {}
         for part in self._fan_out(pull_one):
             merged.update(part)
-        return shard_map.join(merged, wanted, into)
+        return shard_map.join(merged, wanted, into, out)
 
     def pull_rows(self, table: str, ids: np.ndarray | Sequence[int]) -> np.ndarray:
         """Rows ``ids`` of an embedding table, shape ``(len(ids), dim)``, in the order asked.
@@ -325,7 +333,10 @@ class PSClient:
         return reply
 
     def push_pull(
-        self, grads: Mapping[str, np.ndarray | RowSparse], step: int | None = None
+        self,
+        grads: Mapping[str, np.ndarray | RowSparse],
+        step: int | None = None,
+        out: Mapping[str, np.ndarray] | None = None,
     ) -> dict[str, np.ndarray]:
         """``push(grads, step)`` then ``pull()``: one round trip per shard when the shard's part
         of the push and of the weights each fit in ``chunk_bytes`` (small models are bound by
@@ -334,6 +345,7 @@ class PSClient:
 
         Each shard applies the push as ``push`` does, then answers with its variables once the
         consistency rule lets this worker read the next step: what ``pull()`` would return.
+        ``out`` as for ``pull``.
 
         Raises:
             as ``push`` and ``pull``.
@@ -342,7 +354,8 @@ class PSClient:
         step = self.step if step is None else step
         pieces = self._pieces(grads)
         wanted, _ = self._keys(None)
-        into = shard_map.destinations(wanted)
+        shard_map.check_out(out, wanted)
+        into = shard_map.destinations(wanted, out)
         pull_bytes = shard_map.shard_bytes()
 
         def one(shard: int) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
@@ -375,7 +388,7 @@ class PSClient:
         merged: dict[str, np.ndarray] = {}
         for _, arrays in results:
             merged.update(arrays)
-        return shard_map.join(merged, wanted, into)
+        return shard_map.join(merged, wanted, into, out)
 
     def _keys(self, names: Sequence[str] | None) -> tuple[list[str], list[list[str]]]:
         """(the variables asked for, each shard's piece keys of them).

@@ -9,6 +9,7 @@ import numpy as np
 from pswire.codec import check_tensor
 from pswire.errors import NotInitializedError, UnknownVariableError
 from pswire.optim import Optimizer
+from pswire.partition import check_out
 from pswire.rowstore import RowStore
 from pswire.tables import RowSparse, Table, TableLayout, as_ids, check_rows
 
@@ -63,11 +64,15 @@ class LocalClient:
             k: optimizer.make_state(v) for k, v in self._vars.items() if k not in self._buffers
         }
 
-    def pull(self, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
-        """Copies of the current values.
+    def pull(
+        self, names: Sequence[str] | None = None, out: Mapping[str, np.ndarray] | None = None
+    ) -> dict[str, np.ndarray]:
+        """Copies of the current values (into ``out``'s arrays where given, as
+        ``PSClient.pull``).
 
         Raises:
             UnknownVariableError: a name not in the model.
+            InvalidRequestError: an ``out`` array of the wrong shape or dtype, or read-only.
         """
         self._require_init()
         wanted = list(names) if names is not None else list(self._vars)
@@ -76,7 +81,11 @@ class LocalClient:
                 raise UnknownVariableError(
                     f"variable '{name}' is not in the model; known: {list(self._vars)[:20]}"
                 )
-        return {k: self._vars[k].copy() for k in wanted}
+        out = out or {}
+        check_out(out, {k: (self._vars[k].shape, self._vars[k].dtype.name) for k in wanted})
+        for name, array in out.items():
+            np.copyto(array, self._vars[name])
+        return {k: out[k] if k in out else self._vars[k].copy() for k in wanted}
 
     def pull_rows(self, table: str, ids: np.ndarray | Sequence[int]) -> np.ndarray:
         """Rows ``ids`` of a table, as ``PSClient.pull_rows``.

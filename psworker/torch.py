@@ -44,19 +44,40 @@ class _HostStaging:
         torch.cuda.current_stream().synchronize()
         return {n: self.out[n].numpy() for n in tensors}
 
+    def receivers(self, targets: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+        """Host arrays a pull may decode the weights of ``targets`` straight into: the CPU
+        tensors' own memory, or the pinned buffers (once the last copy out of them is done).
+        Tensors numpy cannot view (e.g. bfloat16) are left out."""
+        if self.pin:
+            if self._landed is not None:
+                self._landed.synchronize()  # the previous copy still reads these buffers
+                self._landed = None
+            return {n: self.into[n].numpy() for n in targets}
+        out = {}
+        for name, t in targets.items():
+            try:
+                out[name] = t.detach().numpy()
+            except (TypeError, RuntimeError):
+                continue
+        return out
+
     def to_device(self, arrays: dict[str, np.ndarray], targets: dict[str, torch.Tensor]) -> None:
-        """Copies host arrays into device tensors (non-blocking from pinned memory on a GPU)."""
+        """Copies host arrays into device tensors (non-blocking from pinned memory on a GPU);
+        arrays a pull already decoded into place (``receivers``) are not copied again."""
         if not self.pin:
             for name, array in arrays.items():
                 # A numpy view of the CPU tensor: one copy, and no tensor over a read-only array.
-                np.copyto(targets[name].detach().numpy(), array)
+                view = targets[name].detach().numpy()
+                if not np.may_share_memory(view, array):
+                    np.copyto(view, array)
             return
         if self._landed is not None:
             self._landed.synchronize()  # the previous copy still reads these buffers
         with torch.no_grad():
             for name, array in arrays.items():
                 staged = self.into[name]
-                np.copyto(staged.numpy(), array)
+                if not np.may_share_memory(staged.numpy(), array):
+                    np.copyto(staged.numpy(), array)
                 targets[name].copy_(staged, non_blocking=True)
         self._landed = torch.cuda.Event()
         self._landed.record()
@@ -242,8 +263,11 @@ class DistributedOptimizer:
         outgoing = self._staging.to_host({**grads, **self._buffers})
         # A table untouched this step is left out: it counts as zero, like a None grad.
         rows = {n: g for n, t in self._tables.items() if (g := t.take_grads()) is not None}
+        targets = {**self._params, **self._buffers}
         if isinstance(self.client, PSClient):  # one round trip per shard per step
-            weights = self.client.push_pull({**outgoing, **rows})
+            # Decoded straight into the model (or its pinned staging): no second copy.
+            out = self._staging.receivers(targets)
+            weights = self.client.push_pull({**outgoing, **rows}, out=out)
         else:
             if rows:
                 assert isinstance(self.client, LocalClient)  # _tables_of refused allreduce
@@ -251,7 +275,7 @@ class DistributedOptimizer:
             else:
                 self.client.push(outgoing)
             weights = self.client.pull()
-        self._staging.to_device(weights, {**self._params, **self._buffers})
+        self._staging.to_device(weights, targets)
 
     def state_dict(self) -> dict[str, Any]:
         """The worker-side state: step, mode and hyper-parameters (optimizer slots live on the

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import psworker
@@ -87,3 +88,47 @@ def test_pulls_at_one_clock_share_one_encoded_reply_while_it_is_being_sent(shard
         assert third[0] is not message and third[0] != message
         del first, second, third, message
         assert servicer._shared_pull() is None  # nothing kept once no reply is being sent
+
+
+def test_pull_and_push_pull_decode_into_the_callers_arrays(shards):
+    from pswire.errors import InvalidRequestError
+
+    servers = shards(2)
+    big = np.arange(3_000_000, dtype=np.float32).reshape(1_000_000, 3)  # split across both
+    small = np.arange(12, dtype=np.float32).reshape(3, 4)
+    with psworker.connect([s.address for s in servers], mode="async", timeout=30) as client:
+        client.init({"big": big, "small": small}, psworker.SGD(lr=1.0))
+        assert len(client.shard_map.pieces_of("big")) == 2
+        out = {"big": np.zeros_like(big), "small": np.zeros((4, 3), np.float32).T}  # strided
+        got = client.pull(out=out)
+        assert got["big"] is out["big"] and got["small"] is out["small"]
+        np.testing.assert_array_equal(out["big"], big)
+        np.testing.assert_array_equal(out["small"], small)
+
+        grads = {"big": np.ones_like(big), "small": np.ones_like(small)}
+        got = client.push_pull(grads, out={"big": out["big"]})
+        assert got["big"] is out["big"]
+        np.testing.assert_array_equal(out["big"], big - 1)
+        np.testing.assert_array_equal(got["small"], small - 1)
+
+        bad = {
+            "wrong shape": {"small": np.zeros((4, 3), np.float32)},
+            "wrong dtype": {"small": np.zeros((3, 4), np.float64)},
+            "read-only": {"small": np.frombuffer(bytes(48), np.float32).reshape(3, 4)},
+            "not read": {"nope": np.zeros(3, np.float32)},
+        }
+        for arrays in bad.values():
+            with pytest.raises(InvalidRequestError, match=r"out\['(small|nope)'\]"):
+                client.pull(out=arrays)
+
+
+def test_local_mode_pulls_into_the_callers_arrays_as_well():
+    from pswire.errors import InvalidRequestError
+
+    with psworker.connect(mode="local") as client:
+        client.init({"w": np.arange(6, dtype=np.float32)}, psworker.SGD(lr=1.0))
+        out = np.zeros(6, np.float32)
+        assert client.pull(out={"w": out})["w"] is out
+        np.testing.assert_array_equal(out, np.arange(6))
+        with pytest.raises(InvalidRequestError, match=r"out\['w'\] is float64"):
+            client.pull(out={"w": np.zeros(6)})

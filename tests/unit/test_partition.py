@@ -353,3 +353,18 @@ def test_join_returns_the_destination_when_pieces_were_decoded_into_it() -> None
     # Pieces that arrived elsewhere are concatenated as before.
     apart = {k: v.copy() for k, v in pieces.items()}
     assert np.array_equal(shard_map.join(apart, ["emb"], into)["emb"], joined["emb"])
+
+
+def test_destinations_in_the_callers_arrays_and_join_returns_them() -> None:
+    shard_map = plan([VarInfo("emb", (10, 4), "float32"), VarInfo("b", (4,), "float32")], 2, 16)
+    out = {"emb": np.zeros((10, 4), np.float32), "b": np.zeros(4, np.float32)}
+    into = shard_map.destinations(["emb", "b"], out)
+    assert sorted(into) == ["b", "emb/part0of2", "emb/part1of2"]
+    assert into["b"] is out["b"]
+    assert all(np.shares_memory(into[k], out["emb"]) for k in ("emb/part0of2", "emb/part1of2"))
+    into["emb/part1of2"][...] = 2.0  # decoded in place
+    elsewhere = {"emb/part0of2": np.ones((5, 4), np.float32), "emb/part1of2": into["emb/part1of2"]}
+    elsewhere["b"] = np.full(4, 3.0, np.float32)  # decoded elsewhere: copied in
+    joined = shard_map.join(elsewhere, ["emb", "b"], into, out)
+    assert joined["emb"] is out["emb"] and joined["b"] is out["b"]
+    assert out["emb"][:5].min() == 1.0 and out["emb"][5:].min() == 2.0 and out["b"].min() == 3.0
