@@ -72,13 +72,22 @@ def daemon(workdir: Path) -> Iterator[tuple[str, int]]:
                 proc.wait(5.0)
 
 
-def _worker(conn: Connection, address: str, shapes: dict[str, tuple[int, ...]]) -> None:
-    """Child process: a worker with the model and its gradients; measures one push's peak."""
+def _worker(
+    conn: Connection,
+    address: str,
+    shapes: dict[str, tuple[int, ...]],
+    mode: str = "async",
+    worker_id: int = 0,
+    num_workers: int = 1,
+) -> None:
+    """Child process: a worker with the model and its gradients; measures its pushes' peak."""
     import psworker
 
     model = torchps.model_arrays(shapes)
     grads = {k: np.full_like(v, 1e-4) for k, v in model.items()}
-    client = psworker.connect([address], worker_id=0, num_workers=1, mode="async", timeout=120.0)
+    client = psworker.connect(
+        [address], worker_id=worker_id, num_workers=num_workers, mode=mode, timeout=120.0
+    )
     with client:
         client.init(model, psworker.SGD(lr=1e-3, momentum=0.9))
         client.push(grads)  # warm-up: channels, first allocations
@@ -87,37 +96,62 @@ def _worker(conn: Connection, address: str, shapes: dict[str, tuple[int, ...]]) 
         was_reset = reset_peak()
         for _ in range(PUSHES - 1):
             client.push(grads)
+            if mode == "sync":
+                client.pull()  # the step's pulls: every worker reads as the step closes
         peak = proc_status()["VmHWM"]
     conn.send({"rss_before_push": before, "hwm": peak, "peak_reset": was_reset})
+
+
+def _shard_peak(
+    shapes: dict[str, tuple[int, ...]], mode: str, workers: int
+) -> tuple[dict[str, int], int, dict]:
+    """(the shard daemon's VmRSS/VmHWM after the workers' pushes, its idle RSS, worker 0's
+    report) for ``workers`` worker processes in ``mode``."""
+    with (
+        tempfile.TemporaryDirectory(prefix="bench_mem_") as tmp,
+        daemon(Path(tmp)) as (address, pid),
+    ):
+        idle = proc_status(pid)["VmRSS"]
+        pipes, procs = [], []
+        for i in range(workers):
+            parent, child = torchps.SPAWN.Pipe()
+            args = (child, address, shapes, mode, i, workers)
+            procs.append(torchps.SPAWN.Process(target=_worker, args=args, daemon=True))
+            procs[-1].start()
+            child.close()
+            pipes.append(parent)
+        reports = []
+        for parent, proc in zip(pipes, procs, strict=True):
+            if not parent.poll(300.0):
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"memory worker ({mode}) reported nothing in 300 s")
+            reports.append(parent.recv())
+            proc.join(30.0)
+        return proc_status(pid), idle, reports[0]
 
 
 def measure(quick: bool) -> Table:
     t0 = time.perf_counter()
     shapes = QUICK_SHAPES if quick else FULL_SHAPES
     nbytes = nbytes_of(shapes)
-    with (
-        tempfile.TemporaryDirectory(prefix="bench_mem_") as tmp,
-        daemon(Path(tmp)) as (address, pid),
-    ):
-        idle = proc_status(pid)["VmRSS"]
-        parent, child = torchps.SPAWN.Pipe()
-        proc = torchps.SPAWN.Process(target=_worker, args=(child, address, shapes), daemon=True)
-        proc.start()
-        child.close()
-        if not parent.poll(300.0):
-            proc.kill()
-            raise RuntimeError("memory worker reported nothing in 300 s")
-        worker = parent.recv()
-        proc.join(30.0)
-        shard = proc_status(pid)
+    shard, idle, worker = _shard_peak(shapes, "async", 1)
     state = 2 * nbytes  # the variables and one SGD momentum buffer of the same size
     shard_ratio = shard["VmHWM"] / state
     extra = worker["hwm"] - worker["rss_before_push"]
+    # Sync keeps each worker's push until its step closes (summed in worker order, so a step
+    # is bit-reproducible): the shard's peak grows with the workers.
+    sync_rows, sync_raw = [], {}
+    for workers in (1, 2) if quick else (1, 4):
+        peak = _shard_peak(shapes, "sync", workers)[0]["VmHWM"]
+        sync_rows.append([f"shard: peak RSS, sync, {workers} worker(s)", peak / MIB, peak / state])
+        sync_raw[workers] = peak
     rows = [
         ["shard: variables + momentum", state / MIB, None],
         ["shard: idle RSS before init", idle / MIB, None],
-        ["shard: peak RSS (VmHWM)", shard["VmHWM"] / MIB, shard_ratio],
+        ["shard: peak RSS (VmHWM), async, 1 worker", shard["VmHWM"] / MIB, shard_ratio],
         ["shard: peak minus idle", (shard["VmHWM"] - idle) / MIB, (shard["VmHWM"] - idle) / state],
+        *sync_rows,
         ["worker: model bytes", nbytes / MIB, None],
         ["worker: RSS before push (model+grads+pulled)", worker["rss_before_push"] / MIB, None],
         ["worker: peak RSS during pushes", worker["hwm"] / MIB, worker["hwm"] / nbytes],
@@ -130,7 +164,8 @@ def measure(quick: bool) -> Table:
         rows=rows,
         notes=[
             f"shard: VmHWM of `python -m psserver` after init, 1 warm-up push and {PUSHES - 1} "
-            "more; state = variables + momentum buffers (2 x model bytes).",
+            "more (sync: each followed by a pull); state = variables + momentum buffers (2 x "
+            "model bytes); each row its own daemon and worker processes.",
             "worker: a spawned process; VmHWM reset (clear_refs 5) after a warm-up push+pull, "
             f"then {PUSHES - 1} pushes"
             + ("" if worker["peak_reset"] else " (reset refused: the peak includes init)")
@@ -140,12 +175,23 @@ def measure(quick: bool) -> Table:
             Ratio(
                 "memory",
                 "shard peak RSS / (variables + optimizer state)",
-                "shard",
+                "shard, async, 1 worker",
                 "-",
                 shard_ratio,
                 meaning="lower is better",
                 goal="<= 1.5",
                 met=check(shard_ratio, "<= 1.5"),
+            ),
+            *(
+                Ratio(
+                    "memory",
+                    "shard peak RSS / (variables + optimizer state)",
+                    f"shard, sync, {w} worker(s)",
+                    "-",
+                    peak / state,
+                    meaning="lower is better",
+                )
+                for w, peak in sync_raw.items()
             ),
             Ratio(
                 "memory",
@@ -156,7 +202,13 @@ def measure(quick: bool) -> Table:
                 meaning="lower is better",
             ),
         ],
-        raw={"shard": shard, "shard_idle_rss": idle, "worker": worker, "model_bytes": nbytes},
+        raw={
+            "shard": shard,
+            "shard_idle_rss": idle,
+            "shard_sync_hwm": sync_raw,
+            "worker": worker,
+            "model_bytes": nbytes,
+        },
         elapsed_s=time.perf_counter() - t0,
     )
 
