@@ -18,6 +18,8 @@ from pswire.stubs import ParameterServerStub
 WATCH_TICK_S = 0.05
 # The watchdog thread ends after this long with nothing to watch (the next step starts one).
 WATCH_IDLE_S = 5.0
+# The longest step deadline a request carries (timeout_ms is a uint32): about 49 days.
+MAX_STEP_S = (2**32 - 1) / 1000
 
 
 class StepStream:
@@ -48,7 +50,7 @@ class StepStream:
             WaitTimeoutError: no reply within ``timeout`` seconds.
             UnavailableError: the shard ended the call without an answer.
         """
-        request.timeout_ms = max(1, round(timeout * 1000))
+        request.timeout_ms = max(1, round(min(timeout, MAX_STEP_S) * 1000))
         with self._lock:
             if self._call is None:
                 self._open()
