@@ -91,8 +91,9 @@ class SyncPolicy(ConsistencyPolicy):
                 if acc is None:
                     # The first push's own array when it is ours to change: one model copy
                     # less while a step is open (the same additions, in the same order).
-                    mine = worker in self._owned and grad.flags.writeable
-                    mean[key] = grad if mine and grad.flags.c_contiguous else grad.copy()
+                    flags = grad.flags
+                    mine = worker in self._owned and flags.writeable and flags.c_contiguous
+                    mean[key] = grad if mine else grad.copy()
                 else:
                     acc += grad
         for key, acc in mean.items():
