@@ -14,19 +14,13 @@ import numpy as np
 from psserver.job import Job, VarSpec
 from psserver.metrics import ShardMetrics
 from psserver.shard import Shard
-from pswire.codec import (
-    DEFAULT_CHUNK_BYTES,
-    ChunkAssembler,
-    encode_chunk_messages,
-    tensor_nbytes,
-    tensor_to_proto,
-    varint_field,
-)
+from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler, tensor_nbytes, tensor_to_proto
 from pswire.errors import InvalidRequestError, NotInitializedError, PSError
 from pswire.optim import optimizer_from_spec
 from pswire.proto import ps_pb2, ps_pb2_grpc
 from pswire.status import rpc_errors
 from pswire.tables import RowSparse, table_from_proto, table_to_proto
+from pswire.wiremsg import encode_chunk_messages, varint_field
 
 # Finish a server-side wait this long before the caller's deadline, so the caller gets our
 # specific error (what the wait was for) rather than a bare DEADLINE_EXCEEDED.

@@ -1,8 +1,8 @@
 """The ParameterServer stub and service registration, tensor streams in hand-coded messages.
 
 The generated code would serialize Push/Init requests and Pull responses through protobuf
-objects; here those messages are bytes built by ``pswire.codec.encode_chunk_messages`` and read
-by ``parse_chunk`` (same wire format, fewer copies). Every other RPC is the generated code.
+objects; here those messages are bytes built by ``pswire.wiremsg.encode_chunk_messages`` and
+read by ``parse_chunk`` (same wire format, fewer copies). Every other RPC is the generated code.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 import grpc
 
-from pswire.codec import WireChunk, parse_chunk, parse_message
 from pswire.proto import ps_pb2, ps_pb2_grpc
+from pswire.wiremsg import WireChunk, parse_chunk, parse_message
 
 SERVICE = "pswire.v1.ParameterServer"
 _LEN = 2

@@ -12,12 +12,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from pswire.codec import (
-    DEFAULT_CHUNK_BYTES,
-    ChunkAssembler,
-    encode_chunk_messages,
-    float32_to_bfloat16,
-)
+from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler, float32_to_bfloat16
 from pswire.errors import InvalidRequestError, NotInitializedError, PSError
 from pswire.optim import Optimizer
 from pswire.partition import DEFAULT_SPLIT_BYTES, ShardMap, VarInfo, plan
@@ -26,6 +21,7 @@ from pswire.security import ClientSecurity
 from pswire.status import from_rpc_error
 from pswire.stubs import ParameterServerStub
 from pswire.tables import RowSparse, Table, TableLayout, as_ids, table_to_proto, tables_digest
+from pswire.wiremsg import encode_chunk_messages
 from psworker.link import ShardLink, push_pull_request, push_stream
 
 T = TypeVar("T")

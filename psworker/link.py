@@ -11,12 +11,13 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
-from pswire.codec import encode_chunk_messages, tensor_to_proto
+from pswire.codec import tensor_to_proto
 from pswire.errors import UnavailableError
 from pswire.proto import ps_pb2
 from pswire.status import from_rpc_error
 from pswire.stubs import ParameterServerStub
 from pswire.tables import RowSparse
+from pswire.wiremsg import encode_chunk_messages
 from psworker.stepstream import StepStream
 
 T = TypeVar("T")

@@ -18,19 +18,13 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pswire.channel import OPTIONS
-from pswire.codec import (
-    DTYPES,
-    check_dtype,
-    encode_chunk_messages,
-    parse_chunk,
-    parse_message,
-    varint_field,
-)
+from pswire.codec import DTYPES, check_dtype
 from pswire.errors import InvalidRequestError, PSError, UnavailableError, error_for_status
 from pswire.proto import ring_pb2
 from pswire.security import ServerSecurity, TokenInterceptor
 from pswire.status import rpc_errors
 from pswire.stubs import as_bytes
+from pswire.wiremsg import encode_chunk_messages, parse_chunk, parse_message, varint_field
 from psworker.ring import Failure, Mailbox, Tag
 
 SERVICE_NAME = "pswire.v1.RingPeer"

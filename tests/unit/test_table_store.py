@@ -8,7 +8,7 @@ import pytest
 from psserver.checkpoint import Checkpointer
 from psserver.job import Job, VarSpec
 from psserver.shard import Shard
-from pswire.codec import ChunkAssembler, encode_chunk_messages, tensor_to_chunks
+from pswire.codec import ChunkAssembler, tensor_to_chunks
 from pswire.errors import InvalidRequestError, ModelMismatchError
 from pswire.optim import SGD, Adagrad, Adam
 from pswire.proto import ps_pb2
@@ -22,6 +22,7 @@ from pswire.tables import (
     init_rows,
     sum_duplicates,
 )
+from pswire.wiremsg import encode_chunk_messages
 
 
 def test_rows_are_a_function_of_seed_and_id_alone():
