@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from typing import Any, NamedTuple
@@ -25,7 +24,7 @@ class Clocks(NamedTuple):
         return sorted(w for w in self.live if self.finished.get(w, 0) < below)
 
 
-class ConsistencyPolicy(ABC):
+class ConsistencyPolicy:
     """Decides when a push may proceed, what it applies, and when a pull may read.
 
     Called by the shard with its lock held; implementations do no I/O and never block.
@@ -59,7 +58,6 @@ class ConsistencyPolicy(ABC):
         """A worker's finished steps as a checkpoint taken now records them."""
         return finished
 
-    @abstractmethod
     def submit(
         self,
         clocks: Clocks,
@@ -71,7 +69,10 @@ class ConsistencyPolicy(ABC):
         """Takes a validated, non-duplicate push; returns the gradient to apply now, if any.
 
         ``owned``: the push's arrays are this call's to change (decoded for it alone), so a
-        rule may sum into one of them instead of copying it."""
+        rule may sum into one of them instead of copying it. By default every push applies
+        on arrival (async, ssp).
+        """
+        return grads
 
     def membership_changed(self, clocks: Clocks) -> Mapping[str, Any] | None:
         """Re-evaluates after workers leave; returns a gradient to apply if that completes one."""

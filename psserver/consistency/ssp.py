@@ -6,9 +6,6 @@ at least c - s steps. s=0 is lock-step; a very large s is asynchronous.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from psserver.consistency.base import Clocks, ConsistencyPolicy
 
 
@@ -38,13 +35,3 @@ class StalenessPolicy(ConsistencyPolicy):
         others = [clocks.finished.get(w, 0) for w in clocks.live if w != worker]
         mine = clocks.finished.get(worker, 0)
         return max(mine, min(others)) if others else mine
-
-    def submit(
-        self,
-        clocks: Clocks,
-        worker: int,
-        step: int,
-        grads: Mapping[str, Any],
-        owned: bool = False,
-    ) -> Mapping[str, Any] | None:
-        return grads
