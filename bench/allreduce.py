@@ -22,8 +22,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from psworker.peer import Ring, RingServer
-from psworker.ring import RING_CHUNK_BYTES
+from psworker.ring.algorithm import RING_CHUNK_BYTES
+from psworker.ring.ring import Ring, RingServer
 
 MIB = 1 << 20
 GB = 1e9  # bandwidth in decimal GB/s

@@ -1,4 +1,4 @@
-"""Demo training throughput (samples/s) per mode against local, via ``psworker.ctl demo``."""
+"""Demo training throughput (samples/s) per mode against local, via ``psctl.main demo``."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def run_demo(mode: str, epochs: int) -> float | None:
         command = [
             sys.executable,
             "-m",
-            "psworker.ctl",
+            "psctl.main",
             "demo",
             "--mode",
             mode,
@@ -70,7 +70,7 @@ def measure(quick: bool, epochs: int = 2) -> Table:
         columns=["mode", "samples/s", "vs local"],
         rows=rows,
         notes=[
-            f"`python -m psworker.ctl demo --mode M --epochs {epochs}`: 2 shards and 2 workers "
+            f"`python -m psctl.main demo --mode M --epochs {epochs}`: 2 shards and 2 workers "
             "(local: 1 process); throughput from its 'throughput' line (worker 0's training "
             f"wall time); median of {rounds} interleaved round(s).",
             "A tiny model: this measures per-step overhead, not bandwidth.",

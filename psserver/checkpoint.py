@@ -21,10 +21,11 @@ import safetensors
 import safetensors.numpy
 
 from psserver.consistency import make_policy
-from psserver.job import Job, ShardState, VarSpec
+from psserver.records import ShardState
 from psserver.shard import Shard
 from pswire.codec import check_dtype, check_tensor
 from pswire.errors import NotInitializedError, PSError
+from pswire.job import Job, VarSpec
 from pswire.optim import Optimizer, optimizer_from_spec
 from pswire.rowstore import TableState
 from pswire.tables import TableSlice
@@ -461,6 +462,9 @@ class CheckpointScheduler:
         if every_steps < 0 or every_secs < 0:
             raise ValueError(f"intervals must be >= 0, got {every_steps} steps, {every_secs}s")
         self.shard = shard
+        # Workers registering hear that this shard checkpoints, so they keep their pushes
+        # until a checkpoint holds them (for replay after a restart).
+        shard.checkpointing = True
         self.checkpointer = checkpointer
         self.every_steps = every_steps
         self.every_secs = every_secs

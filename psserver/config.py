@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from psserver.job import Limits
+from psserver.records import Limits
 from pswire import cli
 from pswire.cluster import ClusterSpec
 from pswire.security import ServerSecurity, read_token_file

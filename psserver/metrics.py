@@ -6,7 +6,6 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 from wsgiref.simple_server import WSGIServer
@@ -116,11 +115,11 @@ class ShardMetrics:
                 self._groups[key] = group
         return group
 
-    def count_push(self, grads: Mapping[str, np.ndarray | RowSparse]) -> None:
+    def pushed(self, grads: Mapping[str, np.ndarray | RowSparse]) -> None:
         """Counts one push request's gradients by variable group."""
         self._count(grads, self.pushes, self.push_bytes)
 
-    def count_pull(self, arrays: Mapping[str, np.ndarray]) -> None:
+    def pulled(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Counts one pull reply's variables by variable group."""
         self._count(arrays, self.pulls, self.pull_bytes)
 
@@ -135,15 +134,10 @@ class ShardMetrics:
             requests.labels(self.name, group).inc()
             nbytes.labels(self.name, group).inc(size)
 
-    @contextmanager
-    def waiting(self, rpc: str) -> Iterator[None]:
-        """Times the body as ``rpc``'s wait in the shard (errors included: a timed-out barrier
-        is the wait that most needs seeing)."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.wait_seconds.labels(self.name, rpc).observe(time.perf_counter() - start)
+    def waited(self, call: str, seconds: float) -> None:
+        """Records the time a pull or push spent in the shard (errors included: a timed-out
+        barrier is the wait that most needs seeing)."""
+        self.wait_seconds.labels(self.name, call).observe(seconds)
 
     def observe_rpc(self, rpc: str, code: grpc.StatusCode, seconds: float) -> None:
         self.rpc_seconds.labels(self.name, rpc).observe(seconds)
@@ -306,12 +300,19 @@ class RpcMetricsInterceptor(grpc.ServerInterceptor):
         return _timed(handler, rpc, self._metrics)
 
 
+# Streams whose every request/reply pair is a step of its own, timed and counted as this call.
+STEP_CALLS = {"PushPullStream": "PushPull"}
+
+
 def _timed(handler: grpc.RpcMethodHandler, rpc: str, metrics: ShardMetrics) -> Any:
-    def finish(context: grpc.ServicerContext, start: float, failed: bool) -> None:
+    def code_of(context: grpc.ServicerContext, failed: bool) -> grpc.StatusCode:
         code = context.code() if hasattr(context, "code") else None
-        if not isinstance(code, grpc.StatusCode):
-            code = grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK
-        metrics.observe_rpc(rpc, code, time.perf_counter() - start)
+        if isinstance(code, grpc.StatusCode):
+            return code
+        return grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK
+
+    def finish(context: grpc.ServicerContext, start: float, failed: bool) -> None:
+        metrics.observe_rpc(rpc, code_of(context, failed), time.perf_counter() - start)
 
     def unary(behavior: Callable[..., Any]) -> Callable[..., Any]:
         def run(request: Any, context: grpc.ServicerContext) -> Any:
@@ -338,6 +339,30 @@ def _timed(handler: grpc.RpcMethodHandler, rpc: str, metrics: ShardMetrics) -> A
 
         return run
 
+    def steps(behavior: Callable[..., Any], step_rpc: str) -> Callable[..., Any]:
+        """Times each request of a stream until its reply, as a call of ``step_rpc``."""
+
+        def run(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+            arrived: list[float] = []
+
+            def timed_requests() -> Iterator[Any]:
+                for request in requests:
+                    arrived.append(time.perf_counter())
+                    yield request
+
+            try:
+                for reply in behavior(timed_requests(), context):
+                    took = time.perf_counter() - arrived.pop(0)
+                    metrics.observe_rpc(step_rpc, grpc.StatusCode.OK, took)
+                    yield reply
+            except BaseException:
+                if arrived:  # the step that failed
+                    took = time.perf_counter() - arrived[0]
+                    metrics.observe_rpc(step_rpc, code_of(context, True), took)
+                raise
+
+        return run
+
     kwargs = {
         "request_deserializer": handler.request_deserializer,
         "response_serializer": handler.response_serializer,
@@ -349,5 +374,8 @@ def _timed(handler: grpc.RpcMethodHandler, rpc: str, metrics: ShardMetrics) -> A
     if handler.stream_unary is not None:
         return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **kwargs)
     if handler.stream_stream is not None:
-        return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **kwargs)
+        behavior = handler.stream_stream
+        if rpc in STEP_CALLS:
+            behavior = steps(behavior, STEP_CALLS[rpc])
+        return grpc.stream_stream_rpc_method_handler(streaming(behavior), **kwargs)
     return handler

@@ -81,7 +81,9 @@ def start_server(
         options=options,
         interceptors=interceptors,
     )
-    servicer = ParameterServerServicer(shard, checkpoint=checkpoint, metrics=metrics)
+    if metrics is not None:
+        shard.observer = metrics  # counts gradients, snapshots and time spent in the shard
+    servicer = ParameterServerServicer(shard, checkpoint=checkpoint)
     add_servicer(servicer, server, wrap=tolerant)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -9,24 +9,15 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol
 
 import numpy as np
 
 from psserver.consistency import Clocks, ConsistencyPolicy, make_policy
-from psserver.job import (
-    OBSERVER,
-    Job,
-    Limits,
-    PushResult,
-    Registration,
-    ShardState,
-    ShardStatus,
-    VarSpec,
-)
 from psserver.membership import Membership
-from pswire.codec import check_tensor
+from psserver.records import Limits, PushResult, Registration, ShardState, ShardStatus
 from pswire.errors import (
     InvalidRequestError,
     ModelMismatchError,
@@ -36,8 +27,19 @@ from pswire.errors import (
     UnknownVariableError,
     WaitTimeoutError,
 )
+from pswire.job import OBSERVER, Job, VarSpec
 from pswire.rowstore import RowStore
 from pswire.tables import RowSparse, check_rows
+
+
+class Observer(Protocol):
+    """Told what passes through a shard (psserver.metrics.ShardMetrics counts it)."""
+
+    def pushed(self, grads: Mapping[str, np.ndarray | RowSparse]) -> None: ...
+
+    def pulled(self, arrays: Mapping[str, np.ndarray]) -> None: ...
+
+    def waited(self, call: str, seconds: float) -> None: ...
 
 
 class Shard:
@@ -46,7 +48,8 @@ class Shard:
     def __init__(self, limits: Limits | None = None, clock: Callable[[], float] = time.monotonic):
         self.limits = limits or Limits()
         self.incarnation = uuid.uuid4().hex[:12]
-        self.checkpointing = False  # set by the server when a checkpointer is attached
+        self.checkpointing = False  # set by the CheckpointScheduler that saves this shard
+        self.observer: Observer | None = None  # set by the server when metrics are on
         self._now = clock
         self._cond = threading.Condition()
         self._job: Job | None = None
@@ -133,7 +136,7 @@ class Shard:
             ModelMismatchError: the job differs from the one the shard holds.
             TooLargeError: more variables than the shard's limit.
         """
-        job.check(self.limits)
+        job.check(self.limits.max_workers, self.limits.max_variables)
         self._check_worker(worker_id, job.num_workers, "init")
         if values is not None:
             job.check_values(values)
@@ -206,6 +209,19 @@ class Shard:
             UnknownVariableError: a name the shard does not hold.
             WaitTimeoutError: the rule or the initial values did not allow reading in time.
         """
+        with self._observed("Pull"):
+            return self._pull(worker_id, step, names, timeout, encode, rows, incarnation)
+
+    def _pull(
+        self,
+        worker_id: int,
+        step: int,
+        names: Sequence[str],
+        timeout: float | None,
+        encode: Callable[[Mapping[str, np.ndarray], int], Any] | None,
+        rows: Sequence[tuple[str, np.ndarray]],
+        incarnation: str,
+    ) -> tuple[Any, int]:
         self._check_incarnation(incarnation, worker_id, "pull")
         job = self._require_job()
         if worker_id != OBSERVER:
@@ -236,10 +252,12 @@ class Shard:
             )
             # Gathering copies the rows: they are this pull's snapshot either way.
             gathered = {table: self._tables[table].gather(ids) for table, ids in rows}
+            arrays = {**{k: self._vars[k] for k in keys}, **gathered}
+            if self.observer is not None:
+                self.observer.pulled(arrays)
             if encode is not None:
-                arrays = {**{k: self._vars[k] for k in keys}, **gathered}
                 return encode(arrays, self._updates), self._updates
-            return {**{k: self._vars[k].copy() for k in keys}, **gathered}, self._updates
+            return {k: a if k in gathered else a.copy() for k, a in arrays.items()}, self._updates
 
     def _check_row_query(self, rows: Sequence[tuple[str, np.ndarray]]) -> None:
         """Raises UnknownVariableError / InvalidRequestError for a bad row query."""
@@ -282,6 +300,18 @@ class Shard:
             UnknownVariableError, ShapeMismatchError, InvalidRequestError: bad gradients.
             WaitTimeoutError: the rule did not let the push in within the deadline.
         """
+        with self._observed("Push", grads):
+            return self._push(worker_id, step, grads, timeout, incarnation, take)
+
+    def _push(
+        self,
+        worker_id: int,
+        step: int,
+        grads: Mapping[str, np.ndarray | RowSparse],
+        timeout: float | None,
+        incarnation: str,
+        take: bool,
+    ) -> PushResult:
         self._check_incarnation(incarnation, worker_id, "push")
         job = self._require_job()
         if not 0 <= worker_id < job.num_workers:
@@ -290,24 +320,7 @@ class Shard:
             )
         if step < 0:
             raise InvalidRequestError(f"push from worker {worker_id} has negative step {step}")
-        grads = {key: self._widen(key, grad) for key, grad in grads.items()}
-        for key, grad in grads.items():
-            spec = self._specs[key]
-            if spec.table is not None:
-                if not isinstance(grad, RowSparse):
-                    raise InvalidRequestError(
-                        f"table '{key}' takes row-sparse gradients (ids with rows), got a dense "
-                        f"tensor of shape {grad.shape}"
-                    )
-                check_rows(spec.table, grad.ids, grad.values, "push")
-                continue
-            if isinstance(grad, RowSparse):
-                raise InvalidRequestError(
-                    f"variable '{key}' is dense, but the push sent rows by id (not a table)"
-                )
-            check_tensor(
-                key, spec.shape, spec.dtype, grad, "buffer value" if spec.average else "gradient"
-            )
+        grads = job.checked_grads(grads)
         with self._cond:
             self._touch(worker_id)
             self._wait_values(timeout)
@@ -330,35 +343,59 @@ class Shard:
             if update is not None:
                 self._apply(update)
             self._cond.notify_all()
-            return self._result(True, "", worker_id)
+            return self._result(True, "", worker_id, step)
 
-    def _widen(self, key: str, grad: np.ndarray | RowSparse) -> np.ndarray | RowSparse:
-        """A float16 gradient for a float32 variable (wire compression) becomes float32 here, so
-        averaging and the optimizer run in float32. (bfloat16 arrives already widened.)
+    def push_pull(
+        self,
+        worker_id: int,
+        step: int,
+        grads: Mapping[str, np.ndarray | RowSparse],
+        encode: Callable[[Mapping[str, np.ndarray], int], Any],
+        timeout: float | None = None,
+        incarnation: str = "",
+        take: bool = False,
+    ) -> tuple[PushResult, Any, int]:
+        """``push``, then ``pull`` of every variable that is not a table at the step the
+        worker goes on to (``PushResult.next_step``): (the push's result, ``encode``'s
+        snapshot, the clock it was read at).
 
         Raises:
-            UnknownVariableError: the shard has no such variable.
+            as ``push`` and ``pull``.
         """
-        spec = self._specs.get(key)
-        if spec is None:
-            raise UnknownVariableError(self._unknown(key))
-        if isinstance(grad, RowSparse):
-            if grad.values.dtype == np.float16 and spec.dtype == "float32":
-                return RowSparse(grad.ids, grad.values.astype(np.float32))
-            return grad
-        if grad.dtype == np.float16 and spec.dtype == "float32" and not spec.average:
-            return grad.astype(np.float32)
-        return grad
+        result = self.push(worker_id, step, grads, timeout, incarnation, take)
+        snapshot, clock = self.pull(
+            worker_id, result.next_step, timeout=timeout, encode=encode, incarnation=incarnation
+        )
+        return result, snapshot, clock
 
     def _skip(self, policy: ConsistencyPolicy, worker_id: int, step: int) -> PushResult | None:
         reason = policy.classify(self._clocks(), worker_id, step)
         if reason is None:
             return None
         self._counters[reason] += 1
-        return self._result(False, reason, worker_id)
+        return self._result(False, reason, worker_id, step)
 
-    def _result(self, applied: bool, reason: str, worker_id: int) -> PushResult:
-        return PushResult(applied, reason, self._updates, self._durable.get(worker_id, 0))
+    def _result(self, applied: bool, reason: str, worker_id: int, step: int) -> PushResult:
+        # After a late sync push the worker moves on to the step the shard is in.
+        after = max(step + 1, self._updates) if reason == "late" else step + 1
+        return PushResult(applied, reason, self._updates, self._durable.get(worker_id, 0), after)
+
+    @contextmanager
+    def _observed(
+        self, call: str, grads: Mapping[str, np.ndarray | RowSparse] | None = None
+    ) -> Iterator[None]:
+        """Tells the observer (metrics) about a push's gradients and the call's time in here."""
+        observer = self.observer
+        if observer is None:
+            yield
+            return
+        if grads is not None:
+            observer.pushed(grads)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            observer.waited(call, time.perf_counter() - start)
 
     def _apply(self, update: Mapping[str, Any]) -> None:
         assert self._job is not None
@@ -524,9 +561,7 @@ class Shard:
         return self._policy
 
     def _unknown(self, key: str) -> str:
-        known = sorted(self._specs)
-        shown = ", ".join(known[:10]) + (", ..." if len(known) > 10 else "")
-        return f"variable '{key}' is not on this shard (it holds: {shown})"
+        return self._require_job().unknown(key)
 
     def _wait_values(self, timeout: float | None) -> None:
         self._wait(

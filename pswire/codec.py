@@ -14,6 +14,8 @@ from pswire.proto import ps_pb2
 # unary message (bench/pushpull.py), and each message still costs ~0.6 ms of CPU in grpc Python
 # beyond its bytes: 4 MiB beat 1 MiB by 12-23% with 2 shards on 2 cores (bench/NOTES.md 10).
 DEFAULT_CHUNK_BYTES = 4 << 20
+# What a worker may send gradients as: as they are, or float32 narrowed to 16 bits on the wire.
+COMPRESSIONS = (None, "fp16", "bf16")
 # Dims whose product exceeds this are nonsense whatever the memory (2**48 elements).
 MAX_ELEMENTS = 1 << 48
 DTYPES = frozenset(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 
@@ -71,6 +72,15 @@ class UnauthenticatedError(PSError):
 
 class CancelledError(PSError):
     status = "CANCELLED"
+
+
+def not_in_model(name: str, known: Iterable[str], kind: str = "variable") -> UnknownVariableError:
+    """The error for a name the model lacks, naming some of those it has."""
+    shown = sorted(known)
+    more = ", ..." if len(shown) > 20 else ""
+    return UnknownVariableError(
+        f"{kind} '{name}' is not in the model; it has: {', '.join(shown[:20])}{more}"
+    )
 
 
 # Client side: a status code coming back maps to the most specific class raised for it.

@@ -12,21 +12,19 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler, float32_to_bfloat16
-from pswire.errors import InvalidRequestError, NotInitializedError, PSError
+from pswire.codec import COMPRESSIONS, DEFAULT_CHUNK_BYTES, float32_to_bfloat16
+from pswire.errors import InvalidRequestError, NotInitializedError, PSError, not_in_model
+from pswire.job import MODES, Job, VarSpec, job_to_proto
 from pswire.optim import Optimizer
-from pswire.partition import DEFAULT_SPLIT_BYTES, ShardMap, VarInfo, plan
 from pswire.proto import ps_pb2, ps_pb2_grpc
+from pswire.rpc_errors import from_rpc_error
 from pswire.security import ClientSecurity
-from pswire.status import from_rpc_error
-from pswire.stubs import ParameterServerStub
-from pswire.tables import RowSparse, Table, TableLayout, as_ids, table_to_proto, tables_digest
+from pswire.tables import RowSparse, Table, TableLayout, as_ids, tables_digest
 from pswire.wiremsg import encode_chunk_messages
-from psworker.link import ShardLink, push_pull_request, push_stream
+from psworker.link import ShardLink
+from psworker.placement import DEFAULT_SPLIT_BYTES, ShardMap, VarInfo, plan
 
 T = TypeVar("T")
-MODES = ("sync", "async", "ssp")
-COMPRESSIONS = (None, "fp16", "bf16")
 DEFAULT_TIMEOUT_S = 120.0
 # Well inside the shards' default 30 s heartbeat timeout, cheap enough to never matter.
 DEFAULT_HEARTBEAT_S = 2.0
@@ -171,20 +169,20 @@ class PSClient:
             return int(reply.clock)
 
         def init_one(shard: int) -> None:
-            job = ps_pb2.JobSpec(
-                mode=self.mode,
-                staleness=self.staleness,
-                num_workers=self.num_workers,
-                optimizer=ps_pb2.OptimizerSpec(name=optimizer.name, params=optimizer.params()),
-                variables=[
-                    ps_pb2.VariableSpec(
-                        name=p.key, dtype=p.dtype, shape=p.shape, average=p.var in averaged
-                    )
-                    for p in shard_map.on_shard(shard)
-                ]
-                + [table_to_proto(layout.slice_for(shard)) for layout in layouts.values()],
-                model_digest=digest,
-                quorum=self.quorum,
+            variables = [
+                VarSpec(p.key, p.shape, p.dtype, average=p.var in averaged)
+                for p in shard_map.on_shard(shard)
+            ] + [VarSpec.of_table(layout.slice_for(shard)) for layout in layouts.values()]
+            job = job_to_proto(
+                Job(
+                    mode=self.mode,
+                    staleness=self.staleness,
+                    num_workers=self.num_workers,
+                    optimizer=optimizer,
+                    variables=tuple(variables),
+                    model_digest=digest,
+                    quorum=self.quorum,
+                )
             )
             header = ps_pb2.InitHeader(worker_id=self.worker_id, job=job, has_values=send_values)
 
@@ -232,13 +230,10 @@ class PSClient:
         def pull_one(shard: int) -> dict[str, np.ndarray]:
             if not keys_by_shard[shard]:
                 return {}
-            return self._pull_shard(
-                shard,
-                ps_pb2.PullRequest(
-                    worker_id=self.worker_id, step=self.step, names=keys_by_shard[shard]
-                ),
-                into,
+            request = ps_pb2.PullRequest(
+                worker_id=self.worker_id, step=self.step, names=keys_by_shard[shard]
             )
+            return self.links[shard].pull(request, into)
 
         merged: dict[str, np.ndarray] = {}
         for part in self._fan_out(pull_one):
@@ -268,30 +263,13 @@ class PSClient:
                 return None
             query = ps_pb2.RowQuery(table=table, ids=mine.astype("<i8").tobytes())
             request = ps_pb2.PullRequest(worker_id=self.worker_id, step=self.step, rows=[query])
-            return self._pull_shard(shard, request)[table]
+            return self.links[shard].pull(request)[table]
 
         out = np.empty((len(unique), layout.table.dim), dtype=layout.table.dtype)
         for shard, rows in enumerate(self._fan_out(pull_one)):
             if rows is not None:
                 out[owner == shard] = rows
         return out[inverse.reshape(-1)]
-
-    def _pull_shard(
-        self,
-        shard: int,
-        request: ps_pb2.PullRequest,
-        into: Mapping[str, np.ndarray] | None = None,
-    ) -> dict[str, np.ndarray]:
-        link = self.links[shard]
-
-        def run(stub: ParameterServerStub) -> dict[str, np.ndarray]:
-            request.incarnation = link.incarnation or ""  # per attempt, as in push_pull
-            assembler = ChunkAssembler(into=into)
-            for reply in stub.Pull(request, timeout=self.timeout):
-                assembler.add(reply.chunk)
-            return assembler.finish()
-
-        return self._call(shard, "Pull", run)
 
     def push(self, grads: Mapping[str, np.ndarray | RowSparse], step: int | None = None) -> bool:
         """Sends this worker's gradients for one step to the shards that own them.
@@ -310,23 +288,8 @@ class PSClient:
         step = self.step if step is None else step
         pieces = self._pieces(grads)
 
-        replies = self._fan_out(lambda shard: self._push_one(shard, step, pieces[shard]))
+        replies = self._fan_out(lambda shard: self.links[shard].push(step, pieces[shard]))
         return self._pushed(step, replies)
-
-    def _push_one(
-        self, shard: int, step: int, pieces: Mapping[str, np.ndarray | RowSparse]
-    ) -> ps_pb2.PushResponse:
-        link = self.links[shard]
-        link.note_push(step, pieces)
-        reply = link.call(
-            "Push",
-            lambda stub: stub.Push(
-                push_stream(self.worker_id, step, pieces, self.chunk_bytes, link.incarnation),
-                timeout=self.timeout,
-            ),
-        )
-        link.note_reply(reply.incarnation, reply.durable_step)
-        return reply
 
     def push_pull(
         self,
@@ -357,27 +320,13 @@ class PSClient:
         def one(shard: int) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
             link = self.links[shard]
             push_bytes = sum(p.nbytes for p in pieces[shard].values())
-            if max(push_bytes, pull_bytes[shard]) > self.chunk_bytes:
-                # Too big for one message each way: stream the push, then the pull.
-                pushed = self._push_one(shard, step, pieces[shard])
-                request = ps_pb2.PullRequest(
-                    worker_id=self.worker_id, step=self._step_after(step, pushed)
-                )
-                return pushed, self._pull_shard(shard, request, into)
-            link.note_push(step, pieces[shard])
-
-            def run(_: ParameterServerStub) -> tuple[ps_pb2.PushResponse, dict]:
-                # Built per attempt: a retry after a restart carries the new incarnation.
-                fused = push_pull_request(self.worker_id, step, pieces[shard], link.incarnation)
-                reply = link.steps.step(fused, self.timeout)
-                assembler = ChunkAssembler(into=into)
-                for chunk in reply.chunks:
-                    assembler.add(chunk)
-                return reply.push, assembler.finish()
-
-            pushed, arrays = link.call("PushPull", run)
-            link.note_reply(pushed.incarnation, pushed.durable_step)
-            return pushed, arrays
+            if max(push_bytes, pull_bytes[shard]) <= self.chunk_bytes:
+                return link.push_pull(step, pieces[shard], into)
+            # Too big for one message each way: stream the push, then the pull.
+            pushed = link.push(step, pieces[shard])
+            after = max(self.step, int(pushed.next_step))
+            request = ps_pb2.PullRequest(worker_id=self.worker_id, step=after)
+            return pushed, link.pull(request, into)
 
         results = self._fan_out(one)
         self._pushed(step, [r for r, _ in results])
@@ -429,18 +378,11 @@ class PSClient:
     def _pushed(self, step: int, replies: Sequence[ps_pb2.PushResponse]) -> bool:
         """Advances the step counter past a push every shard answered; whether all applied."""
         self.step = max(self.step, step + 1)
-        late = [r.clock for r in replies if r.reason == "late"]
-        if late and self.mode == "sync":
+        late = [int(r.next_step) for r in replies if r.reason == "late"]
+        if late:
             # A backup-worker step closed without us: move on to the step the shards are in.
             self.step = max(self.step, min(late))
         return all(r.applied for r in replies)
-
-    def _step_after(self, step: int, reply: ps_pb2.PushResponse) -> int:
-        """The step a worker reads at after pushing ``step`` and hearing ``reply`` (as the
-        shards' PushPull reads)."""
-        if reply.reason == "late" and self.mode == "sync":
-            return max(step + 1, self.step, int(reply.clock))
-        return max(step + 1, self.step)
 
     def heartbeat(self) -> None:
         """Tells every shard this worker is alive (a background thread does this every
@@ -503,11 +445,7 @@ class PSClient:
         self._require_map()
         layout = self.tables.get(table)
         if layout is None:
-            from pswire.errors import UnknownVariableError
-
-            raise UnknownVariableError(
-                f"table '{table}' is not in the model; tables: {sorted(self.tables)}"
-            )
+            raise not_in_model(table, self.tables, "table")
         return layout
 
     def _require_map(self) -> ShardMap:
@@ -516,11 +454,7 @@ class PSClient:
         return self.shard_map
 
     def _unknown(self, name: str) -> PSError:
-        from pswire.errors import UnknownVariableError
-
-        assert self.shard_map is not None
-        known = [v.name for v in self.shard_map.variables]
-        return UnknownVariableError(f"variable '{name}' is not in the model; known: {known[:20]}")
+        return not_in_model(name, (v.name for v in self._require_map().variables))
 
     def _call(self, shard: int, rpc: str, fn: Callable[[Any], T]) -> T:
         return self.links[shard].call(rpc, fn)

@@ -8,9 +8,10 @@ from typing import Any
 
 from pswire.cluster import ClusterSpec
 from pswire.security import ClientSecurity
-from psworker.allreduce import AllReduceClient
+from psworker.api import Client
 from psworker.client import PSClient
 from psworker.local import LocalClient
+from psworker.ring.client import AllReduceClient
 
 
 def _connect_ring(
@@ -34,8 +35,6 @@ def _connect_ring(
     unknown = set(options) - allowed
     if unknown:
         raise ValueError(f"options {sorted(unknown)} do not apply to mode 'allreduce'")
-    if "compression" not in options and os.environ.get("PS_COMPRESSION"):
-        options["compression"] = os.environ["PS_COMPRESSION"]
     return AllReduceClient(
         0 if worker_id is None else worker_id, peers, security=security, **options
     )
@@ -54,7 +53,7 @@ def connect(
     tls_key: str | None = None,
     token: str | None = None,
     **options: Any,
-) -> PSClient | LocalClient | AllReduceClient:
+) -> Client:
     """Connects a worker to the job's shards, or returns an in-process or ring client.
 
     With no ``addresses``, the cluster comes from ``cluster`` (TF_CONFIG JSON or a file path)
@@ -76,6 +75,8 @@ def connect(
         ValueError: a parameter-server mode with no cluster, or inconsistent arguments.
     """
     mode = mode or os.environ.get("PS_MODE") or None
+    if "compression" not in options and os.environ.get("PS_COMPRESSION"):
+        options["compression"] = os.environ["PS_COMPRESSION"]
     if mode == "local":
         return LocalClient()
     if mode == "allreduce":
@@ -97,8 +98,6 @@ def connect(
         num_workers = (len(spec.workers) or 1) if num_workers is None else num_workers
     if staleness is None:
         staleness = int(os.environ.get("PS_STALENESS") or 0)
-    if "compression" not in options and os.environ.get("PS_COMPRESSION"):
-        options["compression"] = os.environ["PS_COMPRESSION"]
     return PSClient(
         addresses,
         worker_id=0 if worker_id is None else worker_id,

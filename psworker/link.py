@@ -5,19 +5,19 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 import grpc
 import numpy as np
 
-from pswire.codec import tensor_to_proto
+from pswire.codec import ChunkAssembler
 from pswire.errors import UnavailableError
 from pswire.proto import ps_pb2
-from pswire.status import from_rpc_error
+from pswire.push import push_pull_request, push_stream
+from pswire.rpc_errors import from_rpc_error
 from pswire.stubs import ParameterServerStub
 from pswire.tables import RowSparse
-from pswire.wiremsg import encode_chunk_messages
 from psworker.stepstream import StepStream
 
 T = TypeVar("T")
@@ -31,49 +31,6 @@ _RECOVERABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
 def backoff(attempt: int, rng: random.Random) -> float:
     """Jittered exponential backoff: up to 0.1 s, 0.2 s, ... capped at 2 s, times U(0.5, 1)."""
     return min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt) * rng.uniform(0.5, 1.0)
-
-
-def push_stream(
-    worker_id: int,
-    step: int,
-    pieces: Mapping[str, np.ndarray | RowSparse],
-    chunk_bytes: int,
-    incarnation: str | None = None,
-) -> Iterator[bytes | ps_pb2.PushRequest]:
-    """A Push request stream: the header, then every piece as chunks (a table's rows with
-    their ids).
-
-    A uint16 piece is a gradient compressed to bfloat16 (no gradient is an integer).
-    """
-    # A protobuf message or bytes alike: stubs.as_bytes serializes whichever it gets.
-    header = ps_pb2.PushHeader(worker_id=worker_id, step=step, incarnation=incarnation or "")
-    yield ps_pb2.PushRequest(header=header)
-    for key, piece in pieces.items():
-        array, ids, bf16 = _wire_parts(piece)
-        yield from encode_chunk_messages(key, array, 2, chunk_bytes, bfloat16=bf16, indices=ids)
-
-
-def push_pull_request(
-    worker_id: int,
-    step: int,
-    pieces: Mapping[str, np.ndarray | RowSparse],
-    incarnation: str | None = None,
-) -> ps_pb2.PushPullRequest:
-    """A PushPullRequest: the header and every piece whole (a table's rows with their ids)."""
-    header = ps_pb2.PushHeader(worker_id=worker_id, step=step, incarnation=incarnation or "")
-    request = ps_pb2.PushPullRequest(header=header)
-    for key, piece in pieces.items():
-        array, ids, bf16 = _wire_parts(piece)
-        request.chunks.append(tensor_to_proto(key, array, bfloat16=bf16, indices=ids))
-    return request
-
-
-def _wire_parts(piece: np.ndarray | RowSparse) -> tuple[np.ndarray, np.ndarray | None, bool]:
-    """(the values, a table's row ids or None, whether the values are bfloat16 bit patterns:
-    a uint16 piece is a compressed gradient, as no gradient is an integer)."""
-    if isinstance(piece, RowSparse):
-        return piece.values, piece.ids, piece.values.dtype == np.uint16
-    return piece, None, piece.dtype == np.uint16
 
 
 class ShardLink:
@@ -140,6 +97,68 @@ class ShardLink:
                 log.info("%s unavailable; retry %d in %.2fs", self.where(rpc), attempt + 1, pause)
                 time.sleep(pause)
                 attempt += 1
+
+    def pull(
+        self, request: ps_pb2.PullRequest, into: Mapping[str, np.ndarray] | None = None
+    ) -> dict[str, np.ndarray]:
+        """A Pull, decoded (into ``into``'s arrays where given).
+
+        Raises:
+            PSError: the call failed (after retries through UNAVAILABLE).
+        """
+
+        def run(stub: ParameterServerStub) -> dict[str, np.ndarray]:
+            request.incarnation = self.incarnation or ""  # per attempt: a retry after a restart
+            assembler = ChunkAssembler(into=into)
+            for reply in stub.Pull(request, timeout=self.timeout):
+                assembler.add(reply.chunk)
+            return assembler.finish()
+
+        return self.call("Pull", run)
+
+    def push(self, step: int, pieces: Mapping[str, np.ndarray | RowSparse]) -> ps_pb2.PushResponse:
+        """A streamed Push of this shard's pieces of one step (kept for replay first).
+
+        Raises:
+            PSError: the call failed (after retries through UNAVAILABLE).
+        """
+        self.note_push(step, pieces)
+        reply = self.call(
+            "Push",
+            lambda stub: stub.Push(
+                push_stream(self.worker_id, step, pieces, self.chunk_bytes, self.incarnation),
+                timeout=self.timeout,
+            ),
+        )
+        self.note_reply(reply.incarnation, reply.durable_step)
+        return reply
+
+    def push_pull(
+        self,
+        step: int,
+        pieces: Mapping[str, np.ndarray | RowSparse],
+        into: Mapping[str, np.ndarray] | None = None,
+    ) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
+        """One step as one message each way on the open step stream: the push, then the
+        weights for the step after it (decoded into ``into``'s arrays where given).
+
+        Raises:
+            PSError: the call failed (after retries through UNAVAILABLE).
+        """
+        self.note_push(step, pieces)
+
+        def run(_: ParameterServerStub) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
+            # Built per attempt: a retry after a restart carries the new incarnation.
+            fused = push_pull_request(self.worker_id, step, pieces, self.incarnation)
+            reply = self.steps.step(fused, self.timeout)
+            assembler = ChunkAssembler(into=into)
+            for chunk in reply.chunks:
+                assembler.add(chunk)
+            return reply.push, assembler.finish()
+
+        pushed, arrays = self.call("PushPull", run)
+        self.note_reply(pushed.incarnation, pushed.durable_step)
+        return pushed, arrays
 
     def register(self) -> ps_pb2.RegisterWorkerResponse:
         """RegisterWorker on this shard, remembering what it says about durability."""

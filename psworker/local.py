@@ -7,15 +7,15 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from pswire.codec import check_tensor
-from pswire.errors import NotInitializedError, UnknownVariableError
+from pswire.errors import NotInitializedError, not_in_model
 from pswire.optim import Optimizer
-from pswire.partition import check_out
 from pswire.rowstore import RowStore
 from pswire.tables import RowSparse, Table, TableLayout, as_ids, check_rows
+from psworker.placement import check_out
 
 
 class LocalClient:
-    """Same API as ``PSClient`` for a single worker: the reference every mode is tested against.
+    """The ``Client`` role for a single worker: the reference every mode is tested against.
 
     Pushes are applied at once, like a one-worker ``sync`` job, with the same optimizer code the
     shards run.
@@ -78,9 +78,7 @@ class LocalClient:
         wanted = list(names) if names is not None else list(self._vars)
         for name in wanted:
             if name not in self._vars:
-                raise UnknownVariableError(
-                    f"variable '{name}' is not in the model; known: {list(self._vars)[:20]}"
-                )
+                raise not_in_model(name, self._vars)
         if not out:
             return {k: self._vars[k].copy() for k in wanted}
         check_out(out, {k: (self._vars[k].shape, self._vars[k].dtype.name) for k in wanted})
@@ -124,9 +122,7 @@ class LocalClient:
                 continue
             var = self._vars.get(name)
             if var is None:
-                raise UnknownVariableError(
-                    f"variable '{name}' is not in the model; known: {list(self._vars)[:20]}"
-                )
+                raise not_in_model(name, self._vars)
             check_tensor(name, var.shape, var.dtype.name, np.asarray(grad), "push")
         for store, ids, values in rows.values():
             store.apply(ids, values)
@@ -140,6 +136,20 @@ class LocalClient:
         self.step = step + 1
         return True
 
+    def push_pull(
+        self,
+        grads: Mapping[str, np.ndarray | RowSparse],
+        step: int | None = None,
+        out: Mapping[str, np.ndarray] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """``push(grads, step)``, then ``pull(out=out)``.
+
+        Raises:
+            as ``push`` and ``pull``.
+        """
+        self.push(grads, step)
+        return self.pull(out=out)
+
     def heartbeat(self) -> None:
         """No servers to tell."""
 
@@ -149,9 +159,7 @@ class LocalClient:
     def _table(self, name: str) -> tuple[TableLayout, RowStore]:
         found = self._tables.get(name)
         if found is None:
-            raise UnknownVariableError(
-                f"table '{name}' is not in the model; tables: {sorted(self._tables)}"
-            )
+            raise not_in_model(name, self._tables, "table")
         return found
 
     def _require_init(self) -> Optimizer:

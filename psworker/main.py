@@ -13,7 +13,7 @@ from typing import Any
 
 from pswire import cli
 from pswire.cluster import ClusterSpec
-from psworker.client import MODES
+from pswire.job import MODES
 
 
 def build_parser() -> argparse.ArgumentParser:

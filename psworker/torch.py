@@ -10,9 +10,7 @@ import torch
 
 from pswire.optim import Optimizer
 from pswire.tables import RowSparse, Table
-from psworker.allreduce import AllReduceClient
-from psworker.client import PSClient
-from psworker.local import LocalClient
+from psworker.api import Client
 
 BUFFER_PREFIX = "buffer:"
 
@@ -90,7 +88,7 @@ class _RemoteTable(torch.nn.Module):
         self,
         num_embeddings: int | None,
         embedding_dim: int,
-        client: PSClient | LocalClient,
+        client: Client,
         name: str,
         *,
         init: str = "normal",
@@ -207,7 +205,7 @@ class DistributedOptimizer:
     def __init__(
         self,
         model: torch.nn.Module,
-        client: PSClient | LocalClient | AllReduceClient,
+        client: Client,
         optimizer: Optimizer,
     ) -> None:
         self.model = model
@@ -225,17 +223,9 @@ class DistributedOptimizer:
         with torch.no_grad():
             initial = self._staging.to_host(everything)
             values = {n: np.array(a, copy=True) for n, a in initial.items()}
-            if self._tables:
-                assert not isinstance(client, AllReduceClient)  # _tables_of refused it
-                tables = {name: m.table for name, m in self._tables.items()}
-                client.init(values, optimizer, buffers=list(self._buffers), tables=tables)
-            else:
-                client.init(values, optimizer, buffers=list(self._buffers))
+            tables = {name: m.table for name, m in self._tables.items()}
+            client.init(values, optimizer, buffers=list(self._buffers), tables=tables)
             self._staging.to_device(client.pull(), everything)
-
-    @property
-    def step_count(self) -> int:
-        return self.client.step
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the parameters' gradients, as ``torch.optim.Optimizer.zero_grad`` does."""
@@ -264,17 +254,10 @@ class DistributedOptimizer:
         # A table untouched this step is left out: it counts as zero, like a None grad.
         rows = {n: g for n, t in self._tables.items() if (g := t.take_grads()) is not None}
         targets = {**self._params, **self._buffers}
-        if isinstance(self.client, PSClient):  # one round trip per shard per step
-            # Decoded straight into the model (or its pinned staging): no second copy.
-            out = self._staging.receivers(targets)
-            weights = self.client.push_pull({**outgoing, **rows}, out=out)
-        else:
-            if rows:
-                assert isinstance(self.client, LocalClient)  # _tables_of refused allreduce
-                self.client.push({**outgoing, **rows})
-            else:
-                self.client.push(outgoing)
-            weights = self.client.pull()
+        # One round trip per shard per step, decoded straight into the model (or its pinned
+        # staging): no second copy.
+        out = self._staging.receivers(targets)
+        weights = self.client.push_pull({**outgoing, **rows}, out=out)
         self._staging.to_device(weights, targets)
 
     def state_dict(self) -> dict[str, Any]:
@@ -302,14 +285,11 @@ class DistributedOptimizer:
         yield from self._params.values()
 
 
-def _tables_of(
-    model: torch.nn.Module, client: PSClient | LocalClient | AllReduceClient
-) -> dict[str, _RemoteTable]:
+def _tables_of(model: torch.nn.Module, client: Client) -> dict[str, _RemoteTable]:
     """The model's shard-held tables by name.
 
     Raises:
-        ValueError: two tables share a name, a table uses another client, or the mode is
-            ``allreduce`` (no shards to hold a table).
+        ValueError: two tables share a name, or a table uses another client.
     """
     tables: dict[str, _RemoteTable] = {}
     for module in model.modules():
@@ -320,9 +300,4 @@ def _tables_of(
         if module.client is not client:
             raise ValueError(f"table '{module.name}' was made with another client")
         tables[module.name] = module
-    if tables and isinstance(client, AllReduceClient):
-        raise ValueError(
-            f"tables {sorted(tables)} live on parameter-server shards; mode 'allreduce' has "
-            "none (use sync, async, ssp or local)"
-        )
     return tables

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from psserver.job import Limits
+from psserver.records import Limits
 from psserver.server import RunningServer, start_server
 from psserver.shard import Shard
 

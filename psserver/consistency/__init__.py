@@ -6,9 +6,7 @@ from psserver.consistency.asynchronous import AsyncPolicy
 from psserver.consistency.base import Clocks, ConsistencyPolicy
 from psserver.consistency.ssp import StalenessPolicy
 from psserver.consistency.sync import SyncPolicy
-from pswire.errors import InvalidRequestError
-
-MODES = ("sync", "async", "ssp")
+from pswire.job import check_mode
 
 
 def make_policy(mode: str, staleness: int = 0, quorum: int = 0) -> ConsistencyPolicy:
@@ -17,19 +15,19 @@ def make_policy(mode: str, staleness: int = 0, quorum: int = 0) -> ConsistencyPo
     Raises:
         InvalidRequestError: unknown mode, a negative staleness or quorum.
     """
-    if quorum < 0:
-        raise InvalidRequestError(f"quorum must be >= 0, got {quorum}")
-    if quorum and mode != "sync":
-        raise InvalidRequestError(f"quorum (backup workers) is a sync option; mode is {mode!r}")
+    check_mode(mode, staleness, quorum)
     if mode == "sync":
         return SyncPolicy(quorum)
     if mode == "async":
         return AsyncPolicy()
-    if mode == "ssp":
-        if staleness < 0:
-            raise InvalidRequestError(f"ssp staleness must be >= 0, got {staleness}")
-        return StalenessPolicy(staleness)
-    raise InvalidRequestError(f"unknown mode {mode!r}; expected one of {list(MODES)}")
+    return StalenessPolicy(staleness)
 
 
-__all__ = ["MODES", "AsyncPolicy", "Clocks", "ConsistencyPolicy", "StalenessPolicy", "SyncPolicy"]
+__all__ = [
+    "AsyncPolicy",
+    "Clocks",
+    "ConsistencyPolicy",
+    "StalenessPolicy",
+    "SyncPolicy",
+    "make_policy",
+]

@@ -577,6 +577,7 @@ class PushResponse(_message.Message):
     CLOCK_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     DURABLE_STEP_FIELD_NUMBER: _builtins.int
+    NEXT_STEP_FIELD_NUMBER: _builtins.int
     applied: _builtins.bool
     """false for a duplicate (already applied) or a dropped late push"""
     reason: _builtins.str
@@ -586,6 +587,8 @@ class PushResponse(_message.Message):
     incarnation: _builtins.str
     durable_step: _builtins.int
     """this worker's steps covered by the shard's last checkpoint"""
+    next_step: _builtins.int
+    """the step this worker reads at and pushes next: step + 1, or"""
     def __init__(
         self,
         *,
@@ -594,10 +597,11 @@ class PushResponse(_message.Message):
         clock: _builtins.int = ...,
         incarnation: _builtins.str = ...,
         durable_step: _builtins.int = ...,
+        next_step: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "clock", b"clock", "durable_step", b"durable_step", "incarnation", b"incarnation", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "clock", b"clock", "durable_step", b"durable_step", "incarnation", b"incarnation", "next_step", b"next_step", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -15,8 +15,8 @@ import pytest
 from e2e_support import Processes, child_env
 
 import psworker
+from psctl.admin import checkpoint_all, export_state_dict
 from psserver.checkpoint import Checkpointer, checkpoint_name
-from psworker.admin import checkpoint_all, export_state_dict
 from psworker.client import status
 
 

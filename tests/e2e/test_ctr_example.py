@@ -12,7 +12,7 @@ from e2e_support import REPO, Processes, child_env
 pytest.importorskip("torch")
 
 EXAMPLE = REPO / "examples" / "ctr.py"
-PSCTL = [sys.executable, "-m", "psworker.ctl"]
+PSCTL = [sys.executable, "-m", "psctl.main"]
 CAP_BYTES = 1 << 30
 TABLE_ROWS = 1 << 26  # x 9 float32: 2.25 GiB of rows, and as much of Adagrad state
 # The worker command: cap the address space, then run the example as a script.

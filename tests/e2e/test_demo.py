@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from e2e_support import Processes
 
-PSCTL = [sys.executable, "-m", "psworker.ctl"]
+PSCTL = [sys.executable, "-m", "psctl.main"]
 # The bars: 95% where every gradient is averaged (or in one process), 90% where stale
 # gradients are applied as they come.
 THRESHOLDS = {"sync": 0.95, "local": 0.95, "allreduce": 0.95, "async": 0.90, "ssp": 0.90}
@@ -29,7 +29,7 @@ def adopt_launched(procs: Processes, out: str) -> dict[str, int]:
     found = re.findall(r"\[psctl\] (\w+) (?:serving at \S+|started) \(pid (\d+)\)", out)
     pids = {name: int(pid) for name, pid in found}
     for name, pid in pids.items():
-        procs.adopt(pid, "psserver" if name.startswith("ps") else "psworker.demo")
+        procs.adopt(pid, "psserver" if name.startswith("ps") else "psctl.demo")
     return pids
 
 
@@ -68,7 +68,7 @@ def test_demo_reaches_accuracy_and_writes_model_and_plot(
     # The saved state_dict is the model that was evaluated.
     import torch
 
-    from psworker.demo import DigitsCNN, accuracy, load_data
+    from psctl.demo import DigitsCNN, accuracy, load_data
 
     model = DigitsCNN()
     model.load_state_dict(torch.load(out_dir / "model.pt", weights_only=True))

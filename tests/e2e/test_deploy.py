@@ -123,7 +123,7 @@ def test_compose_dependencies_put_shards_first() -> None:
     assert order.index("ps0") < order.index("worker0")
     assert order.index("ps1") < order.index("worker1")
     # The command is written out, so `docker compose up` needs no other source of truth.
-    worker = ["python", "-m", "psworker", "run", "psworker.demo:main"]
+    worker = ["python", "-m", "psworker", "run", "psctl.demo:main"]
     assert command_of(services["worker0"])[:5] == worker
 
 
@@ -255,7 +255,7 @@ def test_compose_services_train_the_demo_on_their_own_hosts(compose_hosts: Compo
 
     # psctl status from a worker's host, by service name, with every shard's clocks.
     status = (
-        "from psworker import status_view\n"
+        "from psctl import status_view\n"
         "addresses = ['ps0:7000', 'ps1:7000']\n"
         "health, statuses = status_view.gather(addresses, 10.0)\n"
         "print(status_view.render_table(addresses, statuses, health))\n"

@@ -10,7 +10,7 @@ import pytest
 from e2e_support import REPO, Processes
 
 EXAMPLE = REPO / "examples" / "train_digits.py"
-PSCTL = [sys.executable, "-m", "psworker.ctl"]
+PSCTL = [sys.executable, "-m", "psctl.main"]
 MARKER = "# (distributed)"
 
 

@@ -16,7 +16,7 @@ from e2e_support import Processes, child_env, free_port, pid_runs
 
 import psworker
 
-PSCTL = [sys.executable, "-m", "psworker.ctl"]
+PSCTL = [sys.executable, "-m", "psctl.main"]
 
 TRAIN = """
 import os, sys

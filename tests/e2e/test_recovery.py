@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from e2e_support import Processes, child_env
 
-from psworker.progress import PREFIX
+from psctl.progress import PREFIX
 
 
 class Output:
@@ -71,7 +71,7 @@ def start_workers(procs: Processes, ps: list[str], out: Path, n: int = 2, epochs
         tf_config = {"cluster": {"ps": ps, "worker": [f"w{j}:0" for j in range(n)]}}
         tf_config["task"] = {"type": "worker", "index": i}
         env = child_env(TF_CONFIG=json.dumps(tf_config), PS_MODE="sync")
-        argv = [sys.executable, "-m", "psworker.demo", "--epochs", str(epochs), "--out", str(out)]
+        argv = [sys.executable, "-m", "psctl.demo", "--epochs", str(epochs), "--out", str(out)]
         proc = procs.start(argv, env)
         workers.append((proc, Output(proc)))
     return workers

@@ -13,8 +13,8 @@ from e2e_support import Processes, child_env, wait_port_file
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import psworker
+from psctl.certs import write_certs
 from pswire.security import ClientSecurity
-from psworker.certs import write_certs
 
 TOKEN = "e2e-token-0123456789"
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import psworker
-from psserver.job import Limits
+from psserver.records import Limits
 from pswire.channel import insecure_channel
 from pswire.codec import tensor_to_chunks
 from pswire.proto import ps_pb2, ps_pb2_grpc
@@ -258,7 +258,7 @@ def test_worker_id_out_of_range_is_invalid(served):
 def test_errors_sharing_a_status_code_arrive_as_their_own_class(shards) -> None:
     from pswire.errors import ModelMismatchError, NotInitializedError, ShapeMismatchError
     from pswire.proto import ps_pb2
-    from pswire.status import from_rpc_error
+    from pswire.rpc_errors import from_rpc_error
 
     (server,) = shards(1)
     with psworker.connect([server.address], mode="async") as client:

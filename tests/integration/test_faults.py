@@ -10,7 +10,7 @@ from faults import FaultPlan
 from workers import run_workers
 
 import psworker
-from psserver.job import Limits
+from psserver.records import Limits
 from pswire.optim import SGD
 
 SHAPES = {"w": (6, 4), "b": (4,)}

@@ -160,7 +160,7 @@ def test_failed_calls_are_counted_by_status_code(metered) -> None:
 
 def test_two_shards_in_one_process_keep_separate_registries() -> None:
     a, b = ShardMetrics(Shard(), "a"), ShardMetrics(Shard(), "b")
-    a.count_push({"fc.w": np.zeros(4, np.float32)})
+    a.pushed({"fc.w": np.zeros(4, np.float32)})
     assert a.registry.get_sample_value("psserver_push_bytes_total", {"shard": "a", "group": "fc"})
     assert (
         b.registry.get_sample_value("psserver_push_bytes_total", {"shard": "a", "group": "fc"})

@@ -23,10 +23,10 @@ from pswire.channel import insecure_channel
 from pswire.codec import bfloat16_to_float32, float32_to_bfloat16, tensor_to_proto
 from pswire.errors import InvalidRequestError, PSError, UnavailableError, WaitTimeoutError
 from pswire.proto import ring_pb2, ring_pb2_grpc
-from psworker import ringwire
-from psworker.buckets import BucketPlan
-from psworker.peer import Ring, RingServer
-from psworker.ring import Tag
+from psworker.ring import transport as ringwire
+from psworker.ring.buckets import BucketPlan
+from psworker.ring.peer import Tag
+from psworker.ring.ring import Ring, RingServer
 
 REPO = Path(__file__).resolve().parents[2]
 FAIL_TIMEOUT = 3.0  # the ring timeout in failure tests
@@ -232,14 +232,22 @@ def test_bucketed_allreduce_round_trips_many_tensors() -> None:
     plans = [BucketPlan.for_arrays(m, bucket_bytes=1024) for m in mine]
     assert plans[0] == plans[1] == plans[2] and len(plans[0].buckets) > 2
     with cluster(world) as rings:
-        got = values(
-            on_ranks(lambda r: rings[r].allreduce_buckets(mine[r], plans[r]), range(world))
-        )
+        got = values(on_ranks(lambda r: _sum_in_buckets(rings[r], mine[r], plans[r]), range(world)))
     for name in models[0]:
         want = np.sum(np.stack([m[name] for m in models]), axis=0)
         for g in got:
             assert g[name].shape == want.shape and g[name].dtype == want.dtype
             np.testing.assert_allclose(g[name], want, rtol=1e-6, atol=1e-6)
+
+
+def _sum_in_buckets(
+    ring: Ring, tensors: dict[str, np.ndarray], plan: BucketPlan
+) -> dict[str, np.ndarray]:
+    """What AllReduceClient does each step: flatten into buckets, sum each, unflatten."""
+    buffers = plan.flatten(tensors)
+    for buffer in buffers:
+        ring.allreduce(buffer, inplace=True)
+    return plan.unflatten(buffers)
 
 
 def test_barrier_waits_for_the_last_rank() -> None:
@@ -348,7 +356,7 @@ def test_bad_arguments_do_not_consume_a_collective() -> None:
 CHILD = """
 import json, os, signal, sys, time
 import numpy as np
-from psworker import peer as ring_peer
+from psworker.ring import ring as ring_peer
 
 rank, timeout, die_after_sends = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
 server = ring_peer.RingServer("127.0.0.1:0")

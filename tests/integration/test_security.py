@@ -12,13 +12,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import psworker
-from psserver.job import Limits
+from psctl.certs import CertPaths, write_certs
+from psserver.records import Limits
 from psserver.server import RunningServer, start_server
 from psserver.shard import Shard
 from pswire.codec import tensor_to_chunks
 from pswire.proto import ps_pb2, ps_pb2_grpc
 from pswire.security import ClientSecurity, ServerSecurity
-from psworker.certs import CertPaths, write_certs
 from psworker.client import status as shard_status
 
 TOKEN = "s3cret-token_for.tests"
@@ -286,7 +286,7 @@ def _ring_pair(certs: CertPaths, tokens: tuple[str, str], timeout: float = 10.0)
     """Two all-reduce workers, each with a TLS + token ring server; returns their outcomes."""
     import threading
 
-    from psworker.ringwire import RingServer
+    from psworker.ring.transport import RingServer
 
     servers = [
         RingServer(

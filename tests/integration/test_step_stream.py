@@ -12,8 +12,8 @@ import psworker
 from pswire.errors import InvalidRequestError, WaitTimeoutError
 from pswire.optim import SGD
 from pswire.proto import ps_pb2
+from pswire.push import push_pull_request
 from pswire.stubs import ParameterServerStub
-from psworker.link import push_pull_request
 
 SHAPES = {"w": (3, 4), "b": (4,)}
 

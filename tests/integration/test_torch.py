@@ -154,7 +154,7 @@ def test_cuda_parameters_train_through_reused_pinned_buffers():
 
 
 def allreduce_train(optimizer, compression=None) -> dict[int, torch.nn.Module]:
-    from psworker.peer import RingServer
+    from psworker.ring.ring import RingServer
 
     x, y = data(STEPS * 2 * BATCH)
     servers = [RingServer("127.0.0.1:0") for _ in range(2)]

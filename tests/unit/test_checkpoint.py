@@ -20,9 +20,10 @@ from psserver.checkpoint import (
     CorruptCheckpointError,
     checkpoint_name,
 )
-from psserver.job import Job, Limits, ShardState, VarSpec
+from psserver.records import Limits, ShardState
 from psserver.shard import Shard
 from pswire.errors import NotInitializedError
+from pswire.job import Job, VarSpec
 from pswire.optim import SGD, Adagrad, Adam, Optimizer
 
 SPECS = (

@@ -1,4 +1,4 @@
-"""Unit tests for pswire.partition: placing variables and their dim-0 slices on shards."""
+"""Unit tests for psworker.placement: placing variables and their dim-0 slices on shards."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings, target
 from hypothesis import strategies as st
 
 from pswire.errors import UnknownVariableError
-from pswire.partition import DEFAULT_SPLIT_BYTES, Piece, ShardMap, VarInfo, plan
+from psworker.placement import DEFAULT_SPLIT_BYTES, Piece, ShardMap, VarInfo, plan
 
 DTYPES = ["float16", "float32", "float64", "int64", "uint8", "bool"]
 

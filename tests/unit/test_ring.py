@@ -1,4 +1,4 @@
-"""Unit tests for psworker.ring: the ring algorithms over in-memory peers, and gradient buckets."""
+"""Unit tests for psworker.ring: the algorithms over in-memory peers, and gradient buckets."""
 
 from __future__ import annotations
 
@@ -19,9 +19,11 @@ from pswire.errors import (
     UnknownVariableError,
     WaitTimeoutError,
 )
-from psworker import buckets, ring
-from psworker.buckets import BucketPlan
-from psworker.ring import Failure, LocalPeer, Mailbox, Tag, run_local
+from psworker.ring import algorithm as ring
+from psworker.ring import buckets
+from psworker.ring.algorithm import run_local
+from psworker.ring.buckets import BucketPlan
+from psworker.ring.peer import Failure, LocalPeer, Mailbox, Tag, local_peers
 
 TIMEOUT = 10.0
 
@@ -121,7 +123,7 @@ def test_float16_matches_float32_sum_rounded_once(world: int, length: int, seed:
 
 
 def test_zero_length_and_single_rank_return_the_buffer_untouched() -> None:
-    (peer,) = ring.local_peers(1)
+    (peer,) = local_peers(1)
     buffer = np.arange(5, dtype=np.float32)
     assert ring.allreduce(peer, buffer) is buffer
     np.testing.assert_array_equal(buffer, np.arange(5, dtype=np.float32))
@@ -259,7 +261,7 @@ def test_ranks_with_different_lengths_get_a_clear_error() -> None:
 
 
 def test_unsupported_or_unwritable_buffers_are_refused() -> None:
-    (peer,) = ring.local_peers(1)
+    (peer,) = local_peers(1)
     with pytest.raises(InvalidRequestError, match="int32"):
         ring.allreduce(peer, np.ones(4, np.int32))
     with pytest.raises(InvalidRequestError, match="uint16"):
@@ -273,7 +275,7 @@ def test_unsupported_or_unwritable_buffers_are_refused() -> None:
 
 
 def test_a_silent_neighbour_times_out_naming_it() -> None:
-    peers = ring.local_peers(3)
+    peers = local_peers(3)
     errors: dict[int, BaseException] = {}
 
     def run(rank: int) -> None:
@@ -338,7 +340,7 @@ def test_broadcast_copies_root_bytes_everywhere(
 
 
 def test_broadcast_rejects_a_bad_root() -> None:
-    (peer,) = ring.local_peers(1)
+    (peer,) = local_peers(1)
     with pytest.raises(ValueError, match="root"):
         ring.broadcast(peer, np.ones(3), root=1)
 

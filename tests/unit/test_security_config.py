@@ -10,9 +10,9 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
+from psctl import certs
 from psserver.config import parse_config
 from pswire.security import ClientSecurity, ServerSecurity, read_token_file
-from psworker import certs
 
 SECURITY_ENV = ("PS_TLS_CA", "PS_TLS_CERT", "PS_TLS_KEY", "PS_TOKEN", "PS_TOKEN_FILE")
 

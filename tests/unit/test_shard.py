@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from psserver.job import Job, Limits, VarSpec
+from psserver.records import Limits
 from psserver.shard import Shard
 from pswire.errors import (
     InvalidRequestError,
@@ -18,6 +18,7 @@ from pswire.errors import (
     UnknownVariableError,
     WaitTimeoutError,
 )
+from pswire.job import Job, VarSpec
 from pswire.optim import SGD
 
 VALUES = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(3, np.float32)}

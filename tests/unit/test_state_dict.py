@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from psctl.admin import BUFFER_PREFIX, join_pieces, save_state_dict
 from pswire.errors import InvalidRequestError
-from pswire.partition import VarInfo, plan
-from psworker.admin import BUFFER_PREFIX, join_pieces, save_state_dict
+from psworker.placement import VarInfo, plan
 
 
 def test_join_reverses_the_partitioner_and_drops_the_buffer_prefix() -> None:

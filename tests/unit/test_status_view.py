@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
+from psctl.status_view import Status, all_serving, render_json, render_table, to_data
 from pswire.proto import ps_pb2
-from psworker.status_view import Status, all_serving, render_json, render_table, to_data
 
 
 def reply(clocks: dict[int, int], live: list[int], checkpoint: int = -1) -> ps_pb2.StatusResponse:

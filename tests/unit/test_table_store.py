@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from psserver.checkpoint import Checkpointer
-from psserver.job import Job, VarSpec
 from psserver.shard import Shard
 from pswire.codec import ChunkAssembler, tensor_to_chunks
 from pswire.errors import InvalidRequestError, ModelMismatchError
+from pswire.job import Job, VarSpec
 from pswire.optim import SGD, Adagrad, Adam
 from pswire.proto import ps_pb2
 from pswire.rowstore import RowStore

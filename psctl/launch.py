@@ -20,13 +20,13 @@ from typing import TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pswire.job import CLIENT_MODES
 from pswire.security import ClientSecurity
-from psworker.client import MODES
 
 # "local" runs the one worker with no shards: the same script, the reference mode.
 # "allreduce" runs no shards either: the workers form a ring at their TF_CONFIG addresses.
 SHARDLESS_MODES = ("local", "allreduce")
-LAUNCH_MODES = tuple(dict.fromkeys((*MODES, *SHARDLESS_MODES)))
+LAUNCH_MODES = CLIENT_MODES
 DEFAULT_TIMEOUT_S = 3600.0
 DEFAULT_START_TIMEOUT_S = 60.0
 DEFAULT_GRACE_S = 5.0
@@ -79,7 +79,7 @@ class PrefixedOutput:
     """Where a run's output goes: each line under its process's ``[name]`` prefix (``[psctl]``
     for the launcher's own), whole lines only, though children's readers write at once.
 
-    Subclasses may render lines differently (``psworker.progress.ProgressOutput``).
+    Subclasses may render lines differently (``psctl.progress.ProgressOutput``).
     """
 
     def __init__(self, stream: TextIO | None = None) -> None:

@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import psworker
-from psworker import demo_results
-from psworker.progress import Reporter
+from psctl import demo_results
+from psctl.progress import Reporter
 from psworker.torch import DistributedOptimizer
 
 DEFAULT_OUT = "out/demo"
@@ -79,7 +79,7 @@ def accuracy(model: nn.Module, data: TensorDataset) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m psworker.demo",
+        prog="python -m psctl.demo",
         description="Train the digits CNN as one worker of the job in $TF_CONFIG/$PS_MODE "
         "(run it with `psctl demo`; alone it trains in mode local).",
     )
@@ -113,11 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         batches = psworker.shard(loader, client, seed=args.seed)
         wid, n = client.worker_id, client.num_workers
         total = args.epochs * len(batches)
-        shards = len(client.addresses)
         print(
             f"worker {wid}/{n}: mode {client.mode}, {len(batches)} batches of "
-            f"{args.batch_size} per epoch, {args.epochs} epochs, "
-            + (f"{shards} shards" if shards else "no shards (one process)"),
+            f"{args.batch_size} per epoch, {args.epochs} epochs",
             flush=True,
         )
         progress = Reporter(wid, total)

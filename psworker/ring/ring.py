@@ -6,7 +6,7 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -20,12 +20,11 @@ from pswire.errors import (
     WaitTimeoutError,
 )
 from pswire.proto import ring_pb2
+from pswire.rpc_errors import from_rpc_error
 from pswire.security import ClientSecurity
-from pswire.status import from_rpc_error
-from psworker import ring
-from psworker.buckets import DEFAULT_BUCKET_BYTES, BucketPlan
-from psworker.ring import Failure, Peer, Tag
-from psworker.ringwire import (
+from psworker.ring import algorithm
+from psworker.ring.peer import Failure, Peer, Tag
+from psworker.ring.transport import (
     CERTAIN,
     RingPeerStub,
     RingServer,
@@ -36,7 +35,7 @@ from psworker.ringwire import (
 __all__ = ["Ring", "RingServer"]
 
 T = TypeVar("T")
-DEFAULT_TIMEOUT_S = ring.DEFAULT_TIMEOUT_S
+DEFAULT_TIMEOUT_S = algorithm.DEFAULT_TIMEOUT_S
 _END = None  # ends a request stream
 # A segment large enough travels in at least this many chunks, so sending one overlaps
 # reducing the next; but no chunk shrinks below 1 MiB for it (each message costs CPU).
@@ -186,7 +185,7 @@ class Ring:
         addresses: Sequence[str],
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
-        chunk_bytes: int = ring.RING_CHUNK_BYTES,
+        chunk_bytes: int = algorithm.RING_CHUNK_BYTES,
         server: RingServer | None = None,
         bind: str | None = None,
         security: ClientSecurity | None = None,
@@ -299,10 +298,10 @@ class Ring:
             WaitTimeoutError, UnavailableError: a peer is silent or gone; the message names it.
         """
         arr = np.asarray(array)
-        ring.check_sum_dtype(arr.dtype, bfloat16)
+        algorithm.check_sum_dtype(arr.dtype, bfloat16)
         buffer = self._flat(arr, inplace)
         self._collective(
-            lambda peer: ring.allreduce(
+            lambda peer: algorithm.allreduce(
                 peer,
                 buffer,
                 timeout=self.timeout,
@@ -331,7 +330,7 @@ class Ring:
         arr = np.asarray(array)
         buffer = self._flat(arr, inplace)
         self._collective(
-            lambda peer: ring.broadcast(
+            lambda peer: algorithm.broadcast(
                 peer,
                 buffer,
                 root,
@@ -354,33 +353,6 @@ class Ring:
                 f"barrier counted {count[0]:g} ranks, this rank expects {self.world_size}; do "
                 "all workers use the same list of addresses?"
             )
-
-    def allreduce_buckets(
-        self,
-        tensors: Mapping[str, np.ndarray],
-        plan: BucketPlan | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    ) -> dict[str, np.ndarray]:
-        """Sums many named tensors over all ranks, a few flat buckets at a time.
-
-        Args:
-            tensors: name -> array, the same names, shapes and dtypes on every rank.
-            plan: a plan made once and reused every step; built from ``tensors`` if None.
-            bucket_bytes: bucket size when the plan is built here.
-
-        Returns:
-            name -> summed array (views into the bucket buffers).
-
-        Raises:
-            UnknownVariableError, ShapeMismatchError, InvalidRequestError: the tensors do not
-                fit the plan.
-            WaitTimeoutError, UnavailableError: a peer is silent or gone.
-        """
-        plan = plan if plan is not None else BucketPlan.for_arrays(tensors, bucket_bytes)
-        buffers = plan.flatten(tensors)
-        for buffer in buffers:
-            self.allreduce(buffer, inplace=True)
-        return plan.unflatten(buffers)
 
     # -- lifecycle ---------------------------------------------------------------------------
 

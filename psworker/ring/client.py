@@ -6,20 +6,24 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from pswire.codec import bfloat16_to_float32, float32_to_bfloat16
-from pswire.errors import InvalidRequestError, UnknownVariableError
+from pswire.codec import COMPRESSIONS, bfloat16_to_float32, float32_to_bfloat16
+from pswire.errors import InvalidRequestError, not_in_model
 from pswire.optim import Optimizer
 from pswire.security import ClientSecurity
-from psworker.buckets import DEFAULT_BUCKET_BYTES, BucketPlan
+from pswire.tables import RowSparse, Table
 from psworker.local import LocalClient
-from psworker.peer import Ring, RingServer
-from psworker.ring import DEFAULT_TIMEOUT_S
+from psworker.ring.algorithm import DEFAULT_TIMEOUT_S
+from psworker.ring.buckets import DEFAULT_BUCKET_BYTES, BucketPlan
+from psworker.ring.ring import Ring, RingServer
 
-COMPRESSIONS = (None, "fp16", "bf16")
+_NO_TABLES = (
+    "embedding tables {} live on parameter-server shards; mode 'allreduce' has none "
+    "(use sync, async, ssp or local)"
+)
 
 
 class AllReduceClient:
-    """Same API as ``PSClient``; every worker holds a full replica (like Horovod or DDP).
+    """The ``Client`` role without shards; every worker holds a full replica (like Horovod or DDP).
 
     ``init`` broadcasts worker 0's values so replicas start bit-identical. ``push`` sums the
     gradients over the ring in buckets of ``bucket_bytes`` (the same plan on every worker),
@@ -78,13 +82,17 @@ class AllReduceClient:
         variables: Mapping[str, np.ndarray],
         optimizer: Optimizer,
         buffers: Sequence[str] = (),
+        tables: Mapping[str, Table] | None = None,
     ) -> None:
         """Starts every replica from worker 0's values.
 
         Raises:
-            InvalidRequestError: workers disagree on the model.
+            InvalidRequestError: embedding tables (they live on shards, and this mode has
+                none), or workers disagree on the model.
             WaitTimeoutError, UnavailableError: a peer is silent or gone (named).
         """
+        if tables:
+            raise InvalidRequestError(_NO_TABLES.format(sorted(tables)))
         arrays = {k: np.array(v, copy=True) for k, v in variables.items()}
         plan = BucketPlan.for_arrays(arrays, self.bucket_bytes)
         buckets = plan.flatten(arrays)
@@ -101,7 +109,29 @@ class AllReduceClient:
         ``PSClient.pull``."""
         return self._local.pull(names, out)
 
-    def push(self, grads: Mapping[str, np.ndarray], step: int | None = None) -> bool:
+    def pull_rows(self, table: str, ids: np.ndarray | Sequence[int]) -> np.ndarray:
+        """Refused: this mode holds no embedding tables.
+
+        Raises:
+            InvalidRequestError: always.
+        """
+        raise InvalidRequestError(_NO_TABLES.format([table]))
+
+    def push_pull(
+        self,
+        grads: Mapping[str, np.ndarray | RowSparse],
+        step: int | None = None,
+        out: Mapping[str, np.ndarray] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """``push(grads, step)``, then this replica's weights (into ``out`` where given).
+
+        Raises:
+            as ``push`` and ``pull``.
+        """
+        self.push(grads, step)
+        return self.pull(out=out)
+
+    def push(self, grads: Mapping[str, np.ndarray | RowSparse], step: int | None = None) -> bool:
         """Averages this step's gradients over all workers and applies them locally.
 
         Every worker must push the same names each step; a parameter with no gradient on
@@ -111,11 +141,11 @@ class AllReduceClient:
             UnknownVariableError: a name not in the model.
             WaitTimeoutError, UnavailableError: a peer is silent or gone (named).
         """
-        for name in grads:
+        for name, grad in grads.items():
+            if isinstance(grad, RowSparse):
+                raise InvalidRequestError(_NO_TABLES.format([name]))
             if name not in self._specs:
-                raise UnknownVariableError(
-                    f"variable '{name}' is not in the model; known: {list(self._specs)[:20]}"
-                )
+                raise not_in_model(name, self._specs)
         # Shapes from init, not a pull: a pull would copy the whole model every step.
         full = {
             name: np.asarray(grads[name]) if name in grads else np.zeros(shape, dtype)

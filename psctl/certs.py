@@ -124,8 +124,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m psworker.certs`` (same flags as ``psctl certs``)."""
-    parser = argparse.ArgumentParser(prog="psworker.certs")
+    """Entry point of ``python -m psctl.certs`` (same flags as ``psctl certs``)."""
+    parser = argparse.ArgumentParser(prog="psctl.certs")
     add_parser(parser.add_subparsers(dest="command", required=True))
     return run(parser.parse_args(["certs", *(sys.argv[1:] if argv is None else argv)]))
 

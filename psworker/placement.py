@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pswire.errors import InvalidRequestError, UnknownVariableError
+from pswire.errors import InvalidRequestError, not_in_model
 
 # Variables above this many bytes are split along dim 0 across shards (like TF's
 # MinSizePartitioner), so one huge embedding does not sit on a single shard.
@@ -98,9 +98,7 @@ class ShardMap:
         for name, array in arrays.items():
             parts = by_var.get(name)
             if parts is None:
-                raise UnknownVariableError(
-                    f"variable '{name}' is not in the model; known: {sorted(by_var)[:20]}"
-                )
+                raise not_in_model(name, by_var)
             for p in parts:
                 out[p.shard][p.key] = array if len(parts) == 1 else array[p.start : p.stop]
         return out
@@ -150,7 +148,7 @@ class ShardMap:
         for name in names:
             parts = self.pieces_of(name)
             if not parts:
-                raise UnknownVariableError(f"variable '{name}' is not in the model")
+                raise not_in_model(name, self._by_var)
             target = out.get(name)
             if target is not None:
                 for p in parts:

@@ -21,8 +21,8 @@ from pswire.cluster import ClusterSpec
 from pswire.codec import ChunkAssembler
 from pswire.errors import InvalidRequestError, ModelMismatchError, NotInitializedError, PSError
 from pswire.proto import ps_pb2, ps_pb2_grpc
+from pswire.rpc_errors import from_rpc_error
 from pswire.security import ClientSecurity
-from pswire.status import from_rpc_error
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -30,7 +30,7 @@ T = TypeVar("T")
 # Must equal psworker.torch.BUFFER_PREFIX; not imported from there because that module needs
 # torch, and exporting must work without it.
 BUFFER_PREFIX = "buffer:"
-# A dim-0 slice of a split variable is stored as "name/part{i}of{k}" (pswire.partition.plan).
+# A dim-0 slice of a split variable is stored as "name/part{i}of{k}" (psworker.placement.plan).
 _PIECE = re.compile(r"(?P<var>.+)/part(?P<i>\d+)of(?P<k>\d+)")
 COMMANDS = ("checkpoint", "export")
 DEFAULT_OUT = "model.pt"

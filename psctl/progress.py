@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from psworker.launch import PrefixedOutput
+from psctl.launch import PrefixedOutput
 
 PREFIX = "PSPROGRESS "
 DEFAULT_EVERY_S = 0.25

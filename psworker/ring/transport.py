@@ -21,11 +21,11 @@ from pswire.channel import OPTIONS
 from pswire.codec import DTYPES, check_dtype
 from pswire.errors import InvalidRequestError, PSError, UnavailableError, error_for_status
 from pswire.proto import ring_pb2
+from pswire.rpc_errors import rpc_errors
 from pswire.security import ServerSecurity, TokenInterceptor
-from pswire.status import rpc_errors
 from pswire.stubs import as_bytes
 from pswire.wiremsg import encode_chunk_messages, parse_chunk, parse_message, varint_field
-from psworker.ring import Failure, Mailbox, Tag
+from psworker.ring.peer import Failure, Mailbox, Tag
 
 SERVICE_NAME = "pswire.v1.RingPeer"
 # A failure seen first-hand (a refused or dropped connection, a malformed chunk) outweighs any

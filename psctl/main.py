@@ -8,9 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from pswire import cli
-from psworker import admin, certs, demo_results, status_view
-from psworker.launch import (
+from psctl import admin, certs, demo_results, status_view
+from psctl.launch import (
     DEFAULT_GRACE_S,
     DEFAULT_START_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
@@ -18,7 +17,8 @@ from psworker.launch import (
     LocalConfig,
     run_local,
 )
-from psworker.progress import ProgressOutput
+from psctl.progress import ProgressOutput
+from pswire import cli
 
 DEMO_OUT = "out/demo"
 
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="train a small CNN on scikit-learn's handwritten digits on a local cluster",
         description=(
-            "Runs `psctl local` with the demo worker (python -m psworker.demo): each worker "
+            "Runs `psctl local` with the demo worker (python -m psctl.demo): each worker "
             "trains on its shard of the digits, with a progress bar per worker (plain lines "
             "when stderr is not a terminal). Then prints held-out accuracy, wall time and "
             "samples/s, and writes the model (model.pt) and loss curves (loss.png) to --out. "
@@ -118,7 +118,7 @@ def _add_cluster_flags(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``psctl`` / ``python -m psworker.ctl``; returns the exit code."""
+    """Entry point of ``psctl`` / ``python -m psctl.main``; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "certs":
@@ -165,7 +165,7 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     elif args.mode == "allreduce":
         args.servers = 0  # the workers average gradients among themselves
     out = Path(args.out).resolve()
-    command = [sys.executable, "-m", "psworker.demo", "--epochs", str(args.epochs)]
+    command = [sys.executable, "-m", "psctl.demo", "--epochs", str(args.epochs)]
     command += ["--seed", str(args.seed), "--out", str(out)]
     config = _local_config(parser, args, command)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,65 @@
+"""The plain records a shard hands back: its limits, push results, registrations, state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pswire.job import Job
+from pswire.rowstore import TableState
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_workers: int = 1024
+    max_variables: int = 100_000
+    max_request_bytes: int = 8 << 30
+    max_wait_s: float = 300.0
+    heartbeat_timeout_s: float = 30.0  # silent this long: out of the sync/ssp quorum; 0: never
+
+
+@dataclass
+class PushResult:
+    applied: bool
+    reason: str  # "duplicate" or "late" when not applied
+    clock: int
+    durable_step: int
+    next_step: int  # the step the worker reads at and pushes next
+
+
+@dataclass(frozen=True)
+class Registration:
+    clock: int  # the step the worker (re)joins at
+    initialized: bool
+    durable_step: int
+
+
+@dataclass(frozen=True)
+class ShardState:
+    """Everything a checkpoint holds: enough for a restarted shard to go on exactly."""
+
+    job: Job
+    variables: dict[str, np.ndarray]
+    slots: dict[str, dict]
+    updates: int
+    finished: dict[int, int]
+    counters: dict[str, int]
+    tables: dict[str, TableState] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ShardStatus:
+    initialized: bool
+    job: Job | None
+    clock: int
+    workers: dict[int, tuple[int, float]]  # worker -> (steps finished, seconds since heard)
+    live: frozenset[int]
+    total_bytes: int
+    pushes_applied: int
+    pushes_duplicate: int
+    pushes_late: int
+    checkpoint_step: int
+    checkpoint_age_s: float
+    tables: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
+    # table -> (rows, bytes, evictions, capacity)

@@ -1,0 +1,241 @@
+"""The job description both ends agree on (``Job``, ``VarSpec``) and its protobuf form."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from pswire.codec import check_tensor, tensor_nbytes
+from pswire.errors import InvalidRequestError, TooLargeError, UnknownVariableError
+from pswire.optim import Optimizer, optimizer_from_spec
+from pswire.proto import ps_pb2
+from pswire.tables import RowSparse, TableSlice, check_rows, table_from_proto, table_to_proto
+
+Grads = dict[str, np.ndarray | RowSparse]
+
+OBSERVER = -1  # worker_id of a reader that is not one of the job's workers
+# Consistency modes a parameter-server job runs in (psserver/consistency has one rule each).
+MODES = ("sync", "async", "ssp")
+# Every mode a worker may train in: the shards' modes and the two without shards.
+CLIENT_MODES = (*MODES, "allreduce", "local")
+
+
+def check_mode(mode: str, staleness: int = 0, quorum: int = 0) -> None:
+    """Validates a job's consistency settings.
+
+    Raises:
+        InvalidRequestError: unknown mode, a negative staleness or quorum, quorum outside sync.
+    """
+    if mode not in MODES:
+        raise InvalidRequestError(f"unknown mode {mode!r}; expected one of {list(MODES)}")
+    if quorum < 0:
+        raise InvalidRequestError(f"quorum must be >= 0, got {quorum}")
+    if quorum and mode != "sync":
+        raise InvalidRequestError(f"quorum (backup workers) is a sync option; mode is {mode!r}")
+    if mode == "ssp" and staleness < 0:
+        raise InvalidRequestError(f"ssp staleness must be >= 0, got {staleness}")
+
+
+@dataclass(frozen=True)
+class VarSpec:
+    """A variable (or slice) on this shard; ``average``: a buffer, not trained (see _apply);
+    ``table``: an embedding table's slice, read and written by rows."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    average: bool = False
+    table: TableSlice | None = None
+
+    @classmethod
+    def of_table(cls, table: TableSlice) -> VarSpec:
+        """The spec of one shard's slice of an embedding table."""
+        return cls(table.key, (table.local_rows, table.dim), table.dtype, table=table)
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every worker of a job must agree on with this shard."""
+
+    mode: str
+    staleness: int
+    num_workers: int
+    optimizer: Optimizer
+    variables: tuple[VarSpec, ...]
+    model_digest: str
+    quorum: int = 0
+
+    def check(self, max_workers: int, max_variables: int) -> None:
+        """Validates the job against a shard's limits.
+
+        Raises:
+            InvalidRequestError: bad worker count, mode, duplicate names or table slices.
+            TooLargeError: more variables than the limit.
+        """
+        if self.num_workers < 1 or self.num_workers > max_workers:
+            raise InvalidRequestError(
+                f"num_workers must be in [1, {max_workers}], got {self.num_workers}"
+            )
+        check_mode(self.mode, self.staleness, self.quorum)
+        if len(self.variables) > max_variables:
+            raise TooLargeError(
+                f"job declares {len(self.variables)} variables on this shard, over the limit "
+                f"of {max_variables}"
+            )
+        keys = [v.key for v in self.variables]
+        if len(set(keys)) != len(keys):
+            raise InvalidRequestError(f"job declares a variable twice: {keys}")
+        for v in self.variables:
+            if v.table is not None:
+                v.table.check(self.optimizer)
+                if v.shape != (v.table.local_rows, v.table.dim) or v.dtype != v.table.dtype:
+                    raise InvalidRequestError(
+                        f"table '{v.key}' declares shape {v.shape} {v.dtype}, but its slice "
+                        f"holds ({v.table.local_rows}, {v.table.dim}) {v.table.dtype}"
+                    )
+
+    def check_values(self, values: Mapping[str, np.ndarray]) -> None:
+        """Validates initial values against the job's dense variables (tables are never sent).
+
+        Raises:
+            UnknownVariableError: a value for a variable the job lacks.
+            InvalidRequestError: a missing value, a table's value, wrong dtype or NaN.
+            ShapeMismatchError: wrong shape.
+        """
+        specs = {v.key: v for v in self.variables if v.table is None}
+        for v in self.variables:
+            if v.table is not None and v.key in values:
+                raise InvalidRequestError(
+                    f"initial values for table '{v.key}': tables start from their seeded "
+                    "initialiser on the shards and are never sent"
+                )
+        for key in values:
+            if key not in specs:
+                raise UnknownVariableError(
+                    f"initial value for variable '{key}', which the job does not declare"
+                )
+        for key, spec in specs.items():
+            if key not in values:
+                raise InvalidRequestError(f"initial values lack variable '{key}'")
+            check_tensor(key, spec.shape, spec.dtype, values[key], "initial value")
+
+    @functools.cached_property
+    def specs(self) -> dict[str, VarSpec]:
+        """The variables by key."""
+        return {v.key: v for v in self.variables}
+
+    def unknown(self, key: str) -> str:
+        """The message for a variable this shard's part of the job lacks."""
+        known = sorted(self.specs)
+        shown = ", ".join(known[:10]) + (", ..." if len(known) > 10 else "")
+        return f"variable '{key}' is not on this shard (it holds: {shown})"
+
+    def checked_grads(self, grads: Mapping[str, np.ndarray | RowSparse]) -> Grads:
+        """A push's gradients, validated against the job; float16 gradients of float32
+        variables (wire compression) widened to float32, so averaging and the optimizer run in
+        float32. (bfloat16 arrives already widened.)
+
+        Raises:
+            UnknownVariableError: a gradient for a variable the job lacks.
+            ShapeMismatchError, InvalidRequestError: wrong shape or dtype, non-finite values,
+                dense rows for a table or rows for a dense variable, bad row ids.
+        """
+        out: Grads = {}
+        for key, grad in grads.items():
+            spec = self.specs.get(key)
+            if spec is None:
+                raise UnknownVariableError(self.unknown(key))
+            if spec.table is not None:
+                if not isinstance(grad, RowSparse):
+                    raise InvalidRequestError(
+                        f"table '{key}' takes row-sparse gradients (ids with rows), got a dense "
+                        f"tensor of shape {grad.shape}"
+                    )
+                if grad.values.dtype == np.float16 and spec.dtype == "float32":
+                    grad = RowSparse(grad.ids, grad.values.astype(np.float32))
+                check_rows(spec.table, grad.ids, grad.values, "push")
+            elif isinstance(grad, RowSparse):
+                raise InvalidRequestError(
+                    f"variable '{key}' is dense, but the push sent rows by id (not a table)"
+                )
+            else:
+                if grad.dtype == np.float16 and spec.dtype == "float32" and not spec.average:
+                    grad = grad.astype(np.float32)
+                what = "buffer value" if spec.average else "gradient"
+                check_tensor(key, spec.shape, spec.dtype, grad, what)
+            out[key] = grad
+        return out
+
+    def differences(self, other: Job) -> list[str]:
+        """Human-readable list of what differs from ``other`` (the shard's job)."""
+        out = []
+        for attr in ("mode", "staleness", "num_workers", "model_digest", "quorum"):
+            mine, theirs = getattr(self, attr), getattr(other, attr)
+            if mine != theirs:
+                out.append(f"{attr}: shard has {theirs!r}, worker sent {mine!r}")
+        if self.optimizer != other.optimizer:
+            out.append(f"optimizer: shard has {other.optimizer}, worker sent {self.optimizer}")
+        if self.variables != other.variables:
+            theirs_by = {v.key: v for v in other.variables}
+            mine_by = {v.key: v for v in self.variables}
+            for key in sorted(set(theirs_by) | set(mine_by)):
+                a, b = theirs_by.get(key), mine_by.get(key)
+                if a != b:
+                    out.append(
+                        f"variable '{key}': shard has {_describe(a)}, worker sent {_describe(b)}"
+                    )
+        return out
+
+
+def _describe(v: VarSpec | None) -> str:
+    if v is None:
+        return "nothing"
+    text = f"{v.shape} {v.dtype}"
+    return text if v.table is None else f"{text}, table {v.table}"
+
+
+def job_from_proto(spec: ps_pb2.JobSpec) -> Job:
+    """Builds a Job from the wire, validating dtypes and dims.
+
+    Raises:
+        InvalidRequestError: bad optimizer, dtype or dims.
+    """
+    variables = []
+    for v in spec.variables:
+        # The same dtype and dims checks as a tensor on the wire: a job must not declare a
+        # variable that no tensor could ever match (negative or absurd dims).
+        tensor_nbytes(v.name, v.dtype, v.shape)
+        table = table_from_proto(v) if v.HasField("table") else None
+        shape = tuple(int(d) for d in v.shape)
+        variables.append(VarSpec(v.name, shape, v.dtype, v.average, table))
+    return Job(
+        mode=spec.mode,
+        staleness=int(spec.staleness),
+        num_workers=int(spec.num_workers),
+        optimizer=optimizer_from_spec(spec.optimizer.name, dict(spec.optimizer.params)),
+        variables=tuple(variables),
+        model_digest=spec.model_digest,
+        quorum=int(spec.quorum),
+    )
+
+
+def job_to_proto(job: Job) -> ps_pb2.JobSpec:
+    """The JobSpec message of ``job`` (what a worker sends at init, what Status reports)."""
+    return ps_pb2.JobSpec(
+        mode=job.mode,
+        staleness=job.staleness,
+        num_workers=job.num_workers,
+        optimizer=ps_pb2.OptimizerSpec(name=job.optimizer.name, params=job.optimizer.params()),
+        variables=[variable_to_proto(v) for v in job.variables],
+        model_digest=job.model_digest,
+        quorum=job.quorum,
+    )
+
+
+def variable_to_proto(v: VarSpec) -> ps_pb2.VariableSpec:
+    if v.table is not None:
+        return table_to_proto(v.table)
+    return ps_pb2.VariableSpec(name=v.key, dtype=v.dtype, shape=v.shape, average=v.average)

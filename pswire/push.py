@@ -1,0 +1,116 @@
+"""A push on the wire: the worker's encoders and the shard's decoders, side by side.
+
+A push is a header ``(worker_id, step, incarnation)`` and one tensor per piece; a table's
+gradient carries its row ids beside its rows. ``Push`` streams them (header first, then
+chunks); ``PushPull`` sends every tensor whole in one message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from pswire.codec import ChunkAssembler, tensor_to_proto
+from pswire.errors import InvalidRequestError
+from pswire.job import Grads
+from pswire.proto import ps_pb2
+from pswire.tables import RowSparse
+from pswire.wiremsg import encode_chunk_messages
+
+# -- worker side -------------------------------------------------------------------------------
+
+
+def push_stream(
+    worker_id: int,
+    step: int,
+    pieces: Mapping[str, np.ndarray | RowSparse],
+    chunk_bytes: int,
+    incarnation: str | None = None,
+) -> Iterator[bytes | ps_pb2.PushRequest]:
+    """A Push request stream: the header, then every piece as chunks (a table's rows with
+    their ids).
+
+    A uint16 piece is a gradient compressed to bfloat16 (no gradient is an integer).
+    """
+    # A protobuf message or bytes alike: stubs.as_bytes serializes whichever it gets.
+    header = ps_pb2.PushHeader(worker_id=worker_id, step=step, incarnation=incarnation or "")
+    yield ps_pb2.PushRequest(header=header)
+    for key, piece in pieces.items():
+        array, ids, bf16 = _wire_parts(piece)
+        yield from encode_chunk_messages(key, array, 2, chunk_bytes, bfloat16=bf16, indices=ids)
+
+
+def push_pull_request(
+    worker_id: int,
+    step: int,
+    pieces: Mapping[str, np.ndarray | RowSparse],
+    incarnation: str | None = None,
+) -> ps_pb2.PushPullRequest:
+    """A PushPullRequest: the header and every piece whole (a table's rows with their ids)."""
+    header = ps_pb2.PushHeader(worker_id=worker_id, step=step, incarnation=incarnation or "")
+    request = ps_pb2.PushPullRequest(header=header)
+    for key, piece in pieces.items():
+        array, ids, bf16 = _wire_parts(piece)
+        request.chunks.append(tensor_to_proto(key, array, bfloat16=bf16, indices=ids))
+    return request
+
+
+def _wire_parts(piece: np.ndarray | RowSparse) -> tuple[np.ndarray, np.ndarray | None, bool]:
+    """(the values, a table's row ids or None, whether the values are bfloat16 bit patterns:
+    a uint16 piece is a compressed gradient, as no gradient is an integer)."""
+    if isinstance(piece, RowSparse):
+        return piece.values, piece.ids, piece.values.dtype == np.uint16
+    return piece, None, piece.dtype == np.uint16
+
+
+# -- shard side --------------------------------------------------------------------------------
+
+
+def read_stream(requests: Iterable[Any], assembler: ChunkAssembler, rpc: str) -> Any:
+    """Reads a header-then-chunks stream (Init, Push); returns the header, every chunk fed to
+    ``assembler``.
+
+    Raises:
+        InvalidRequestError: no header, a second one, a chunk before it, an empty message.
+    """
+    header = None
+    for req in requests:
+        kind = req.WhichOneof("body")
+        if kind == "header":
+            if header is not None:
+                raise InvalidRequestError(f"{rpc} stream carries a second header")
+            header = req.header
+        elif kind == "chunk":
+            if header is None:
+                raise InvalidRequestError(f"{rpc} stream sends a chunk before its header")
+            assembler.add(req.chunk)
+        else:
+            raise InvalidRequestError(f"{rpc} stream carries an empty message")
+    if header is None:
+        raise InvalidRequestError(f"{rpc} stream ended without a header")
+    return header
+
+
+def assembled_grads(assembler: ChunkAssembler) -> Grads:
+    """The gradients a finished assembler holds: a table's rows with their ids as
+    ``RowSparse``, dense tensors as arrays.
+
+    Raises:
+        InvalidRequestError: an incomplete tensor.
+    """
+    rows = assembler.indices
+    return {k: RowSparse(rows[k], a) if k in rows else a for k, a in assembler.finish().items()}
+
+
+def push_pull_grads(request: ps_pb2.PushPullRequest, max_bytes: int) -> Grads:
+    """The gradients of a PushPullRequest (every tensor whole).
+
+    Raises:
+        InvalidRequestError, TooLargeError: malformed or oversized tensors.
+    """
+    assembler = ChunkAssembler(max_bytes)
+    for chunk in request.chunks:
+        assembler.add(chunk)
+    return assembled_grads(assembler)

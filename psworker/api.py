@@ -1,0 +1,71 @@
+"""The one client role: what a training loop and ``DistributedOptimizer`` may ask of any client.
+
+Parameter-server (``PSClient``), single-process (``LocalClient``) and all-reduce
+(``AllReduceClient``) clients all implement it, so callers never branch on which they hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol, Self, runtime_checkable
+
+import numpy as np
+
+from pswire.optim import Optimizer
+from pswire.tables import RowSparse, Table
+
+
+@runtime_checkable
+class Client(Protocol):
+    """A worker's view of one training job.
+
+    ``step`` is the step the next push is for; ``mode`` one of ``sync``, ``async``, ``ssp``,
+    ``allreduce``, ``local``. Every call has a deadline and raises a ``PSError`` subclass on
+    failure.
+    """
+
+    mode: str
+    worker_id: int
+    num_workers: int
+    step: int
+
+    def init(
+        self,
+        variables: Mapping[str, np.ndarray],
+        optimizer: Optimizer,
+        buffers: Sequence[str] = (),
+        tables: Mapping[str, Table] | None = None,
+    ) -> None:
+        """Agrees on the model with the job; worker 0's values become the starting weights."""
+        ...
+
+    def pull(
+        self, names: Sequence[str] | None = None, out: Mapping[str, np.ndarray] | None = None
+    ) -> dict[str, np.ndarray]:
+        """The current weights, once the mode's rule lets this worker read."""
+        ...
+
+    def pull_rows(self, table: str, ids: np.ndarray | Sequence[int]) -> np.ndarray:
+        """Rows ``ids`` of an embedding table, in the order asked."""
+        ...
+
+    def push(self, grads: Mapping[str, np.ndarray | RowSparse], step: int | None = None) -> bool:
+        """This worker's gradients for one step; whether they were applied."""
+        ...
+
+    def push_pull(
+        self,
+        grads: Mapping[str, np.ndarray | RowSparse],
+        step: int | None = None,
+        out: Mapping[str, np.ndarray] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """``push(grads, step)`` then ``pull(out=out)``, in one round trip where it can."""
+        ...
+
+    def close(self) -> None:
+        """Releases the connections; the client is unusable afterwards."""
+        ...
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(self, *exc: object) -> None: ...
