@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 
-from bench import pushpull, torchps
+from bench import peers, torchps
 from bench.report import Ratio, Table, check, median, p90, print_table
 from bench.throughput import OURS, TORCH_DEFAULT, TORCH_TCP, ours_step
 from bench.timing import Step, interleave
@@ -51,15 +51,15 @@ def _serve_echo(conn: Connection) -> None:
 @contextlib.contextmanager
 def echo_steps(nbytes: int) -> Iterator[tuple[Step, Step]]:
     """(a unary echo call, an echo on one open bidirectional stream), ``nbytes`` each way."""
-    address, stop = pushpull.start_child(_serve_echo)
+    address, stop = peers.start_child(_serve_echo)
     requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
     try:
         with grpc.insecure_channel(address) as channel:
-            grpc.channel_ready_future(channel).result(timeout=pushpull.START_TIMEOUT_S)
+            grpc.channel_ready_future(channel).result(timeout=peers.START_TIMEOUT_S)
             call = channel.unary_unary(ECHO_METHOD)
             payload = bytes(nbytes)
             replies = channel.stream_stream(STREAM_METHOD)(
-                iter(requests.get, None), timeout=pushpull.RPC_TIMEOUT_S * 10
+                iter(requests.get, None), timeout=peers.RPC_TIMEOUT_S * 10
             )
 
             def check(reply: bytes) -> None:
@@ -67,7 +67,7 @@ def echo_steps(nbytes: int) -> Iterator[tuple[Step, Step]]:
                     raise RuntimeError("echo returned the wrong number of bytes")
 
             def unary() -> None:
-                check(call(payload, timeout=pushpull.RPC_TIMEOUT_S))
+                check(call(payload, timeout=peers.RPC_TIMEOUT_S))
 
             def streamed() -> None:
                 requests.put(payload)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import pushpull, torchps
+from bench import peers, torchps
 from bench.report import Ratio, Table, check, print_table
 from bench.throughput import FULL_SHAPES, QUICK_SHAPES, nbytes_of
 
@@ -52,10 +52,10 @@ def daemon(workdir: Path) -> Iterator[tuple[str, int]]:
             [*command, "--port-file", str(port_file)], stdout=log, stderr=subprocess.STDOUT
         )
     try:
-        deadline = time.monotonic() + pushpull.START_TIMEOUT_S
+        deadline = time.monotonic() + peers.START_TIMEOUT_S
         while True:
             text = port_file.read_text() if port_file.exists() else ""
-            address = pushpull._address_from_port_file(text)
+            address = peers.address_from_port_file(text)
             if address is not None:
                 break
             if proc.poll() is not None or time.monotonic() > deadline:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 import psworker
-from bench import pushpull
+from bench import peers
 from bench.report import Ratio, Table, median, print_table
 from bench.timing import Step, interleave
 from psworker import RowSparse
@@ -82,7 +82,7 @@ def sparse_step(cfg: Config, n: int, workdir: Path, phases: Phases) -> Iterator[
     grad = np.full((cfg.batch, cfg.dim), GRAD, dtype=np.float32)
     table = EmbeddingTable(cfg.num_rows, cfg.dim, init="uniform", init_scale=0.01)
     with contextlib.ExitStack() as stack:
-        addresses, _ = stack.enter_context(pushpull.shards(pushpull.SEPARATE, n, workdir))
+        addresses, _ = stack.enter_context(peers.shards(peers.SEPARATE, n, workdir))
         client = connect(addresses, stack)
         client.init({}, psworker.SGD(lr=LR), tables={NAME: table})
         turn = iter(range(1 << 40))
@@ -113,7 +113,7 @@ def dense_step(cfg: Config, n: int, workdir: Path, phases: Phases) -> Iterator[S
     shape = (cfg.num_rows, cfg.dim)
     grad = np.full(shape, GRAD, dtype=np.float32)
     with contextlib.ExitStack() as stack:
-        addresses, _ = stack.enter_context(pushpull.shards(pushpull.SEPARATE, n, workdir))
+        addresses, _ = stack.enter_context(peers.shards(peers.SEPARATE, n, workdir))
         client = connect(addresses, stack)
         client.init({NAME: np.zeros(shape, dtype=np.float32)}, psworker.SGD(lr=LR))
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 import psworker
-from bench import pushpull, torchps
+from bench import peers, pushpull, torchps
 from bench.report import MB, Ratio, Table, check, median, print_table
 from bench.timing import Step, interleave
 from pswire.codec import DEFAULT_CHUNK_BYTES
@@ -58,7 +58,7 @@ def ours_step(shapes: dict[str, tuple[int, ...]], shards: int, workdir: Path) ->
     grads = {k: np.full_like(v, 1e-4) for k, v in model.items()}
     nbytes = nbytes_of(shapes)
     with contextlib.ExitStack() as stack:
-        addresses, _ = stack.enter_context(pushpull.shards(pushpull.SEPARATE, shards, workdir))
+        addresses, _ = stack.enter_context(peers.shards(peers.SEPARATE, shards, workdir))
         client = stack.enter_context(
             psworker.connect(addresses, worker_id=0, num_workers=1, mode="async")
         )
@@ -86,15 +86,15 @@ def raw_steps(nbytes: int, tcp: bool) -> Iterator[dict[str, Step]]:
     chunk = DEFAULT_CHUNK_BYTES
     blob = np.random.default_rng(2).bytes(nbytes)
     with contextlib.ExitStack() as stack:
-        address = stack.enter_context(pushpull.raw_grpc_server(pushpull.SEPARATE, nbytes, chunk))
-        m = pushpull.Measurement(RAW_GRPC, "raw-grpc-stream", pushpull.SEPARATE, 1, chunk, nbytes)
+        address = stack.enter_context(peers.raw_grpc_server(peers.SEPARATE, nbytes, chunk))
+        m = pushpull.Measurement(RAW_GRPC, "raw-grpc-stream", peers.SEPARATE, 1, chunk, nbytes)
         steps: dict[str, Step] = {}
         push, pull = pushpull.open_raw_grpc(m, address, blob, stack)
         steps[RAW_GRPC] = both(push, pull)
         if tcp:
-            address, stop = pushpull.start_child(pushpull._serve_tcp)
+            address, stop = peers.start_child(peers.serve_tcp)
             stack.callback(stop)
-            tm = pushpull.Measurement(RAW_TCP, "raw-tcp", pushpull.SEPARATE, 1, None, nbytes)
+            tm = pushpull.Measurement(RAW_TCP, "raw-tcp", peers.SEPARATE, 1, None, nbytes)
             tpush, tpull = pushpull.open_tcp(tm, address, blob, stack)
             steps[RAW_TCP] = both(tpush, tpull)
         yield steps

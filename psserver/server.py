@@ -14,11 +14,9 @@ from psserver.metrics import RpcMetricsInterceptor, ShardMetrics
 from psserver.parsing import tolerant
 from psserver.servicer import ParameterServerServicer
 from psserver.shard import Shard
-from pswire.channel import OPTIONS
+from pswire.channel import OPTIONS, WILDCARD_HOSTS
 from pswire.security import ServerSecurity, TokenInterceptor
-from pswire.stubs import add_servicer
-
-SERVICE_NAME = "pswire.v1.ParameterServer"
+from pswire.stubs import SERVICE, add_servicer
 
 
 @dataclass
@@ -33,7 +31,7 @@ class RunningServer:
     @property
     def address(self) -> str:
         """Where clients reach it (loopback when bound to every interface)."""
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]", "") else self.host
+        host = "127.0.0.1" if self.host in WILDCARD_HOSTS else self.host
         return f"{host}:{self.port}"
 
     def stop(self, grace: float = 2.0) -> None:
@@ -97,9 +95,9 @@ def start_server(
     if metrics is not None and not metrics.name:
         # Set before the first call, so every sample carries it; a wildcard bind is named by
         # the machine, as "0.0.0.0" would not tell two shards apart.
-        wildcard = host in ("0.0.0.0", "::", "[::]", "")
+        wildcard = host in WILDCARD_HOSTS
         metrics.name = f"{socket.gethostname() if wildcard else host}:{bound}"
     server.start()
-    for name in ("", SERVICE_NAME):
+    for name in ("", SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return RunningServer(server, bound, shard, health_servicer, host)

@@ -9,37 +9,26 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from psserver.consistency import Clocks, ConsistencyPolicy, make_policy
 from psserver.membership import Membership
+from psserver.observer import Observer, observed
 from psserver.records import Limits, PushResult, Registration, ShardState, ShardStatus
+from psserver.variables import Variables
 from pswire.errors import (
     InvalidRequestError,
     ModelMismatchError,
     NotInitializedError,
     ShardRestartedError,
     TooLargeError,
-    UnknownVariableError,
     WaitTimeoutError,
 )
-from pswire.job import OBSERVER, Job, VarSpec
-from pswire.rowstore import RowStore
-from pswire.tables import RowSparse, check_rows
-
-
-class Observer(Protocol):
-    """Told what passes through a shard (psserver.metrics.ShardMetrics counts it)."""
-
-    def pushed(self, grads: Mapping[str, np.ndarray | RowSparse]) -> None: ...
-
-    def pulled(self, arrays: Mapping[str, np.ndarray]) -> None: ...
-
-    def waited(self, call: str, seconds: float) -> None: ...
+from pswire.job import OBSERVER, Job
+from pswire.tables import RowSparse
 
 
 class Shard:
@@ -54,10 +43,7 @@ class Shard:
         self._cond = threading.Condition()
         self._job: Job | None = None
         self._policy: ConsistencyPolicy | None = None
-        self._vars: dict[str, np.ndarray] = {}
-        self._slots: dict[str, dict] = {}
-        self._specs: dict[str, VarSpec] = {}
-        self._tables: dict[str, RowStore] = {}
+        self._state = Variables()
         self._finished: dict[int, int] = {}
         self._members = Membership(self.limits.heartbeat_timeout_s)
         self._ready = False  # initial values installed
@@ -153,22 +139,7 @@ class Shard:
             self._touch(worker_id)
             if values is None or self._ready:
                 return False
-            self._vars = {
-                key: _owned(values[key], spec.dtype, take)
-                for key, spec in self._specs.items()
-                if spec.table is None
-            }
-            self._slots = {
-                k: job.optimizer.make_state(v)
-                for k, v in self._vars.items()
-                if not self._specs[k].average
-            }
-            # Tables start from their seeded initialiser: no worker sends (or holds) them.
-            self._tables = {
-                key: RowStore(spec.table, job.optimizer)
-                for key, spec in self._specs.items()
-                if spec.table is not None
-            }
+            self._state.install(job, values, take)
             self._ready = True
             self._cond.notify_all()
             return True
@@ -176,7 +147,6 @@ class Shard:
     def _set_job(self, job: Job) -> None:
         self._job = job
         self._policy = make_policy(job.mode, job.staleness, job.quorum)
-        self._specs = {v.key: v for v in job.variables}
         self._members.start(job.num_workers, self._now())
 
     # -- pull / push ------------------------------------------------------------------------
@@ -209,7 +179,7 @@ class Shard:
             UnknownVariableError: a name the shard does not hold.
             WaitTimeoutError: the rule or the initial values did not allow reading in time.
         """
-        with self._observed("Pull"):
+        with observed(self.observer, "Pull"):
             return self._pull(worker_id, step, names, timeout, encode, rows, incarnation)
 
     def _pull(
@@ -228,19 +198,7 @@ class Shard:
             self._check_worker(worker_id, job.num_workers, "pull")
         if step < 0:
             raise InvalidRequestError(f"pull by worker {worker_id} has negative step {step}")
-        if names:
-            keys = list(names)
-        else:
-            keys = [] if rows else [v.key for v in job.variables if v.table is None]
-        for key in keys:
-            spec = self._specs.get(key)
-            if spec is None:
-                raise UnknownVariableError(self._unknown(key))
-            if spec.table is not None:
-                raise InvalidRequestError(
-                    f"'{key}' is an embedding table: pull its rows by id, not the whole table"
-                )
-        self._check_row_query(rows)
+        keys = job.pull_keys(names, rows)
         with self._cond:
             self._touch(worker_id)
             self._wait_values(timeout)
@@ -251,27 +209,13 @@ class Shard:
                 lambda: f"pull by worker {worker_id}: " + policy.waiting_for(self._clocks(), step),
             )
             # Gathering copies the rows: they are this pull's snapshot either way.
-            gathered = {table: self._tables[table].gather(ids) for table, ids in rows}
-            arrays = {**{k: self._vars[k] for k in keys}, **gathered}
+            gathered = {table: self._state.tables[table].gather(ids) for table, ids in rows}
+            arrays = {**{k: self._state.values[k] for k in keys}, **gathered}
             if self.observer is not None:
                 self.observer.pulled(arrays)
             if encode is not None:
                 return encode(arrays, self._updates), self._updates
             return {k: a if k in gathered else a.copy() for k, a in arrays.items()}, self._updates
-
-    def _check_row_query(self, rows: Sequence[tuple[str, np.ndarray]]) -> None:
-        """Raises UnknownVariableError / InvalidRequestError for a bad row query."""
-        seen: set[str] = set()
-        for table, ids in rows:
-            spec = self._specs.get(table)
-            if spec is None:
-                raise UnknownVariableError(self._unknown(table))
-            if spec.table is None:
-                raise InvalidRequestError(f"rows of '{table}', which is not an embedding table")
-            if table in seen:
-                raise InvalidRequestError(f"one pull asks for rows of table '{table}' twice")
-            seen.add(table)
-            check_rows(spec.table, ids, None, "pull")
 
     def push(
         self,
@@ -300,7 +244,7 @@ class Shard:
             UnknownVariableError, ShapeMismatchError, InvalidRequestError: bad gradients.
             WaitTimeoutError: the rule did not let the push in within the deadline.
         """
-        with self._observed("Push", grads):
+        with observed(self.observer, "Push", grads):
             return self._push(worker_id, step, grads, timeout, incarnation, take)
 
     def _push(
@@ -380,35 +324,8 @@ class Shard:
         after = max(step + 1, self._updates) if reason == "late" else step + 1
         return PushResult(applied, reason, self._updates, self._durable.get(worker_id, 0), after)
 
-    @contextmanager
-    def _observed(
-        self, call: str, grads: Mapping[str, np.ndarray | RowSparse] | None = None
-    ) -> Iterator[None]:
-        """Tells the observer (metrics) about a push's gradients and the call's time in here."""
-        observer = self.observer
-        if observer is None:
-            yield
-            return
-        if grads is not None:
-            observer.pushed(grads)
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            observer.waited(call, time.perf_counter() - start)
-
     def _apply(self, update: Mapping[str, Any]) -> None:
-        assert self._job is not None
-        opt = self._job.optimizer
-        for key, grad in update.items():
-            if isinstance(grad, RowSparse):
-                self._tables[key].apply(grad.ids, grad.values)
-            elif self._specs[key].average:
-                # A buffer (e.g. BatchNorm running stats): the pushed values (averaged over the
-                # round in sync mode) replace the stored ones; no optimizer.
-                np.copyto(self._vars[key], grad, casting="unsafe")
-            else:
-                opt.apply_blocked(self._vars[key], grad, self._slots[key])
+        self._state.apply(self._require_job(), update)
         self._updates += 1
 
     # -- status and state -------------------------------------------------------------------
@@ -428,8 +345,7 @@ class Shard:
                 clock=self._updates,
                 workers=workers,
                 live=self._members.live,
-                total_bytes=sum(v.nbytes for v in self._vars.values())
-                + sum(t.nbytes for t in self._tables.values()),
+                total_bytes=self._state.nbytes,
                 pushes_applied=self._counters["applied"],
                 pushes_duplicate=self._counters["duplicate"],
                 pushes_late=self._counters["late"],
@@ -437,14 +353,14 @@ class Shard:
                 checkpoint_age_s=age,
                 tables={
                     k: (t.rows, t.nbytes, t.evictions, t.spec.capacity)
-                    for k, t in self._tables.items()
+                    for k, t in self._state.tables.items()
                 },
             )
 
     def snapshot(self) -> dict[str, np.ndarray]:
         """Copies of every variable (for tests and exports)."""
         with self._cond:
-            return {k: v.copy() for k, v in self._vars.items()}
+            return {k: v.copy() for k, v in self._state.values.items()}
 
     def export_state(self) -> ShardState | None:
         """A consistent copy of everything a checkpoint needs; None before initial values.
@@ -461,14 +377,15 @@ class Shard:
             finished = {
                 w: policy.durable_clock(self._updates, f) for w, f in self._finished.items()
             }
+            variables, slots, tables = self._state.export()
             return ShardState(
                 job=self._job,
-                variables={k: v.copy() for k, v in self._vars.items()},
-                slots={k: _copy_slots(s) for k, s in self._slots.items()},
+                variables=variables,
+                slots=slots,
                 updates=self._updates,
                 finished=finished,
                 counters=dict(self._counters),
-                tables={k: t.export() for k, t in self._tables.items()},
+                tables=tables,
             )
 
     def mark_checkpoint(self, state: ShardState) -> None:
@@ -484,21 +401,10 @@ class Shard:
         Raises:
             InvalidRequestError: the state does not match its own job.
         """
-        state.job.check_values(state.variables)
-        specs = {v.key: v.table for v in state.job.variables if v.table is not None}
-        if set(specs) != set(state.tables):
-            raise InvalidRequestError(
-                f"the state holds tables {sorted(state.tables)}, its job declares {sorted(specs)}"
-            )
-        tables = {
-            k: RowStore.restore(spec, state.job.optimizer, state.tables[k])
-            for k, spec in specs.items()
-        }
+        restored = Variables.restored(state.job, state.variables, state.slots, state.tables)
         with self._cond:
             self._set_job(state.job)
-            self._vars = {k: np.array(v, copy=True) for k, v in state.variables.items()}
-            self._slots = {k: _copy_slots(s) for k, s in state.slots.items()}
-            self._tables = tables
+            self._state = restored
             self._updates = state.updates
             self._finished = dict(state.finished)
             self._counters.update(state.counters)
@@ -560,9 +466,6 @@ class Shard:
         assert self._policy is not None
         return self._policy
 
-    def _unknown(self, key: str) -> str:
-        return self._require_job().unknown(key)
-
     def _wait_values(self, timeout: float | None) -> None:
         self._wait(
             lambda: self._ready,
@@ -593,16 +496,3 @@ class Shard:
             if remaining <= 0:
                 raise WaitTimeoutError(f"gave up after {limit:.1f}s waiting for {describe()}")
             self._cond.wait(min(remaining, tick))
-
-
-def _owned(array: np.ndarray, dtype: str, take: bool) -> np.ndarray:
-    """``array`` itself if it may be kept (handed over, writable, C-contiguous, the variable's
-    dtype), else a copy."""
-    keep = take and array.flags.writeable and array.flags.c_contiguous
-    if keep and array.dtype == np.dtype(dtype):
-        return array
-    return np.array(array, dtype=np.dtype(dtype), copy=True)
-
-
-def _copy_slots(slots: dict) -> dict:
-    return {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in slots.items()}

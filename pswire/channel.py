@@ -25,6 +25,10 @@ OPTIONS: list[tuple[str, int]] = [
 ]
 
 
+# Bind addresses meaning "every interface": a client reaches such a server on loopback.
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
+
+
 def insecure_channel(address: str) -> grpc.Channel:
     """A channel to ``host:port`` with the project's message limits and keepalive."""
     return grpc.insecure_channel(address, options=OPTIONS)

@@ -23,55 +23,78 @@ class PSError(Exception):
 
 
 class UnknownVariableError(PSError):
+    """Raised when a request names a variable or table the model (or shard) does not hold."""
+
     status = "NOT_FOUND"
 
 
 class InvalidRequestError(PSError):
-    """Wrong shape, dtype, byte count, non-finite values, malformed chunk streams."""
+    """Raised when a request is malformed: wrong dtype or byte count, non-finite values, bad
+    row ids, a malformed chunk stream, an argument out of range."""
 
     status = "INVALID_ARGUMENT"
 
 
 class ShapeMismatchError(InvalidRequestError):
-    pass
+    """Raised when a tensor's shape differs from the variable's (both shapes named)."""
 
 
 class ModelMismatchError(PSError):
-    """The job (model, mode, optimizer, worker count) differs from what the shard holds."""
+    """Raised when a worker's job (model, mode, optimizer, worker count) differs from the one
+    the shard holds; the message lists the differences."""
 
     status = "FAILED_PRECONDITION"
 
 
 class NotInitializedError(PSError):
+    """Raised when a call needs a job (or a checkpoint directory) the shard does not have yet."""
+
     status = "FAILED_PRECONDITION"
 
 
 class TooLargeError(PSError):
+    """Raised when a request is over one of the shard's limits (bytes, variables, workers)."""
+
     status = "RESOURCE_EXHAUSTED"
 
 
 class WaitTimeoutError(PSError):
-    """A consistency wait (sync barrier, ssp gate, initial values) ran out of time."""
+    """Raised when a wait (sync barrier, ssp gate, initial values, a ring receive, a step's
+    reply) ran out of time; the message says what it waited for."""
 
     status = "DEADLINE_EXCEEDED"
 
 
 class UnavailableError(PSError):
+    """Raised when a shard or peer stayed unreachable, or restarted without the state to go on."""
+
     status = "UNAVAILABLE"
 
 
 class ShardRestartedError(PSError):
-    """The shard is not the one the worker last saw (it restarted): re-register, replay."""
+    """Raised when the shard is not the one the worker last saw (it restarted): the worker
+    re-registers and replays its pushes."""
 
     status = "ABORTED"
 
 
 class UnauthenticatedError(PSError):
+    """Raised when a call carries no token, or the wrong one."""
+
     status = "UNAUTHENTICATED"
 
 
-class CancelledError(PSError):
+class CallCancelledError(PSError):
+    """Raised when the caller cancelled the call (or went away) before it finished."""
+
     status = "CANCELLED"
+
+
+class CorruptCheckpointError(PSError, ValueError):
+    """Raised when a checkpoint file is truncated, altered, or does not describe a
+    consistent shard (the shard then tries the next older one)."""
+
+    status = "DATA_LOSS"
 
 
 def not_in_model(name: str, known: Iterable[str], kind: str = "variable") -> UnknownVariableError:
@@ -93,7 +116,8 @@ _BY_STATUS: dict[str, type[PSError]] = {
     "UNAVAILABLE": UnavailableError,
     "ABORTED": ShardRestartedError,
     "UNAUTHENTICATED": UnauthenticatedError,
-    "CANCELLED": CancelledError,
+    "CANCELLED": CallCancelledError,
+    "DATA_LOSS": CorruptCheckpointError,
 }
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,6 +132,40 @@ class Job:
         known = sorted(self.specs)
         shown = ", ".join(known[:10]) + (", ..." if len(known) > 10 else "")
         return f"variable '{key}' is not on this shard (it holds: {shown})"
+
+    def pull_keys(self, names: Sequence[str], rows: Sequence[tuple[str, np.ndarray]]) -> list[str]:
+        """The dense variables a pull reads, its row query checked: ``names``, or with none
+        every variable that is not a table (none when ``rows`` are asked for).
+
+        Raises:
+            UnknownVariableError: a name the job lacks.
+            InvalidRequestError: a table named as a whole, rows of a dense variable, one table
+                asked twice, bad row ids.
+        """
+        if names:
+            keys = list(names)
+        else:
+            keys = [] if rows else [v.key for v in self.variables if v.table is None]
+        for key in keys:
+            spec = self.specs.get(key)
+            if spec is None:
+                raise UnknownVariableError(self.unknown(key))
+            if spec.table is not None:
+                raise InvalidRequestError(
+                    f"'{key}' is an embedding table: pull its rows by id, not the whole table"
+                )
+        seen: set[str] = set()
+        for table, ids in rows:
+            spec = self.specs.get(table)
+            if spec is None:
+                raise UnknownVariableError(self.unknown(table))
+            if spec.table is None:
+                raise InvalidRequestError(f"rows of '{table}', which is not an embedding table")
+            if table in seen:
+                raise InvalidRequestError(f"one pull asks for rows of table '{table}' twice")
+            seen.add(table)
+            check_rows(spec.table, ids, None, "pull")
+        return keys
 
     def checked_grads(self, grads: Mapping[str, np.ndarray | RowSparse]) -> Grads:
         """A push's gradients, validated against the job; float16 gradients of float32

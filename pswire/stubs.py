@@ -15,7 +15,7 @@ import grpc
 from pswire.proto import ps_pb2, ps_pb2_grpc
 from pswire.wiremsg import WireChunk, parse_chunk, parse_message
 
-SERVICE = "pswire.v1.ParameterServer"
+SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 _LEN = 2
 
 

@@ -1,16 +1,16 @@
-"""Row-sparse embedding tables: their description, placement, seeded rows and row storage.
+"""Row-sparse embedding tables: their description, wire form, checks and seeded rows.
 
-Shared by the shards and the in-process clients, which must agree on all of it: which shard
-holds an id, the initial value of every row (a pure function of the seed and the id, so a row
-is the same on any shard, after an eviction, and in ``local`` mode), and the sparse optimizer
-math (the dense optimizers of ``pswire.optim`` run on the touched rows only).
+Shared by the shards and the clients, which must agree on all of it: a slice's ids, the
+initial value of every row (a pure function of the seed and the id, so a row is the same on
+any shard, after an eviction, and in ``local`` mode). Which shard holds an id is the client's
+business (``psworker.placement``); the row storage and sparse optimizer step are
+``pswire.rowstore``.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -307,57 +307,3 @@ def sum_duplicates(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.
     if len(starts) == len(ids):
         return sorted_ids, values[order]
     return sorted_ids[starts], np.add.reduceat(values[order], starts, axis=0)
-
-
-# -- placement ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TableLayout:
-    """Where a table's rows live: contiguous id ranges (fixed) or ``splitmix64(id) % shards``
-    (dynamic). Identical on every process."""
-
-    name: str
-    table: Table
-    num_shards: int
-    bounds: tuple[int, ...] = field(default=())
-
-    @classmethod
-    def build(cls, name: str, table: Table, num_shards: int) -> TableLayout:
-        bounds: tuple[int, ...] = ()
-        if table.num_rows is not None:
-            cuts = np.linspace(0, table.num_rows, num_shards + 1).round().astype(np.int64)
-            bounds = tuple(int(b) for b in cuts)
-        return cls(name, table, num_shards, bounds)
-
-    def slice_for(self, shard: int) -> TableSlice:
-        t = self.table
-        start, end = (self.bounds[shard], self.bounds[shard + 1]) if self.bounds else (0, 0)
-        return TableSlice(
-            self.name, t.dim, t.dtype, t.num_rows or 0, start, end, t.capacity, t.init,
-            t.init_scale, t.seed,
-        )  # fmt: skip
-
-    def check_ids(self, ids: np.ndarray, what: str) -> None:
-        """Raises InvalidRequestError naming the table and the first out-of-range id."""
-        if self.table.num_rows is None or len(ids) == 0:
-            return
-        bad = (ids < 0) | (ids >= self.table.num_rows)
-        if bad.any():
-            raise InvalidRequestError(
-                f"table '{self.name}': {what} has id {int(ids[np.argmax(bad)])}, outside "
-                f"[0, {self.table.num_rows}) ({int(bad.sum())} ids out of range)"
-            )
-
-    def shard_of(self, ids: np.ndarray) -> np.ndarray:
-        """The shard holding each id (ids already checked)."""
-        if self.num_shards == 1:
-            return np.zeros(len(ids), dtype=np.int64)
-        if self.bounds:
-            return np.searchsorted(np.asarray(self.bounds[1:-1]), ids, side="right")
-        return (splitmix64(ids.view(np.uint64)) % np.uint64(self.num_shards)).astype(np.int64)
-
-
-def tables_digest(tables: Mapping[str, Table]) -> str:
-    """Canonical text of a model's tables, for the model digest."""
-    return json.dumps({k: tables[k].describe() for k in sorted(tables)}, sort_keys=True)

@@ -1,6 +1,8 @@
-"""Client SDK: connect to parameter-server shards and train through them."""
+"""Client SDK: connect to parameter-server shards (or a ring of peers) and train through them."""
 
+from pswire import __version__
 from pswire.errors import (
+    CallCancelledError,
     InvalidRequestError,
     ModelMismatchError,
     NotInitializedError,
@@ -15,15 +17,21 @@ from pswire.errors import (
 )
 from pswire.optim import SGD, Adagrad, Adam, Optimizer
 from pswire.tables import RowSparse, Table
+from psworker.api import Client
 from psworker.client import PSClient
 from psworker.connect import connect
 from psworker.data import shard
 from psworker.local import LocalClient
+from psworker.ring.client import AllReduceClient
 
 __all__ = [
     "SGD",
     "Adagrad",
     "Adam",
+    "AllReduceClient",
+    "CallCancelledError",
+    "Client",
+    "DistributedOptimizer",
     "InvalidRequestError",
     "LocalClient",
     "ModelMismatchError",
@@ -40,6 +48,7 @@ __all__ = [
     "UnavailableError",
     "UnknownVariableError",
     "WaitTimeoutError",
+    "__version__",
     "connect",
     "shard",
 ]

@@ -69,3 +69,30 @@ class Client(Protocol):
     def __enter__(self) -> Self: ...
 
     def __exit__(self, *exc: object) -> None: ...
+
+
+class PushThenPull:
+    """``push_pull`` as a ``push``, then a ``pull``: for clients whose weights are local, so
+    there is no round trip to fuse (``LocalClient``, ``AllReduceClient``)."""
+
+    def push(self, grads: Mapping[str, np.ndarray | RowSparse], step: int | None = None) -> bool:
+        raise NotImplementedError
+
+    def pull(
+        self, names: Sequence[str] | None = None, out: Mapping[str, np.ndarray] | None = None
+    ) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def push_pull(
+        self,
+        grads: Mapping[str, np.ndarray | RowSparse],
+        step: int | None = None,
+        out: Mapping[str, np.ndarray] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """``push(grads, step)``, then ``pull(out=out)``.
+
+        Raises:
+            as ``push`` and ``pull``.
+        """
+        self.push(grads, step)
+        return self.pull(out=out)

@@ -19,10 +19,17 @@ from pswire.optim import Optimizer
 from pswire.proto import ps_pb2, ps_pb2_grpc
 from pswire.rpc_errors import from_rpc_error
 from pswire.security import ClientSecurity
-from pswire.tables import RowSparse, Table, TableLayout, as_ids, tables_digest
+from pswire.tables import RowSparse, Table, as_ids
 from pswire.wiremsg import encode_chunk_messages
 from psworker.link import ShardLink
-from psworker.placement import DEFAULT_SPLIT_BYTES, ShardMap, VarInfo, plan
+from psworker.placement import (
+    DEFAULT_SPLIT_BYTES,
+    ShardMap,
+    TableLayout,
+    VarInfo,
+    plan,
+    tables_digest,
+)
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 120.0

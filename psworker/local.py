@@ -10,11 +10,12 @@ from pswire.codec import check_tensor
 from pswire.errors import NotInitializedError, not_in_model
 from pswire.optim import Optimizer
 from pswire.rowstore import RowStore
-from pswire.tables import RowSparse, Table, TableLayout, as_ids, check_rows
-from psworker.placement import check_out
+from pswire.tables import RowSparse, Table, as_ids, check_rows
+from psworker.api import PushThenPull
+from psworker.placement import TableLayout, check_out
 
 
-class LocalClient:
+class LocalClient(PushThenPull):
     """The ``Client`` role for a single worker: the reference every mode is tested against.
 
     Pushes are applied at once, like a one-worker ``sync`` job, with the same optimizer code the
@@ -135,20 +136,6 @@ class LocalClient:
                 opt.apply(self._vars[name], np.asarray(grad), self._slots[name])
         self.step = step + 1
         return True
-
-    def push_pull(
-        self,
-        grads: Mapping[str, np.ndarray | RowSparse],
-        step: int | None = None,
-        out: Mapping[str, np.ndarray] | None = None,
-    ) -> dict[str, np.ndarray]:
-        """``push(grads, step)``, then ``pull(out=out)``.
-
-        Raises:
-            as ``push`` and ``pull``.
-        """
-        self.push(grads, step)
-        return self.pull(out=out)
 
     def heartbeat(self) -> None:
         """No servers to tell."""

@@ -1,4 +1,5 @@
-"""Placement: which shard holds which variable, or which dim-0 slice of a large one."""
+"""Placement: which shard holds which variable (or dim-0 slice of a large one), and which
+shard holds each row of an embedding table."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ import functools
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from pswire.errors import InvalidRequestError, not_in_model
+from pswire.tables import Table, TableSlice, splitmix64
 
 # Variables above this many bytes are split along dim 0 across shards (like TF's
 # MinSizePartitioner), so one huge embedding does not sit on a single shard.
@@ -250,3 +252,57 @@ def plan(
     index = {n: i for i, n in enumerate(names)}
     placed.sort(key=lambda p: (index[p.var], p.start))
     return ShardMap(num_shards, tuple(variables), tuple(placed))
+
+
+# -- embedding tables ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TableLayout:
+    """Where a table's rows live: contiguous id ranges (fixed) or ``splitmix64(id) % shards``
+    (dynamic). Identical on every process."""
+
+    name: str
+    table: Table
+    num_shards: int
+    bounds: tuple[int, ...] = field(default=())
+
+    @classmethod
+    def build(cls, name: str, table: Table, num_shards: int) -> TableLayout:
+        bounds: tuple[int, ...] = ()
+        if table.num_rows is not None:
+            cuts = np.linspace(0, table.num_rows, num_shards + 1).round().astype(np.int64)
+            bounds = tuple(int(b) for b in cuts)
+        return cls(name, table, num_shards, bounds)
+
+    def slice_for(self, shard: int) -> TableSlice:
+        t = self.table
+        start, end = (self.bounds[shard], self.bounds[shard + 1]) if self.bounds else (0, 0)
+        return TableSlice(
+            self.name, t.dim, t.dtype, t.num_rows or 0, start, end, t.capacity, t.init,
+            t.init_scale, t.seed,
+        )  # fmt: skip
+
+    def check_ids(self, ids: np.ndarray, what: str) -> None:
+        """Raises InvalidRequestError naming the table and the first out-of-range id."""
+        if self.table.num_rows is None or len(ids) == 0:
+            return
+        bad = (ids < 0) | (ids >= self.table.num_rows)
+        if bad.any():
+            raise InvalidRequestError(
+                f"table '{self.name}': {what} has id {int(ids[np.argmax(bad)])}, outside "
+                f"[0, {self.table.num_rows}) ({int(bad.sum())} ids out of range)"
+            )
+
+    def shard_of(self, ids: np.ndarray) -> np.ndarray:
+        """The shard holding each id (ids already checked)."""
+        if self.num_shards == 1:
+            return np.zeros(len(ids), dtype=np.int64)
+        if self.bounds:
+            return np.searchsorted(np.asarray(self.bounds[1:-1]), ids, side="right")
+        return (splitmix64(ids.view(np.uint64)) % np.uint64(self.num_shards)).astype(np.int64)
+
+
+def tables_digest(tables: Mapping[str, Table]) -> str:
+    """Canonical text of a model's tables, for the model digest."""
+    return json.dumps({k: tables[k].describe() for k in sorted(tables)}, sort_keys=True)

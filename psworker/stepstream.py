@@ -25,12 +25,12 @@ MAX_STEP_S = (2**32 - 1) / 1000
 class StepStream:
     """Small steps as messages on one open ``PushPullStream`` call to a shard.
 
-    A new unary call costs ~430 us on loopback here, a message each way on an open stream
-    ~250 us (bench/NOTES.md entry 14), and a small model's step is little else. The call stays
-    open across steps. Each step has its own deadline: the shard waits no longer than the
-    request's ``timeout_ms``, and a watchdog cancels the call if the reply is late anyway (the
-    step then raises ``WaitTimeoutError``). Any error ends the call; the next step opens a new
-    one. One step at a time.
+    A message each way on an open stream costs well under a new unary call (bench/NOTES.md,
+    entry 14), and a small model's step is little else. The call stays open across steps.
+    Each step has its own deadline: the shard waits no longer than the request's
+    ``timeout_ms``, and a watchdog cancels the call if the reply is late anyway (the step then
+    raises ``WaitTimeoutError``). Any error ends the call; the next step opens a new one. One
+    step at a time.
     """
 
     def __init__(self, stub: ParameterServerStub, where: str) -> None:

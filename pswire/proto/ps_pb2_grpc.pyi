@@ -47,8 +47,8 @@ class ParameterServerStub:
     """
     PushPullStream: _grpc.StreamStreamMultiCallable[_ps_pb2.PushPullRequest, _ps_pb2.PushPullResponse]
     """PushPull over one long-lived call: one reply per request, in order. A worker keeps it open
-    across its small steps, as a message on an open stream costs ~250 us here against ~430 us
-    for a new unary call. An error ends the call (the worker opens a new one).
+    across its small steps, as a message on an open stream costs less than a new unary call.
+    An error ends the call (the worker opens a new one).
     """
     Status: _grpc.UnaryUnaryMultiCallable[_ps_pb2.StatusRequest, _ps_pb2.StatusResponse]
     Checkpoint: _grpc.UnaryUnaryMultiCallable[_ps_pb2.CheckpointRequest, _ps_pb2.CheckpointResponse]
@@ -68,8 +68,8 @@ class ParameterServerAsyncStub(ParameterServerStub):
     """
     PushPullStream: _aio.StreamStreamMultiCallable[_ps_pb2.PushPullRequest, _ps_pb2.PushPullResponse]  # type: ignore[assignment]
     """PushPull over one long-lived call: one reply per request, in order. A worker keeps it open
-    across its small steps, as a message on an open stream costs ~250 us here against ~430 us
-    for a new unary call. An error ends the call (the worker opens a new one).
+    across its small steps, as a message on an open stream costs less than a new unary call.
+    An error ends the call (the worker opens a new one).
     """
     Status: _aio.UnaryUnaryMultiCallable[_ps_pb2.StatusRequest, _ps_pb2.StatusResponse]  # type: ignore[assignment]
     Checkpoint: _aio.UnaryUnaryMultiCallable[_ps_pb2.CheckpointRequest, _ps_pb2.CheckpointResponse]  # type: ignore[assignment]
@@ -128,8 +128,8 @@ class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_ps_pb2.PushPullResponse], _abc.AsyncIterator[_ps_pb2.PushPullResponse]]:
         """PushPull over one long-lived call: one reply per request, in order. A worker keeps it open
-        across its small steps, as a message on an open stream costs ~250 us here against ~430 us
-        for a new unary call. An error ends the call (the worker opens a new one).
+        across its small steps, as a message on an open stream costs less than a new unary call.
+        An error ends the call (the worker opens a new one).
         """
 
     @_abc_1.abstractmethod

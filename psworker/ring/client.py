@@ -11,6 +11,7 @@ from pswire.errors import InvalidRequestError, not_in_model
 from pswire.optim import Optimizer
 from pswire.security import ClientSecurity
 from pswire.tables import RowSparse, Table
+from psworker.api import PushThenPull
 from psworker.local import LocalClient
 from psworker.ring.algorithm import DEFAULT_TIMEOUT_S
 from psworker.ring.buckets import DEFAULT_BUCKET_BYTES, BucketPlan
@@ -22,7 +23,7 @@ _NO_TABLES = (
 )
 
 
-class AllReduceClient:
+class AllReduceClient(PushThenPull):
     """The ``Client`` role without shards; every worker holds a full replica (like Horovod or DDP).
 
     ``init`` broadcasts worker 0's values so replicas start bit-identical. ``push`` sums the
@@ -116,20 +117,6 @@ class AllReduceClient:
             InvalidRequestError: always.
         """
         raise InvalidRequestError(_NO_TABLES.format([table]))
-
-    def push_pull(
-        self,
-        grads: Mapping[str, np.ndarray | RowSparse],
-        step: int | None = None,
-        out: Mapping[str, np.ndarray] | None = None,
-    ) -> dict[str, np.ndarray]:
-        """``push(grads, step)``, then this replica's weights (into ``out`` where given).
-
-        Raises:
-            as ``push`` and ``pull``.
-        """
-        self.push(grads, step)
-        return self.pull(out=out)
 
     def push(self, grads: Mapping[str, np.ndarray | RowSparse], step: int | None = None) -> bool:
         """Averages this step's gradients over all workers and applies them locally.

@@ -27,7 +27,7 @@ from pswire.stubs import as_bytes
 from pswire.wiremsg import encode_chunk_messages, parse_chunk, parse_message, varint_field
 from psworker.ring.peer import Failure, Mailbox, Tag
 
-SERVICE_NAME = "pswire.v1.RingPeer"
+SERVICE_NAME = ring_pb2.DESCRIPTOR.services_by_name["RingPeer"].full_name
 # A failure seen first-hand (a refused or dropped connection, a malformed chunk) outweighs any
 # verdict reached only by waiting, however far it travelled.
 CERTAIN = 1 << 16

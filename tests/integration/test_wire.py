@@ -9,9 +9,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import psworker
-from psserver.server import SERVICE_NAME
 from pswire.channel import MAX_MESSAGE_BYTES, insecure_channel
 from pswire.proto import ps_pb2
+from pswire.stubs import SERVICE as SERVICE_NAME
 
 
 def test_256_mib_variable_round_trips_through_chunked_streams(shards):

@@ -240,7 +240,7 @@ def test_no_valid_checkpoint_gives_none(tmp_path: Path) -> None:
 def rewrite(path: Path, edit_meta=None, edit_tensors=None) -> None:
     """Rewrites a checkpoint with altered contents and a digest that matches them again,
     so only the consistency checks stand between it and a restore."""
-    from psserver import checkpoint as module
+    from psserver import checkpoint_codec as module
 
     with safetensors.safe_open(str(path), framework="numpy") as f:
         meta = json.loads(f.metadata()["psgrpc.state"])
@@ -250,7 +250,7 @@ def rewrite(path: Path, edit_meta=None, edit_tensors=None) -> None:
     if edit_tensors:
         edit_tensors(tensors)
     text = json.dumps(meta)
-    digest = module._digest(text, tensors)
+    digest = module.digest(text, tensors)
     safetensors.numpy.save_file(
         tensors, str(path), metadata={"psgrpc.state": text, "psgrpc.sha256": digest}
     )

@@ -17,12 +17,12 @@ from pswire.stubs import stream_request_parser
 from pswire.tables import (
     RowSparse,
     Table,
-    TableLayout,
     TableSlice,
     init_rows,
     sum_duplicates,
 )
 from pswire.wiremsg import encode_chunk_messages
+from psworker.placement import TableLayout
 
 
 def test_rows_are_a_function_of_seed_and_id_alone():

@@ -1,0 +1,78 @@
+"""The package boundaries the architecture promises, checked on the source: psserver never
+imports torch or psworker; psworker and psctl never import psserver; pswire imports none of
+them; torch stays out of psworker's numpy-level modules."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+# Packages and the top-level names their modules must never import.
+FORBIDDEN = {
+    "pswire": {"psserver", "psworker", "psctl", "torch"},
+    "psserver": {"psworker", "psctl", "torch"},
+    "psworker": {"psserver", "psctl"},
+    "psctl": {"psserver"},
+}
+# psworker modules that may import torch (torch is imported only where tensors are touched).
+TORCH_MODULES = {"psworker/torch.py"}
+MAX_LINES = 500
+
+
+def imported_roots(path: Path) -> set[str]:
+    """The top-level package of every import in ``path`` (module level or not)."""
+    roots: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def modules(package: str) -> list[Path]:
+    return sorted(p for p in (REPO / package).rglob("*.py") if "proto" not in p.parts)
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_packages_import_only_what_the_architecture_allows(package: str) -> None:
+    bad = {}
+    for path in modules(package):
+        rel = path.relative_to(REPO).as_posix()
+        forbidden = FORBIDDEN[package] - ({"torch"} if rel in TORCH_MODULES else set())
+        hit = imported_roots(path) & forbidden
+        if hit:
+            bad[rel] = sorted(hit)
+    assert not bad, f"forbidden imports: {bad}"
+
+
+def test_the_numpy_sdk_imports_without_torch() -> None:
+    # psworker's numpy-level client must work where torch is not installed: import it in a
+    # child whose torch import fails, and use the local client end to end.
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import numpy as np, psworker\n"
+        "c = psworker.connect(mode='local')\n"
+        "c.init({'w': np.ones(2, np.float32)}, psworker.SGD(lr=1.0))\n"
+        "print(c.push_pull({'w': np.ones(2, np.float32)})['w'].tolist())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[0.0, 0.0]"
+
+
+def test_no_module_outside_tests_is_over_500_lines() -> None:
+    long = {}
+    for package in (*FORBIDDEN, "bench", "examples"):
+        for path in modules(package):
+            count = len(path.read_text().splitlines())
+            if count > MAX_LINES:
+                long[path.relative_to(REPO).as_posix()] = count
+    assert not long, f"split these modules: {long}"
