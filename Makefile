@@ -2,7 +2,7 @@
 PY ?= python
 PROTO_SRC := protos/pswire/proto/ps.proto
 
-.PHONY: check fmt lint types test protos check-protos bench
+.PHONY: check fmt lint types test protos check-protos bench images
 check: fmt-check lint types check-protos test
 
 fmt-check:
@@ -22,3 +22,7 @@ check-protos:
 	bash scripts/check_protos.sh
 bench:
 	$(PY) -m bench
+# Build deploy/'s images with podman/buildah and run the Compose cluster in them (root; see
+# scripts/images.sh). tests/e2e/test_images.py runs it as part of `make test` where it can.
+images:
+	PY=$(PY) bash scripts/images.sh
