@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pswire.errors import PSError
 from pswire.proto import ps_pb2
 from pswire.security import ClientSecurity
-from psworker.client import status as shard_status
+from psworker.link import shard_status
 
 UNREACHABLE = "UNREACHABLE"
 # Past this many variables the table says how many more there are; --json lists them all.
@@ -93,6 +93,7 @@ def _shard_data(index: int, address: str, health: str, status: Status) -> dict[s
     clocks = {w.worker_id: int(w.clock) for w in status.workers}
     newest = max(clocks.values(), default=0)
     live = set(status.live_workers)
+    left = set(status.left_workers)
     data.update(
         error=None,
         initialized=status.initialized,
@@ -116,6 +117,8 @@ def _shard_data(index: int, address: str, health: str, status: Status) -> dict[s
         pushes_duplicate=int(status.pushes_duplicate),
         pushes_late=int(status.pushes_late),
         live_workers=sorted(live),
+        left_workers=sorted(left),
+        failure=status.failure or None,
         max_staleness=(
             max(clocks[w] for w in live if w in clocks)
             - min(clocks[w] for w in live if w in clocks)
@@ -128,6 +131,7 @@ def _shard_data(index: int, address: str, health: str, status: Status) -> dict[s
                 "clock": int(w.clock),
                 "staleness": newest - int(w.clock),
                 "live": w.worker_id in live,
+                "left": w.worker_id in left,
                 "seconds_since_heartbeat": round(w.seconds_since_heartbeat, 3),
             }
             for w in sorted(status.workers, key=lambda w: w.worker_id)
@@ -172,12 +176,14 @@ def _merge_workers(shards: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "clocks": [None] * len(shards),
                     "staleness": 0,
                     "live": True,
+                    "left": False,
                     "seconds_since_heartbeat": w["seconds_since_heartbeat"],
                 },
             )
             entry["clocks"][shard["shard"]] = w["clock"]
             entry["staleness"] = max(entry["staleness"], w["staleness"])
             entry["live"] = entry["live"] and w["live"]
+            entry["left"] = entry["left"] or w.get("left", False)
             entry["seconds_since_heartbeat"] = min(
                 entry["seconds_since_heartbeat"], w["seconds_since_heartbeat"]
             )
@@ -245,7 +251,7 @@ def render_table(
                 str(w["worker_id"]),
                 " ".join("-" if w["clocks"][i] is None else str(w["clocks"][i]) for i in answered),
                 str(w["staleness"]),
-                "yes" if w["live"] else "no",
+                "yes" if w["live"] else ("left" if w["left"] else "dropped"),
                 f"{w['seconds_since_heartbeat']:.1f}s ago",
             ]
             for w in workers

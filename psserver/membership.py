@@ -1,9 +1,12 @@
-"""Which workers count: heartbeats, dropping the silent from the quorum, rejoining."""
+"""Which workers count: heartbeats, dropping the silent from the quorum, leaving, rejoining, and
+which client process holds each worker id."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Set as AbstractSet
+
+from pswire.errors import DuplicateWorkerError
 
 log = logging.getLogger(__name__)
 
@@ -13,13 +16,24 @@ class Membership:
 
     Every worker id in ``[0, num_workers)`` starts live, so the first sync step waits for all
     of them. A worker not heard from (any RPC or heartbeat) for ``timeout_s`` seconds leaves
-    the quorum; hearing from it again brings it back. ``timeout_s <= 0`` never drops anyone.
+    the quorum, but only while the shard hears others: when it has heard nobody for that long
+    (it was paused, or cut off from the network), silence says nothing about the workers, so
+    nobody is dropped, and the first call after the gap gives every worker a fresh timeout. A
+    worker that leaves (closes its client) is out at once. Hearing from a worker again brings
+    it back. ``timeout_s <= 0`` never drops anyone for silence.
+
+    Each worker id is held by one client process (its ``session``); a second process claiming
+    an id whose holder was heard within ``claim_grace_s`` is refused.
     """
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, claim_grace_s: float = 5.0) -> None:
         self.timeout_s = timeout_s
+        self.claim_grace_s = claim_grace_s
         self._last_seen: dict[int, float] = {}
         self._live: set[int] = set()
+        self._left: set[int] = set()
+        self._sessions: dict[int, str] = {}
+        self._heard_any: float | None = None  # when the shard last heard any worker
         self._started = False
 
     def start(self, num_workers: int, now: float) -> None:
@@ -27,26 +41,97 @@ class Membership:
         for w in range(num_workers):
             self._last_seen.setdefault(w, now)
         self._live = set(range(num_workers))
+        self._heard_any = now
         self._started = True
+
+    def claim(self, worker: int, session: str, now: float) -> None:
+        """Checks that ``session`` may act as ``worker``; a new session takes over an id whose
+        holder has been silent for ``claim_grace_s``. An empty session (a client that does not
+        say) is never checked.
+
+        Raises:
+            DuplicateWorkerError: another live process holds this worker id.
+        """
+        if not session:
+            return
+        holder = self._sessions.get(worker)
+        if holder is not None and holder != session:
+            silent = now - self._last_seen.get(worker, now)
+            if silent < self.claim_grace_s:
+                raise DuplicateWorkerError(
+                    f"worker id {worker} is held by another live client process (session "
+                    f"{holder}, heard {silent:.1f}s ago); this one is session {session}. Give "
+                    "each process its own worker id (worker_id=, $PS_WORKER_ID or TF_CONFIG's "
+                    f"task.index); a restarted worker takes over after {self.claim_grace_s:g}s "
+                    "of silence from the old one"
+                )
+            log.warning(
+                "worker %d: session %s takes over from %s (silent %.1fs)",
+                worker,
+                session,
+                holder,
+                silent,
+            )
+        self._sessions[worker] = session
+
+    def check(self, worker: int, session: str) -> None:
+        """Refuses a call from a process that no longer holds ``worker`` (another took over).
+
+        Raises:
+            DuplicateWorkerError: ``session`` is not the id's holder.
+        """
+        holder = self._sessions.get(worker)
+        if session and holder is not None and holder != session:
+            raise DuplicateWorkerError(
+                f"worker id {worker} is now held by client session {holder}, not this one "
+                f"({session}): another process registered as worker {worker}"
+            )
 
     def touch(self, worker: int, now: float) -> bool:
         """Records that ``worker`` was heard from; True when that brings it back into the quorum."""
+        gap = now - self._heard_any if self._heard_any is not None else 0.0
+        if self.timeout_s > 0 and gap > self.timeout_s:
+            # The shard heard nobody for a whole timeout: its own stall or partition, not the
+            # workers' silence. Everyone starts a fresh timeout from now.
+            log.warning(
+                "heard no worker for %.1fs (shard paused or cut off?): every worker gets a "
+                "fresh heartbeat timeout",
+                gap,
+            )
+            for w in self._last_seen:
+                self._last_seen[w] = now
+        self._heard_any = now
         self._last_seen[worker] = now
         if self._started and worker not in self._live:
             self._live.add(worker)
+            self._left.discard(worker)
             log.info("worker %d rejoined the quorum", worker)
             return True
         return False
 
+    def leave(self, worker: int) -> bool:
+        """``worker`` left the job; True when that changed the quorum."""
+        self._sessions.pop(worker, None)
+        if worker not in self._live:
+            return False
+        self._live.discard(worker)
+        self._left.add(worker)
+        log.info("worker %d left the job", worker)
+        return True
+
     def expire(self, now: float) -> list[int]:
-        """Drops every live worker silent for longer than the timeout; returns them."""
-        if self.timeout_s <= 0:
+        """Drops every live worker silent for longer than the timeout while others were heard
+        within it; returns them."""
+        if self.timeout_s <= 0 or self._heard_any is None:
             return []
+        if now - self._heard_any > self.timeout_s:
+            return []  # nobody heard: the shard's silence, not theirs (see touch)
         silent = sorted(w for w in self._live if now - self._last_seen.get(w, now) > self.timeout_s)
         for w in silent:
             self._live.discard(w)
             log.warning(
-                "worker %d silent for %.1fs (timeout %.1fs): dropped from the quorum",
+                "worker %d silent for %.1fs (timeout %.1fs) while others were heard: dropped "
+                "from the quorum",
                 w,
                 now - self._last_seen[w],
                 self.timeout_s,
@@ -56,6 +141,10 @@ class Membership:
     @property
     def live(self) -> frozenset[int]:
         return frozenset(self._live)
+
+    @property
+    def left(self) -> frozenset[int]:
+        return frozenset(self._left)
 
     @property
     def live_view(self) -> AbstractSet[int]:

@@ -12,11 +12,21 @@ from pswire.rowstore import TableState
 
 @dataclass(frozen=True)
 class Limits:
+    """What a shard accepts and how long it waits (psserver's --max-* flags)."""
+
     max_workers: int = 1024
     max_variables: int = 100_000
     max_request_bytes: int = 8 << 30
     max_wait_s: float = 300.0
     heartbeat_timeout_s: float = 30.0  # silent this long: out of the sync/ssp quorum; 0: never
+    # A push may be for at most this many steps beyond the one the shard expects from its
+    # worker: a step far ahead would make that worker's real pushes look like retries.
+    max_step_ahead: int = 0
+    # The bytes a job's state may take on the shard (variables, optimizer slots, table rows at
+    # their bound); 0: no limit.
+    memory_limit_bytes: int = 0
+    # A worker id held by a process heard within this long is refused to another process.
+    claim_grace_s: float = 5.0
 
 
 @dataclass
@@ -26,6 +36,8 @@ class PushResult:
     clock: int
     durable_step: int
     next_step: int  # the step the worker reads at and pushes next
+    absent: tuple[int, ...] = ()  # the job's workers out of the quorum now (sync/ssp)
+    job_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -33,6 +45,7 @@ class Registration:
     clock: int  # the step the worker (re)joins at
     initialized: bool
     durable_step: int
+    job_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -63,3 +76,5 @@ class ShardStatus:
     checkpoint_age_s: float
     tables: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
     # table -> (rows, bytes, evictions, capacity)
+    left: frozenset[int] = frozenset()
+    failure: str = ""

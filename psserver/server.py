@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from psserver.admission import DEFAULT_STREAM_IDLE_S, DEFAULT_STREAMS_PER_WORKER, Admission
 from psserver.metrics import RpcMetricsInterceptor, ShardMetrics
 from psserver.parsing import tolerant
 from psserver.servicer import ParameterServerServicer
@@ -19,14 +21,40 @@ from pswire.security import ServerSecurity, TokenInterceptor
 from pswire.stubs import SERVICE, add_servicer
 
 
+class _ExpiryTicker:
+    """Drops silent workers on a timer (``Shard.expire_silent``), so membership is current
+    even when no call waits; reads such as status never do it themselves."""
+
+    def __init__(self, shard: Shard) -> None:
+        hb = shard.limits.heartbeat_timeout_s
+        self._shard = shard
+        self._tick = min(1.0, hb / 4) if hb > 0 else 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ps-expiry", daemon=True)
+
+    def start(self) -> None:
+        if self._tick > 0:
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._tick):
+            self._shard.expire_silent()
+
+
 @dataclass
 class RunningServer:
     server: grpc.Server
     port: int
     shard: Shard
     health: health.HealthServicer
-
     host: str = "127.0.0.1"
+    admission: Admission | None = None
+    ticker: _ExpiryTicker | None = None
 
     @property
     def address(self) -> str:
@@ -35,8 +63,14 @@ class RunningServer:
         return f"{host}:{self.port}"
 
     def stop(self, grace: float = 2.0) -> None:
+        """Stops serving: every wait in the shard ends at once (its callers hear the shard is
+        stopping), then calls in flight get ``grace`` seconds."""
         self.health.enter_graceful_shutdown()
+        self.shard.close()
         self.server.stop(grace).wait(grace + 1.0)
+        for part in (self.ticker, self.admission):
+            if part is not None:
+                part.stop()
 
 
 def start_server(
@@ -47,6 +81,8 @@ def start_server(
     security: ServerSecurity | None = None,
     checkpoint: Callable[[], tuple[str, int]] | None = None,
     metrics: ShardMetrics | None = None,
+    stream_idle_s: float = DEFAULT_STREAM_IDLE_S,
+    streams_per_worker: int = DEFAULT_STREAMS_PER_WORKER,
 ) -> RunningServer:
     """Starts a shard server bound to ``host:port`` (0 picks a free port) and returns it.
 
@@ -55,7 +91,10 @@ def start_server(
     and the token check; health checks answer without a token. ``checkpoint`` saves one
     checkpoint and returns (path, shard clock), for the Checkpoint RPC; None: the RPC fails.
     ``metrics`` (of this ``shard``) counts and times every call; an empty name becomes
-    host:port (the machine's name for a wildcard host).
+    host:port (the machine's name for a wildcard host). Calls that can wait or stream take at
+    most ``threads`` minus a few (kept for status, health and registration); a request stream
+    idle for ``stream_idle_s`` is cancelled; a worker holds at most ``streams_per_worker``
+    open step streams.
 
     Raises:
         RuntimeError: the address could not be bound.
@@ -81,8 +120,9 @@ def start_server(
     )
     if metrics is not None:
         shard.observer = metrics  # counts gradients, snapshots and time spent in the shard
-    servicer = ParameterServerServicer(shard, checkpoint=checkpoint)
-    add_servicer(servicer, server, wrap=tolerant)
+    admission = Admission(threads, stream_idle_s, streams_per_worker)
+    servicer = ParameterServerServicer(shard, checkpoint=checkpoint, admission=admission)
+    add_servicer(servicer, server, wrap=lambda m, h: admission.wrap(m, tolerant(m, h)))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{host}:{port}"
@@ -98,6 +138,9 @@ def start_server(
         wildcard = host in WILDCARD_HOSTS
         metrics.name = f"{socket.gethostname() if wildcard else host}:{bound}"
     server.start()
+    admission.start()
+    ticker = _ExpiryTicker(shard)
+    ticker.start()
     for name in ("", SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, bound, shard, health_servicer, host)
+    return RunningServer(server, bound, shard, health_servicer, host, admission, ticker)

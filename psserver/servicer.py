@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -9,6 +12,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from psserver.admission import Admission
 from psserver.records import PushResult
 from psserver.shard import Shard
 from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler, tensor_to_proto
@@ -55,6 +59,25 @@ def _none() -> None:
     return None
 
 
+@contextlib.contextmanager
+def _ending(context: grpc.ServicerContext, shard: Shard) -> Iterator[threading.Event]:
+    """An event set when the call ends; if it ends (cancelled, deadline passed, client gone)
+    while the handler still runs, the shard's waits are woken to see it and give up."""
+    ended = threading.Event()
+    running = True
+
+    def on_end() -> None:
+        ended.set()
+        if running:
+            shard.wake()
+
+    context.add_callback(on_end)
+    try:
+        yield ended
+    finally:
+        running = False
+
+
 def _until_gone(requests: Iterable[Any]) -> Iterator[Any]:
     """The requests of a stream, ending quietly when the client cancels or goes away (grpc
     raises RpcError from the iterator then: there is no one left to answer)."""
@@ -75,26 +98,35 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         shard: Shard,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         checkpoint: Callable[[], tuple[str, int]] | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.shard = shard
         self.chunk_bytes = chunk_bytes
         self.save_checkpoint = checkpoint
+        self.admission = admission or Admission(threads=64)
         self._shared_pull: Callable[[], _Reply | None] = _none  # see _encode_pull
 
     @rpc_errors
     def RegisterWorker(self, request, context):
-        reg = self.shard.register_worker(request.worker_id, request.num_workers)
+        reg = self.shard.register_worker(request.worker_id, request.num_workers, request.session)
         return ps_pb2.RegisterWorkerResponse(
             clock=reg.clock,
             initialized=reg.initialized,
             incarnation=self.shard.incarnation,
             durable_step=reg.durable_step,
             checkpointing=self.shard.checkpointing,
+            job_id=reg.job_id,
         )
 
     @rpc_errors
     def Heartbeat(self, request, context):
-        return ps_pb2.HeartbeatResponse(clock=self.shard.heartbeat(request.worker_id))
+        clock = self.shard.heartbeat(request.worker_id, request.session)
+        return ps_pb2.HeartbeatResponse(clock=clock)
+
+    @rpc_errors
+    def Leave(self, request, context):
+        self.shard.leave(request.worker_id, request.session)
+        return ps_pb2.LeaveResponse()
 
     @rpc_errors
     def Init(self, request_iterator, context):
@@ -112,7 +144,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         job = job_from_proto(header.job)
         # The assembler's arrays belong to this call alone: the shard may keep them.
         accepted = self.shard.init(header.worker_id, job, values, take=True)
-        return ps_pb2.InitResponse(values_accepted=accepted)
+        return ps_pb2.InitResponse(values_accepted=accepted, job_id=self.shard.job_id)
 
     def _encode_pull(self, arrays: Mapping[str, np.ndarray], clock: int) -> list[bytes]:
         """The PullResponse messages of a snapshot; runs under the shard's lock (the encoded
@@ -144,47 +176,62 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     @rpc_errors
     def Pull(self, request, context):
         rows = _row_query(request)
-        messages, _ = self.shard.pull(
-            request.worker_id,
-            request.step,
-            list(request.names),
-            timeout=_timeout(context),
-            encode=self._messages if rows else self._encode_pull,
-            rows=rows,
-            incarnation=request.incarnation,
-        )
+        with _ending(context, self.shard) as cancelled:
+            messages, _ = self.shard.pull(
+                request.worker_id,
+                request.step,
+                list(request.names),
+                timeout=_timeout(context),
+                encode=self._messages if rows else self._encode_pull,
+                rows=rows,
+                incarnation=request.incarnation,
+                cancelled=cancelled,
+            )
         yield from messages
 
     @rpc_errors
     def Push(self, request_iterator, context):
         assembler = ChunkAssembler(self.shard.limits.max_request_bytes)
         header = read_stream(request_iterator, assembler, "Push")
-        result = self.shard.push(
-            header.worker_id,
-            header.step,
-            assembled_grads(assembler),
-            timeout=_timeout(context),
-            incarnation=header.incarnation,
-            take=True,  # the assembler's arrays belong to this call alone
-        )
-        return _push_response(result, self.shard.incarnation)
+        with _ending(context, self.shard) as cancelled:
+            result = self.shard.push(
+                header.worker_id,
+                header.step,
+                assembled_grads(assembler),
+                timeout=_timeout(context),
+                incarnation=header.incarnation,
+                take=True,  # the assembler's arrays belong to this call alone
+                session=header.session,
+                cancelled=cancelled,
+            )
+        return self._push_response(result)
 
     @rpc_errors
     def PushPull(self, request, context):
-        return self._push_pull(request, _timeout(context))
+        with _ending(context, self.shard) as cancelled:
+            return self._push_pull(request, _timeout(context), cancelled)
 
     @rpc_errors
     def PushPullStream(self, request_iterator, context):
-        for request in _until_gone(request_iterator):
-            # Each step's own deadline, within the call's.
-            timeout = request.timeout_ms / 1000 if request.timeout_ms else None
-            remaining = _timeout(context)
-            if remaining is not None:
-                timeout = remaining if timeout is None else min(timeout, remaining)
-            yield self._push_pull(request, timeout)
+        requests = _until_gone(request_iterator)
+        first = next(requests, None)
+        if first is None:
+            return
+        worker = first.header.worker_id
+        with _ending(context, self.shard) as cancelled, self.admission.step_stream(worker):
+            for request in itertools.chain([first], requests):
+                # Each step's own deadline, within the call's.
+                timeout = request.timeout_ms / 1000 if request.timeout_ms else None
+                remaining = _timeout(context)
+                if remaining is not None:
+                    timeout = remaining if timeout is None else min(timeout, remaining)
+                yield self._push_pull(request, timeout, cancelled)
 
     def _push_pull(
-        self, request: ps_pb2.PushPullRequest, timeout: float | None
+        self,
+        request: ps_pb2.PushPullRequest,
+        timeout: float | None,
+        cancelled: threading.Event,
     ) -> ps_pb2.PushPullResponse:
         header = request.header
         result, chunks, clock = self.shard.push_pull(
@@ -195,9 +242,23 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             incarnation=header.incarnation,
             take=True,
             encode=_whole_chunks,
+            session=header.session,
+            cancelled=cancelled,
         )
-        pushed = _push_response(result, self.shard.incarnation)
+        pushed = self._push_response(result)
         return ps_pb2.PushPullResponse(push=pushed, chunks=chunks, clock=clock)
+
+    def _push_response(self, result: PushResult) -> ps_pb2.PushResponse:
+        return ps_pb2.PushResponse(
+            applied=result.applied,
+            reason=result.reason,
+            clock=result.clock,
+            incarnation=self.shard.incarnation,
+            durable_step=result.durable_step,
+            next_step=result.next_step,
+            absent_workers=result.absent,
+            job_id=result.job_id,
+        )
 
     @rpc_errors
     def Status(self, request, context):
@@ -213,6 +274,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             incarnation=self.shard.incarnation,
             checkpoint_step=st.checkpoint_step,
             checkpoint_age_s=st.checkpoint_age_s,
+            left_workers=sorted(st.left),
+            failure=st.failure,
         )
         if st.job is not None:
             reply.job.CopyFrom(job_to_proto(st.job))
@@ -238,14 +301,3 @@ def _whole_chunks(arrays: Mapping[str, np.ndarray], clock: int) -> list[ps_pb2.T
     """A PushPull reply's tensors, each whole; under the shard's lock (the chunks' bytes are
     the snapshot: one copy)."""
     return [tensor_to_proto(key, array) for key, array in arrays.items()]
-
-
-def _push_response(result: PushResult, incarnation: str) -> ps_pb2.PushResponse:
-    return ps_pb2.PushResponse(
-        applied=result.applied,
-        reason=result.reason,
-        clock=result.clock,
-        incarnation=incarnation,
-        durable_step=result.durable_step,
-        next_step=result.next_step,
-    )

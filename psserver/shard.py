@@ -1,4 +1,5 @@
-"""A shard: its variables, their optimizer state, worker clocks and the consistency rule.
+"""A shard: one job's agreement, worker clocks and membership, the consistency rule, and the
+waits they impose, over the model state in ``variables.py``.
 
 Plain Python: no grpc here. The servicer decodes requests into calls on ``Shard`` and encodes
 what comes back; every error is a ``PSError`` whose status the servicer sends.
@@ -6,6 +7,7 @@ what comes back; every error is a ``PSError`` whose status the servicer sends.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -14,25 +16,36 @@ from typing import Any
 
 import numpy as np
 
+from psserver.agreement import JobAgreement
 from psserver.consistency import Clocks, ConsistencyPolicy, make_policy
 from psserver.membership import Membership
 from psserver.observer import Observer, observed
-from psserver.records import Limits, PushResult, Registration, ShardState, ShardStatus
+from psserver.records import Limits, PushResult
+from psserver.reports import Reports
+from psserver.roster import Roster
 from psserver.variables import Variables
 from pswire.errors import (
+    CallCancelledError,
     InvalidRequestError,
-    ModelMismatchError,
     NotInitializedError,
     ShardRestartedError,
-    TooLargeError,
+    StepRefusedError,
+    UnavailableError,
     WaitTimeoutError,
 )
 from pswire.job import OBSERVER, Job
 from pswire.tables import RowSparse
 
+# No step is ever this large: a clock past it would overflow the wire's int64.
+MAX_STEP = 1 << 62
 
-class Shard:
-    """One parameter-server shard; thread-safe, every wait bounded."""
+
+class Shard(Roster, Reports):
+    """One parameter-server shard; thread-safe, every wait bounded.
+
+    ``clock`` (seconds, monotonic) is what membership reads: tests inject one and call
+    ``expire_silent`` to drop workers without sleeping.
+    """
 
     def __init__(self, limits: Limits | None = None, clock: Callable[[], float] = time.monotonic):
         self.limits = limits or Limits()
@@ -41,65 +54,40 @@ class Shard:
         self.observer: Observer | None = None  # set by the server when metrics are on
         self._now = clock
         self._cond = threading.Condition()
-        self._job: Job | None = None
+        self._agreement = JobAgreement()
         self._policy: ConsistencyPolicy | None = None
         self._state = Variables()
         self._finished: dict[int, int] = {}
-        self._members = Membership(self.limits.heartbeat_timeout_s)
+        self._members = Membership(self.limits.heartbeat_timeout_s, self.limits.claim_grace_s)
         self._ready = False  # initial values installed
         self._updates = 0
         self._counters = {"applied": 0, "duplicate": 0, "late": 0}
         self._durable: dict[int, int] = {}  # worker -> its steps in the newest checkpoint
         self._checkpoint_step = -1
         self._checkpoint_time: float | None = None
+        self._failure = ""  # a refused sync step: every later step fails with it
+        self._closed = False
 
-    # -- membership -------------------------------------------------------------------------
+    @property
+    def _job(self) -> Job | None:
+        return self._agreement.job
 
-    def register_worker(self, worker_id: int, num_workers: int) -> Registration:
-        """Records a worker (new, restarted or reconnecting); says where it (re)joins.
+    @property
+    def job_id(self) -> str:
+        """The id of the job this shard holds ("" before any)."""
+        job = self._agreement.job
+        return job.job_id if job is not None else ""
 
-        Raises:
-            InvalidRequestError: ids out of range.
-            TooLargeError: more workers than the shard's limit.
-            ModelMismatchError: ``num_workers`` differs from the job's.
-        """
-        if num_workers < 1 or not 0 <= worker_id < num_workers:
-            raise InvalidRequestError(
-                f"worker_id {worker_id} must be in [0, num_workers) with num_workers >= 1, "
-                f"got num_workers {num_workers}"
-            )
-        if num_workers > self.limits.max_workers:
-            raise TooLargeError(
-                f"num_workers {num_workers} is over this shard's limit of {self.limits.max_workers}"
-            )
+    def close(self) -> None:
+        """The shard is stopping: every wait ends now, and new calls that would wait fail."""
         with self._cond:
-            if self._job is not None and self._job.num_workers != num_workers:
-                raise ModelMismatchError(
-                    f"worker {worker_id} says num_workers {num_workers}; the job on this shard "
-                    f"has {self._job.num_workers}"
-                )
-            self._touch(worker_id)
-            if self._policy is not None:
-                # A worker that fell behind (dropped, restarted) resumes at the current step.
-                joined = self._policy.join_clock(self._clocks(), worker_id)
-                self._finished[worker_id] = max(self._finished.get(worker_id, 0), joined)
-            return Registration(
-                self._finished.get(worker_id, 0), self._ready, self._durable.get(worker_id, 0)
-            )
+            self._closed = True
+            self._cond.notify_all()
 
-    def heartbeat(self, worker_id: int) -> int:
-        """Marks a worker alive; returns the steps it has finished here.
-
-        Raises:
-            InvalidRequestError: an id outside the job's workers (before a job: the limit).
-        """
+    def wake(self) -> None:
+        """Wakes every wait to look again (a call was cancelled)."""
         with self._cond:
-            job = self._job
-            self._check_worker(
-                worker_id, job.num_workers if job else self.limits.max_workers, "heartbeat"
-            )
-            self._touch(worker_id)
-            return self._finished.get(worker_id, 0)
+            self._cond.notify_all()
 
     # -- init -------------------------------------------------------------------------------
 
@@ -110,42 +98,45 @@ class Shard:
         values: Mapping[str, np.ndarray] | None,
         take: bool = False,
     ) -> bool:
-        """Agrees on the job; installs initial values if none are held yet.
+        """Agrees on the job (worker 0's: see ``JobAgreement``); installs initial values if none
+        are held yet. Returns whether ``values`` were installed (``job_id`` says which job the
+        shard holds now).
 
-        Returns whether ``values`` were installed (False when the shard already had values:
-        a restarted or later worker never overwrites trained weights). ``take``: the caller
-        hands the arrays over (nothing else refers to them), so writable ones of the right
-        dtype are kept as they are instead of copied.
+        Values are not installed when the shard already has some: a restarted or later worker
+        never overwrites trained weights. ``take``: the caller hands the arrays over (nothing
+        else refers to them), so writable ones of the right dtype are kept as they are.
 
         Raises:
             InvalidRequestError: bad job description or values.
-            ModelMismatchError: the job differs from the one the shard holds.
-            TooLargeError: more variables than the shard's limit.
+            ModelMismatchError: the job differs from worker 0's, which the shard holds.
+            TooLargeError: over the shard's limits (variables, memory).
         """
-        job.check(self.limits.max_workers, self.limits.max_variables)
+        limits = self.limits
+        job.check(limits.max_workers, limits.max_variables, limits.memory_limit_bytes)
         self._check_worker(worker_id, job.num_workers, "init")
         if values is not None:
             job.check_values(values)
+        # Tables are made (and their rows drawn) outside the lock: a large one takes seconds,
+        # and status and health must not wait for it.
+        if values is not None and worker_id != 0:
+            raise InvalidRequestError(
+                f"init from worker {worker_id} carries initial values: only worker 0 sends them"
+            )
+        state = Variables()
+        if values is not None and not self._ready:  # unlocked peek: a waste at worst
+            state.install(job, values, take)
         with self._cond:
-            if self._job is None:
+            if self._agreement.declare(worker_id, job):
                 self._set_job(job)
-            else:
-                diffs = job.differences(self._job)
-                if diffs:
-                    raise ModelMismatchError(
-                        f"worker {worker_id}'s job differs from the one this shard holds: "
-                        + "; ".join(diffs[:10])
-                    )
             self._touch(worker_id)
             if values is None or self._ready:
                 return False
-            self._state.install(job, values, take)
+            self._state = state
             self._ready = True
             self._cond.notify_all()
             return True
 
     def _set_job(self, job: Job) -> None:
-        self._job = job
         self._policy = make_policy(job.mode, job.staleness, job.quorum)
         self._members.start(job.num_workers, self._now())
 
@@ -160,6 +151,7 @@ class Shard:
         encode: Callable[[Mapping[str, np.ndarray], int], Any] | None = None,
         rows: Sequence[tuple[str, np.ndarray]] = (),
         incarnation: str = "",
+        cancelled: threading.Event | None = None,
     ) -> tuple[Any, int]:
         """Snapshot of the variables once the consistency rule lets a worker at ``step`` read.
 
@@ -171,51 +163,43 @@ class Shard:
         ``encode(variables, clock)`` instead, called with the live arrays under the shard's lock:
         whatever it builds from them (the reply's bytes) is the snapshot, with no second copy.
         ``encode`` must not keep the arrays. ``worker_id`` ``OBSERVER`` (-1) reads without
-        counting as any worker (psctl export).
+        counting as any worker (psctl export). ``cancelled`` set (and ``wake`` called) ends
+        the wait: the caller has gone.
 
         Raises:
             NotInitializedError: no job yet.
-            InvalidRequestError: a worker id outside the job, or a negative step.
+            InvalidRequestError: a worker id outside the job, or a step out of range.
             UnknownVariableError: a name the shard does not hold.
+            ModelMismatchError: this worker declared another job than worker 0's.
             WaitTimeoutError: the rule or the initial values did not allow reading in time.
+            StepRefusedError: the shard refused a step it could not apply.
+            UnavailableError, CallCancelledError: the shard is stopping; the caller went away.
         """
         with observed(self.observer, "Pull"):
-            return self._pull(worker_id, step, names, timeout, encode, rows, incarnation)
-
-    def _pull(
-        self,
-        worker_id: int,
-        step: int,
-        names: Sequence[str],
-        timeout: float | None,
-        encode: Callable[[Mapping[str, np.ndarray], int], Any] | None,
-        rows: Sequence[tuple[str, np.ndarray]],
-        incarnation: str,
-    ) -> tuple[Any, int]:
-        self._check_incarnation(incarnation, worker_id, "pull")
-        job = self._require_job()
-        if worker_id != OBSERVER:
-            self._check_worker(worker_id, job.num_workers, "pull")
-        if step < 0:
-            raise InvalidRequestError(f"pull by worker {worker_id} has negative step {step}")
-        keys = job.pull_keys(names, rows)
-        with self._cond:
-            self._touch(worker_id)
-            self._wait_values(timeout)
-            policy = self._require_policy()
-            self._wait(
-                lambda: policy.read_ready(self._clocks(), step),
-                timeout,
-                lambda: f"pull by worker {worker_id}: " + policy.waiting_for(self._clocks(), step),
-            )
-            # Gathering copies the rows: they are this pull's snapshot either way.
-            gathered = {table: self._state.tables[table].gather(ids) for table, ids in rows}
-            arrays = {**{k: self._state.values[k] for k in keys}, **gathered}
-            if self.observer is not None:
-                self.observer.pulled(arrays)
-            if encode is not None:
-                return encode(arrays, self._updates), self._updates
-            return {k: a if k in gathered else a.copy() for k, a in arrays.items()}, self._updates
+            job = self._check_call(worker_id, step, incarnation, "pull", reader=True)
+            keys = job.pull_keys(names, rows)
+            with self._cond:
+                self._touch(worker_id)
+                self._wait_values(timeout, cancelled)
+                self._agreement.check(worker_id)
+                policy = self._require_policy()
+                self._wait(
+                    lambda: policy.read_ready(self._clocks(), step),
+                    timeout,
+                    cancelled,
+                    lambda: (
+                        f"pull by worker {worker_id}: " + policy.waiting_for(self._clocks(), step)
+                    ),
+                )
+                # Gathering copies the rows: they are this pull's snapshot either way.
+                gathered = {table: self._state.tables[table].gather(ids) for table, ids in rows}
+                arrays = {**{k: self._state.values[k] for k in keys}, **gathered}
+                if self.observer is not None:
+                    self.observer.pulled(arrays)
+                if encode is not None:
+                    return encode(arrays, self._updates), self._updates
+                snapshot = {k: a if k in gathered else a.copy() for k, a in arrays.items()}
+                return snapshot, self._updates
 
     def push(
         self,
@@ -225,6 +209,8 @@ class Shard:
         timeout: float | None = None,
         incarnation: str = "",
         take: bool = False,
+        session: str = "",
+        cancelled: threading.Event | None = None,
     ) -> PushResult:
         """Takes one worker's gradients for one step, applying them as the rule says.
 
@@ -233,61 +219,55 @@ class Shard:
 
         A push is applied at most once per (worker, step): a duplicate is acknowledged with
         ``applied=False, reason="duplicate"``; in ``sync`` a push for a step that already
-        closed without it is dropped with ``reason="late"`` (and counted). Nothing changes
-        unless every gradient is valid.
+        closed without it is dropped with ``reason="late"`` (and counted). A step may be at
+        most ``limits.max_step_ahead`` beyond the one the shard expects from this worker.
+        Nothing changes unless every gradient is valid, and no step whose result would not
+        be finite is applied.
 
         Gradients of float32 variables may arrive as float16 or bfloat16 (the client's wire
         compression); they are widened to float32 before anything else.
 
         Raises:
             NotInitializedError: no job yet.
-            UnknownVariableError, ShapeMismatchError, InvalidRequestError: bad gradients.
+            UnknownVariableError, ShapeMismatchError, InvalidRequestError: bad gradients or step.
+            ModelMismatchError: this worker declared another job than worker 0's.
+            DuplicateWorkerError: another process holds this worker id now.
             WaitTimeoutError: the rule did not let the push in within the deadline.
+            StepRefusedError: the step's result would not be finite (nothing applied).
+            UnavailableError, CallCancelledError: the shard is stopping; the caller went away.
         """
         with observed(self.observer, "Push", grads):
-            return self._push(worker_id, step, grads, timeout, incarnation, take)
-
-    def _push(
-        self,
-        worker_id: int,
-        step: int,
-        grads: Mapping[str, np.ndarray | RowSparse],
-        timeout: float | None,
-        incarnation: str,
-        take: bool,
-    ) -> PushResult:
-        self._check_incarnation(incarnation, worker_id, "push")
-        job = self._require_job()
-        if not 0 <= worker_id < job.num_workers:
-            raise InvalidRequestError(
-                f"push from worker {worker_id}, but the job has workers 0..{job.num_workers - 1}"
-            )
-        if step < 0:
-            raise InvalidRequestError(f"push from worker {worker_id} has negative step {step}")
-        grads = job.checked_grads(grads)
-        with self._cond:
-            self._touch(worker_id)
-            self._wait_values(timeout)
-            policy = self._require_policy()
-            skipped = self._skip(policy, worker_id, step)
-            if skipped is not None:
-                return skipped
-            self._wait(
-                lambda: policy.push_ready(self._clocks(), worker_id, step),
-                timeout,
-                lambda: f"push by worker {worker_id}: " + policy.waiting_for(self._clocks(), step),
-            )
-            # The wait released the lock: a retry of this push may have landed meanwhile.
-            skipped = self._skip(policy, worker_id, step)
-            if skipped is not None:
-                return skipped
-            update = policy.submit(self._clocks(), worker_id, step, grads, owned=take)
-            self._finished[worker_id] = max(self._finished.get(worker_id, 0), step + 1)
-            self._counters["applied"] += 1
-            if update is not None:
-                self._apply(update)
-            self._cond.notify_all()
-            return self._result(True, "", worker_id, step)
+            job = self._check_call(worker_id, step, incarnation, "push")
+            grads = job.checked_grads(grads)
+            with self._cond:
+                self._members.check(worker_id, session)
+                self._touch(worker_id)
+                self._wait_values(timeout, cancelled)
+                self._agreement.check(worker_id)
+                policy = self._require_policy()
+                self._check_ahead(policy, worker_id, step)
+                skipped = self._skip(policy, worker_id, step)
+                if skipped is not None:
+                    return skipped
+                self._wait(
+                    lambda: policy.push_ready(self._clocks(), worker_id, step),
+                    timeout,
+                    cancelled,
+                    lambda: (
+                        f"push by worker {worker_id}: " + policy.waiting_for(self._clocks(), step)
+                    ),
+                )
+                # The wait released the lock: a retry of this push may have landed meanwhile.
+                skipped = self._skip(policy, worker_id, step)
+                if skipped is not None:
+                    return skipped
+                update = policy.submit(self._clocks(), worker_id, step, grads, owned=take)
+                if update is not None:
+                    self._apply(update, sync_round=policy.name == "sync")
+                self._finished[worker_id] = max(self._finished.get(worker_id, 0), step + 1)
+                self._counters["applied"] += 1
+                self._cond.notify_all()
+                return self._result(True, "", worker_id, step)
 
     def push_pull(
         self,
@@ -298,6 +278,8 @@ class Shard:
         timeout: float | None = None,
         incarnation: str = "",
         take: bool = False,
+        session: str = "",
+        cancelled: threading.Event | None = None,
     ) -> tuple[PushResult, Any, int]:
         """``push``, then ``pull`` of every variable that is not a table at the step the
         worker goes on to (``PushResult.next_step``): (the push's result, ``encode``'s
@@ -306,11 +288,53 @@ class Shard:
         Raises:
             as ``push`` and ``pull``.
         """
-        result = self.push(worker_id, step, grads, timeout, incarnation, take)
+        result = self.push(worker_id, step, grads, timeout, incarnation, take, session, cancelled)
         snapshot, clock = self.pull(
-            worker_id, result.next_step, timeout=timeout, encode=encode, incarnation=incarnation
+            worker_id,
+            result.next_step,
+            timeout=timeout,
+            encode=encode,
+            incarnation=incarnation,
+            cancelled=cancelled,
         )
         return result, snapshot, clock
+
+    def _check_call(
+        self, worker_id: int, step: int, incarnation: str, what: str, reader: bool = False
+    ) -> Job:
+        """The checks every pull and push makes before touching anything; returns the job.
+
+        Raises:
+            ShardRestartedError, NotInitializedError, InvalidRequestError, StepRefusedError.
+        """
+        self._check_incarnation(incarnation, worker_id, what)
+        job = self._require_job()
+        if not (reader and worker_id == OBSERVER):
+            self._check_worker(worker_id, job.num_workers, what)
+        if step < 0:
+            raise InvalidRequestError(f"{what} by worker {worker_id} has negative step {step}")
+        if step >= MAX_STEP:
+            raise InvalidRequestError(f"{what} by worker {worker_id} has step {step} >= 2**62")
+        if self._failure:
+            raise StepRefusedError(self._failure)
+        return job
+
+    def _check_ahead(self, policy: ConsistencyPolicy, worker_id: int, step: int) -> None:
+        """Refuses a step past the one this worker is expected to push next (plus the slack).
+
+        Raises:
+            InvalidRequestError: naming the step, the expected one and the limit.
+        """
+        expected = self._finished.get(worker_id, 0)
+        if policy.name == "sync":
+            expected = max(expected, self._updates)
+        if step > expected + self.limits.max_step_ahead:
+            raise InvalidRequestError(
+                f"push by worker {worker_id} is for step {step}, but its next step here is "
+                f"{expected} (at most {self.limits.max_step_ahead} ahead allowed: "
+                "psserver --max-step-ahead); a step from the future would make this worker's "
+                "real pushes look like retries"
+            )
 
     def _skip(self, policy: ConsistencyPolicy, worker_id: int, step: int) -> PushResult | None:
         reason = policy.classify(self._clocks(), worker_id, step)
@@ -322,95 +346,45 @@ class Shard:
     def _result(self, applied: bool, reason: str, worker_id: int, step: int) -> PushResult:
         # After a late sync push the worker moves on to the step the shard is in.
         after = max(step + 1, self._updates) if reason == "late" else step + 1
-        return PushResult(applied, reason, self._updates, self._durable.get(worker_id, 0), after)
+        job = self._job
+        absent: tuple[int, ...] = ()
+        if job is not None and job.mode != "async":
+            live = self._members.live_view
+            absent = tuple(w for w in range(job.num_workers) if w not in live)
+        durable = self._durable.get(worker_id, 0)
+        job_id = job.job_id if job is not None else ""
+        return PushResult(applied, reason, self._updates, durable, after, absent, job_id)
 
-    def _apply(self, update: Mapping[str, Any]) -> None:
-        self._state.apply(self._require_job(), update)
-        self._updates += 1
-
-    # -- status and state -------------------------------------------------------------------
-
-    def status(self) -> ShardStatus:
-        with self._cond:
-            now = self._now()
-            self._expire()
-            workers = {
-                w: (self._finished.get(w, 0), self._members.seconds_since(w, now))
-                for w in self._members.known()
-            }
-            age = -1.0 if self._checkpoint_time is None else now - self._checkpoint_time
-            return ShardStatus(
-                initialized=self._ready,
-                job=self._job,
-                clock=self._updates,
-                workers=workers,
-                live=self._members.live,
-                total_bytes=self._state.nbytes,
-                pushes_applied=self._counters["applied"],
-                pushes_duplicate=self._counters["duplicate"],
-                pushes_late=self._counters["late"],
-                checkpoint_step=self._checkpoint_step,
-                checkpoint_age_s=age,
-                tables={
-                    k: (t.rows, t.nbytes, t.evictions, t.spec.capacity)
-                    for k, t in self._state.tables.items()
-                },
-            )
-
-    def snapshot(self) -> dict[str, np.ndarray]:
-        """Copies of every variable (for tests and exports)."""
-        with self._cond:
-            return {k: v.copy() for k, v in self._state.values.items()}
-
-    def export_state(self) -> ShardState | None:
-        """A consistent copy of everything a checkpoint needs; None before initial values.
-
-        Taken between updates, so a sync step is either wholly in it or not at all: pushes to
-        the open step are left out (their workers' clocks say so) and get re-sent by the
-        workers after a restart.
-        """
-        with self._cond:
-            if not self._ready:
-                return None
-            assert self._job is not None
-            policy = self._require_policy()
-            finished = {
-                w: policy.durable_clock(self._updates, f) for w, f in self._finished.items()
-            }
-            variables, slots, tables = self._state.export()
-            return ShardState(
-                job=self._job,
-                variables=variables,
-                slots=slots,
-                updates=self._updates,
-                finished=finished,
-                counters=dict(self._counters),
-                tables=tables,
-            )
-
-    def mark_checkpoint(self, state: ShardState) -> None:
-        """Records that ``state`` is durable: workers may forget pushes it covers."""
-        with self._cond:
-            self._durable = dict(state.finished)
-            self._checkpoint_step = state.updates
-            self._checkpoint_time = self._now()
-
-    def restore(self, state: ShardState) -> None:
-        """Becomes the shard that saved ``state`` (on a fresh shard, before serving).
+    def _apply(self, update: Mapping[str, Any], sync_round: bool) -> None:
+        """Applies an update (lock held). A sync round that cannot be applied has been consumed
+        (its pushes are gone), so the refusal is kept: every later step fails with it.
 
         Raises:
-            InvalidRequestError: the state does not match its own job.
+            StepRefusedError: the update's result would not be finite; nothing applied.
         """
-        restored = Variables.restored(state.job, state.variables, state.slots, state.tables)
-        with self._cond:
-            self._set_job(state.job)
-            self._state = restored
-            self._updates = state.updates
-            self._finished = dict(state.finished)
-            self._counters.update(state.counters)
-            self._ready = True
-            self._cond.notify_all()
-        self.mark_checkpoint(state)
+        try:
+            self._state.apply(self._require_job(), update)
+        except StepRefusedError as exc:
+            if sync_round:
+                self._failure = (
+                    f"step {self._updates} was refused and not applied: {exc}; the shard holds "
+                    "the weights from before it. Restart the job (from a checkpoint) with a "
+                    "smaller learning rate or gradient scaling"
+                )
+                self._cond.notify_all()
+                raise StepRefusedError(self._failure) from None
+            raise
+        self._updates += 1
+
+    def _membership_changed(self) -> None:
+        """Re-evaluates the rule after workers left (lock held); a round may close now."""
+        assert self._policy is not None
+        update = self._policy.membership_changed(self._clocks())
+        if update is not None:
+            # A refusal is kept as the shard's failure: every waiting call wakes to it.
+            with contextlib.suppress(StepRefusedError):
+                self._apply(update, sync_round=True)
+        self._cond.notify_all()
 
     # -- internals --------------------------------------------------------------------------
 
@@ -423,15 +397,6 @@ class Shard:
             return  # a reader such as psctl export is no worker: it must not join the quorum
         if self._members.touch(worker_id, self._now()):
             self._cond.notify_all()
-
-    def _expire(self) -> None:
-        """Drops silent workers; a sync step waiting only on them closes now."""
-        if self._policy is None or not self._members.expire(self._now()):
-            return
-        update = self._policy.membership_changed(self._clocks())
-        if update is not None:
-            self._apply(update)
-        self._cond.notify_all()
 
     def _check_incarnation(self, seen: str, worker_id: int, what: str) -> None:
         """Refuses a call made for an earlier incarnation of this shard (before a restart):
@@ -459,39 +424,53 @@ class Shard:
         # quorum, and a sync step would wait for a worker that does not exist.
         if not 0 <= worker_id < num_workers:
             raise InvalidRequestError(
-                f"{what} from worker {worker_id}, but worker ids are 0..{num_workers - 1}"
+                f"{what} from worker {worker_id}, but the job has workers 0..{num_workers - 1}"
             )
 
     def _require_policy(self) -> ConsistencyPolicy:
         assert self._policy is not None
         return self._policy
 
-    def _wait_values(self, timeout: float | None) -> None:
+    def _wait_values(self, timeout: float | None, cancelled: threading.Event | None) -> None:
         self._wait(
             lambda: self._ready,
             timeout,
+            cancelled,
             lambda: "initial values from the initialising worker (worker 0) never arrived",
         )
 
     def _wait(
-        self, ready: Callable[[], bool], timeout: float | None, describe: Callable[[], str]
+        self,
+        ready: Callable[[], bool],
+        timeout: float | None,
+        cancelled: threading.Event | None,
+        describe: Callable[[], str],
     ) -> None:
         """Waits (lock held) until ``ready()``, dropping silent workers meanwhile.
 
         Raises:
             WaitTimeoutError: not ready within the deadline; the message says what was missing.
+            StepRefusedError: the shard refused a step meanwhile.
+            UnavailableError: the shard is stopping.
+            CallCancelledError: the caller went away.
         """
-        if ready():
-            return
         limit = self.limits.max_wait_s if timeout is None else min(timeout, self.limits.max_wait_s)
         deadline = time.monotonic() + max(0.0, limit)
         # Wake up often enough to notice a worker passing its heartbeat timeout.
         hb = self.limits.heartbeat_timeout_s
         tick = min(1.0, hb / 4) if hb > 0 else 1.0
-        while not ready():
-            self._expire()
+        while True:
+            if self._failure:
+                raise StepRefusedError(self._failure)
             if ready():
                 return
+            if self._closed:
+                raise UnavailableError(f"the shard is stopping; was waiting for {describe()}")
+            if cancelled is not None and cancelled.is_set():
+                raise CallCancelledError(f"the caller went away while waiting for {describe()}")
+            if self._policy is not None and self._members.expire(self._now()):
+                self._membership_changed()
+                continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise WaitTimeoutError(f"gave up after {limit:.1f}s waiting for {describe()}")

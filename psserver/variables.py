@@ -11,10 +11,17 @@ from typing import Any
 
 import numpy as np
 
-from pswire.errors import InvalidRequestError
+from pswire.codec import all_finite
+from pswire.errors import InvalidRequestError, StepRefusedError
 from pswire.job import Job
 from pswire.rowstore import RowStore, TableState
 from pswire.tables import RowSparse
+
+# An update is computed with the old values kept (and checked before they are dropped) when an
+# input's sum of squares passes this (some |x| near 1e15 or more) or a hyper-parameter passes
+# HYPER_SAFE: below both, none of our optimizers can overflow float32.
+SAFE_SUM_SQUARES = 1e30
+HYPER_SAFE = 1e6
 
 
 class Variables:
@@ -24,6 +31,7 @@ class Variables:
         self.values: dict[str, np.ndarray] = {}
         self.slots: dict[str, dict] = {}
         self.tables: dict[str, RowStore] = {}
+        self._squares: dict[str, float] = {}  # key -> largest sum of squares (risk check)
 
     def install(self, job: Job, values: Mapping[str, np.ndarray], take: bool) -> None:
         """Starting values (checked against ``job`` by the caller) and fresh optimizer state;
@@ -46,13 +54,32 @@ class Variables:
             for key, spec in specs.items()
             if spec.table is not None
         }
+        for key in self.slots:
+            self._measure(key)
 
     def apply(self, job: Job, update: Mapping[str, Any]) -> None:
         """One optimizer step with ``update`` (gradients by key; rows for tables).
 
         A buffer (e.g. BatchNorm running stats) takes the pushed values (averaged over the
-        round in sync mode) with no optimizer.
+        round in sync mode) with no optimizer. Nothing non-finite is ever stored: an update
+        whose gradient is not finite (a sum that overflowed) is refused before anything
+        changes; one whose inputs are large enough that the optimizer could overflow is
+        computed with the old values kept, and undone when any result is not finite.
+
+        Raises:
+            StepRefusedError: a gradient or a result is not finite; nothing changed (but for
+                a table, whose touched rows are then named as changed).
         """
+        for key, grad in update.items():
+            values = grad.values if isinstance(grad, RowSparse) else grad
+            if values.dtype.kind == "f" and not all_finite(values):
+                raise StepRefusedError(
+                    f"the gradient to apply to '{key}' is not finite (a sum or average of "
+                    "finite gradients overflowed); nothing was applied"
+                )
+        dense = [k for k, g in update.items() if not isinstance(g, RowSparse)]
+        trained = [k for k in dense if not job.specs[k].average]
+        backup = self._backup(trained) if self._risky(job, update, trained) else None
         opt = job.optimizer
         for key, grad in update.items():
             if isinstance(grad, RowSparse):
@@ -61,6 +88,46 @@ class Variables:
                 np.copyto(self.values[key], grad, casting="unsafe")
             else:
                 opt.apply_blocked(self.values[key], grad, self.slots[key])
+        bad = [k for k in trained if not self._measure(k)]
+        bad += [
+            k
+            for k, g in update.items()
+            if isinstance(g, RowSparse) and not all_finite(self.tables[k].gather(g.ids))
+        ]
+        if not bad:
+            return
+        if backup is not None:
+            for key, (value, slots) in backup.items():
+                self.values[key], self.slots[key] = value, slots
+                self._measure(key)
+        kept = "the variables were left as before" if backup is not None else "state changed"
+        raise StepRefusedError(
+            f"the optimizer step made {bad} non-finite (values or optimizer state overflowed); "
+            f"{kept}"
+        )
+
+    def _risky(self, job: Job, update: Mapping[str, Any], trained: list[str]) -> bool:
+        """Whether any input is large enough (or a hyper-parameter extreme enough) that the
+        optimizer could overflow: then the old values are kept until the results are checked."""
+        if any(abs(v) > HYPER_SAFE for v in job.optimizer.params().values()):
+            return True
+        for key in trained:
+            if _sum_squares(update[key]) > SAFE_SUM_SQUARES:
+                return True
+            if self._squares.get(key, np.inf) > SAFE_SUM_SQUARES:
+                return True
+        return False
+
+    def _backup(self, keys: list[str]) -> dict[str, tuple[np.ndarray, dict]]:
+        return {k: (self.values[k].copy(), _copy_slots(self.slots[k])) for k in keys}
+
+    def _measure(self, key: str) -> bool:
+        """Records the largest sum of squares among a variable and its slots (for the next
+        step's risk check); whether all of them are finite."""
+        arrays = [self.values[key], *(v for v in self.slots[key].values() if _is_array(v))]
+        squares = max(_sum_squares(a) for a in arrays)
+        self._squares[key] = squares
+        return bool(np.isfinite(squares)) or all(all_finite(a) for a in arrays)
 
     @property
     def nbytes(self) -> int:
@@ -100,7 +167,23 @@ class Variables:
         }
         out.values = {k: np.array(v, copy=True) for k, v in values.items()}
         out.slots = {k: _copy_slots(s) for k, s in slots.items()}
+        for key in out.slots:
+            out._measure(key)
         return out
+
+
+def _sum_squares(array: np.ndarray) -> float:
+    """The sum of squares of a float array (one BLAS pass): inf or NaN when it holds a
+    non-finite value or values large enough to overflow it; 0 for other dtypes."""
+    if array.dtype.kind != "f":
+        return 0.0
+    flat = array.reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return float(np.dot(flat, flat))
+
+
+def _is_array(value: Any) -> bool:
+    return isinstance(value, np.ndarray)
 
 
 def _owned(array: np.ndarray, dtype: str, take: bool) -> np.ndarray:

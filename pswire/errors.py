@@ -90,6 +90,28 @@ class CallCancelledError(PSError):
     status = "CANCELLED"
 
 
+class DuplicateWorkerError(PSError):
+    """Raised when a second live client process claims a worker id another process holds."""
+
+    status = "ALREADY_EXISTS"
+
+
+class StepRefusedError(PSError):
+    """Raised when a shard refused a step it could not apply (e.g. the averaged gradient or
+    the optimizer's result is not finite): its weights stay as before that step, and every
+    later step fails the same way until the job is restarted (from a checkpoint)."""
+
+    status = "FAILED_PRECONDITION"
+
+
+class WorkerDroppedError(PSError):
+    """Raised on a worker whose sync push arrived after its step closed without it (it was
+    dropped from the quorum, silent past the heartbeat timeout): training on would silently
+    leave its gradients out of the model."""
+
+    status = "FAILED_PRECONDITION"
+
+
 class CorruptCheckpointError(PSError, ValueError):
     """Raised when a checkpoint file is truncated, altered, or does not describe a
     consistent shard (the shard then tries the next older one)."""
@@ -118,6 +140,7 @@ _BY_STATUS: dict[str, type[PSError]] = {
     "UNAUTHENTICATED": UnauthenticatedError,
     "CANCELLED": CallCancelledError,
     "DATA_LOSS": CorruptCheckpointError,
+    "ALREADY_EXISTS": DuplicateWorkerError,
 }
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pswire.codec import check_tensor, tensor_nbytes
+from pswire.codec import check_dtype, check_tensor, tensor_nbytes
 from pswire.errors import InvalidRequestError, TooLargeError, UnknownVariableError
 from pswire.optim import Optimizer, optimizer_from_spec
 from pswire.proto import ps_pb2
@@ -19,6 +19,8 @@ Grads = dict[str, np.ndarray | RowSparse]
 OBSERVER = -1  # worker_id of a reader that is not one of the job's workers
 # Consistency modes a parameter-server job runs in (psserver/consistency has one rule each).
 MODES = ("sync", "async", "ssp")
+# What an optimizer can train (integer and bool variables travel as buffers).
+TRAINABLE_DTYPES = ("float16", "float32", "float64")
 # Every mode a worker may train in: the shards' modes and the two without shards.
 CLIENT_MODES = (*MODES, "allreduce", "local")
 
@@ -67,13 +69,17 @@ class Job:
     variables: tuple[VarSpec, ...]
     model_digest: str
     quorum: int = 0
+    # The job's identity, fixed at its first init (worker 0's proposal) and kept in
+    # checkpoints; not part of what workers must agree on (``differences`` ignores it).
+    job_id: str = ""
 
-    def check(self, max_workers: int, max_variables: int) -> None:
-        """Validates the job against a shard's limits.
+    def check(self, max_workers: int, max_variables: int, max_state_bytes: int = 0) -> None:
+        """Validates the job against a shard's limits (``max_state_bytes`` 0: none).
 
         Raises:
-            InvalidRequestError: bad worker count, mode, duplicate names or table slices.
-            TooLargeError: more variables than the limit.
+            InvalidRequestError: bad worker count, mode, duplicate names or table slices, a
+                trainable variable that is not floating point.
+            TooLargeError: more variables, or more bytes of state, than the limits.
         """
         if self.num_workers < 1 or self.num_workers > max_workers:
             raise InvalidRequestError(
@@ -89,6 +95,18 @@ class Job:
         if len(set(keys)) != len(keys):
             raise InvalidRequestError(f"job declares a variable twice: {keys}")
         for v in self.variables:
+            if v.table is None and not v.average and v.dtype not in TRAINABLE_DTYPES:
+                raise InvalidRequestError(
+                    f"variable '{v.key}' is {v.dtype}: only {', '.join(TRAINABLE_DTYPES)} "
+                    "variables can be trained (integer and bool state travels as a buffer)"
+                )
+        if max_state_bytes and self.state_bytes() > max_state_bytes:
+            raise TooLargeError(
+                f"job declares {self.state_bytes() / 2**30:.2f} GiB of variables, optimizer "
+                f"state and table rows on this shard, over its memory limit of "
+                f"{max_state_bytes / 2**30:.2f} GiB (psserver --memory-limit)"
+            )
+        for v in self.variables:
             if v.table is not None:
                 v.table.check(self.optimizer)
                 if v.shape != (v.table.local_rows, v.table.dim) or v.dtype != v.table.dtype:
@@ -96,6 +114,23 @@ class Job:
                         f"table '{v.key}' declares shape {v.shape} {v.dtype}, but its slice "
                         f"holds ({v.table.local_rows}, {v.table.dim}) {v.table.dtype}"
                     )
+
+    def state_bytes(self) -> int:
+        """The bytes this shard's part of the job holds once initialised: every dense variable
+        and its optimizer slots, and every table's rows and slots at their bound (a fixed
+        slice's rows, a dynamic table's capacity; a dynamic table without one counts nothing
+        until rows are made)."""
+        per_element = 1 + _slot_arrays(self.optimizer)
+        total = 0
+        for v in self.variables:
+            itemsize = np.dtype(check_dtype(v.dtype, v.key)).itemsize
+            if v.table is not None:
+                rows = v.table.local_rows if not v.table.dynamic else v.table.capacity
+                total += rows * v.table.dim * itemsize * per_element
+            else:
+                elements = int(np.prod(v.shape, dtype=np.int64))
+                total += elements * itemsize * (1 if v.average else per_element)
+        return total
 
     def check_values(self, values: Mapping[str, np.ndarray]) -> None:
         """Validates initial values against the job's dense variables (tables are never sent).
@@ -231,6 +266,12 @@ def _describe(v: VarSpec | None) -> str:
     return text if v.table is None else f"{text}, table {v.table}"
 
 
+def _slot_arrays(optimizer: Optimizer) -> int:
+    """How many arrays the size of a variable the optimizer keeps per variable."""
+    state = optimizer.make_state(np.zeros(1, np.float32))
+    return sum(1 for v in state.values() if v is None or isinstance(v, np.ndarray))
+
+
 def job_from_proto(spec: ps_pb2.JobSpec) -> Job:
     """Builds a Job from the wire, validating dtypes and dims.
 
@@ -253,6 +294,7 @@ def job_from_proto(spec: ps_pb2.JobSpec) -> Job:
         variables=tuple(variables),
         model_digest=spec.model_digest,
         quorum=int(spec.quorum),
+        job_id=spec.job_id,
     )
 
 
@@ -266,6 +308,7 @@ def job_to_proto(job: Job) -> ps_pb2.JobSpec:
         variables=[variable_to_proto(v) for v in job.variables],
         model_digest=job.model_digest,
         quorum=job.quorum,
+        job_id=job.job_id,
     )
 
 

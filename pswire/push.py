@@ -28,6 +28,7 @@ def push_stream(
     pieces: Mapping[str, np.ndarray | RowSparse],
     chunk_bytes: int,
     incarnation: str | None = None,
+    session: str = "",
 ) -> Iterator[bytes | ps_pb2.PushRequest]:
     """A Push request stream: the header, then every piece as chunks (a table's rows with
     their ids).
@@ -35,7 +36,9 @@ def push_stream(
     A uint16 piece is a gradient compressed to bfloat16 (no gradient is an integer).
     """
     # A protobuf message or bytes alike: stubs.as_bytes serializes whichever it gets.
-    header = ps_pb2.PushHeader(worker_id=worker_id, step=step, incarnation=incarnation or "")
+    header = ps_pb2.PushHeader(
+        worker_id=worker_id, step=step, incarnation=incarnation or "", session=session
+    )
     yield ps_pb2.PushRequest(header=header)
     for key, piece in pieces.items():
         array, ids, bf16 = _wire_parts(piece)
@@ -47,9 +50,12 @@ def push_pull_request(
     step: int,
     pieces: Mapping[str, np.ndarray | RowSparse],
     incarnation: str | None = None,
+    session: str = "",
 ) -> ps_pb2.PushPullRequest:
     """A PushPullRequest: the header and every piece whole (a table's rows with their ids)."""
-    header = ps_pb2.PushHeader(worker_id=worker_id, step=step, incarnation=incarnation or "")
+    header = ps_pb2.PushHeader(
+        worker_id=worker_id, step=step, incarnation=incarnation or "", session=session
+    )
     request = ps_pb2.PushPullRequest(header=header)
     for key, piece in pieces.items():
         array, ids, bf16 = _wire_parts(piece)

@@ -6,7 +6,7 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import grpc
 
@@ -16,13 +16,29 @@ log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _abort(context: grpc.ServicerContext, exc: Exception, name: str) -> NoReturn:
+class _Status(NamedTuple):
+    code: grpc.StatusCode
+    details: str
+    error_class: str  # the PSError class name, for the trailing metadata ("" for none)
+
+
+def _status_of(exc: Exception, name: str) -> _Status:
+    """The status a failed call answers with (an unexpected error's traceback is logged)."""
+    if isinstance(exc, grpc.RpcError):
+        # Raised by a request stream whose client cancelled or went away: no one to answer.
+        log.debug("%s: the caller went away (%s)", name, exc)
+        return _Status(grpc.StatusCode.CANCELLED, f"{name}: the call was cancelled", "")
     if isinstance(exc, PSError):
         # The exact class travels too: several share a status code.
-        context.set_trailing_metadata(((ERROR_CLASS_KEY, type(exc).__name__),))
-        context.abort(exc.code, str(exc))
+        return _Status(exc.code, str(exc), type(exc).__name__)
     log.error("unexpected error in %s", name, exc_info=exc)
-    context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}: {type(exc).__name__}")
+    return _Status(grpc.StatusCode.INTERNAL, f"internal error in {name}: {type(exc).__name__}", "")
+
+
+def _abort(context: grpc.ServicerContext, status: _Status) -> NoReturn:
+    if status.error_class:
+        context.set_trailing_metadata(((ERROR_CLASS_KEY, status.error_class),))
+    context.abort(status.code, status.details)
     raise AssertionError("unreachable")  # context.abort always raises
 
 
@@ -30,20 +46,22 @@ def rpc_errors(method: F) -> F:
     """Servicer decorator: PSError -> its status; anything else -> INTERNAL, traceback logged.
 
     Works for unary and streaming-response methods alike. The servicer methods never call
-    ``context.abort`` themselves; they raise, and this is the one place that maps.
+    ``context.abort`` themselves; they raise, and this is the one place that maps. The
+    exception is dropped before aborting: kept, its traceback would hold the failed call's
+    frames (and the request's arrays) in a reference cycle until the cyclic collector ran.
     """
     name = method.__name__
     if inspect.isgeneratorfunction(method):
 
         @functools.wraps(method)
         def stream_wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
-            failure: Exception | None = None
+            status = None
             try:
                 yield from method(self, request, context)
             except Exception as exc:
-                failure = exc
-            if failure is not None:
-                _abort(context, failure, name)
+                status = _status_of(exc, name)
+            if status is not None:
+                _abort(context, status)
 
         return stream_wrapper  # type: ignore[return-value]
 
@@ -52,8 +70,8 @@ def rpc_errors(method: F) -> F:
         try:
             return method(self, request, context)
         except Exception as exc:
-            failure = exc
-        _abort(context, failure, name)
+            status = _status_of(exc, name)
+        _abort(context, status)
 
     return wrapper  # type: ignore[return-value]
 

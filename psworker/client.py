@@ -4,24 +4,37 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 import numpy as np
 
-from pswire.codec import COMPRESSIONS, DEFAULT_CHUNK_BYTES, float32_to_bfloat16
-from pswire.errors import InvalidRequestError, NotInitializedError, PSError, not_in_model
+from pswire.codec import COMPRESSIONS, DEFAULT_CHUNK_BYTES
+from pswire.errors import (
+    InvalidRequestError,
+    NotInitializedError,
+    PSError,
+    WorkerDroppedError,
+    not_in_model,
+)
 from pswire.job import MODES, Job, VarSpec, job_to_proto
 from pswire.optim import Optimizer
-from pswire.proto import ps_pb2, ps_pb2_grpc
-from pswire.rpc_errors import from_rpc_error
+from pswire.proto import ps_pb2
 from pswire.security import ClientSecurity
 from pswire.tables import RowSparse, Table, as_ids
 from pswire.wiremsg import encode_chunk_messages
-from psworker.link import ShardLink
+from psworker.fanout import FanOut
+from psworker.link import (
+    DEFAULT_REPLAY_BYTES,
+    Heartbeats,
+    JobIdentity,
+    LinkConfig,
+    ShardLink,
+    shard_status,
+)
+from psworker.outgoing import split_push
 from psworker.placement import (
     DEFAULT_SPLIT_BYTES,
     ShardMap,
@@ -62,6 +75,8 @@ class PSClient:
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = (),
         compression: str | None = None,
+        job_id: str = "",
+        replay_bytes: int = DEFAULT_REPLAY_BYTES,
     ) -> None:
         if not addresses:
             raise ValueError("connect needs at least one shard address")
@@ -91,22 +106,26 @@ class PSClient:
         self.security = security or ClientSecurity()
         self._channels = [self.security.channel(a) for a in self.addresses]
         channels = [grpc.intercept_channel(c, *interceptors) for c in self._channels]
+        # This process's id: a second process claiming the same worker id is refused.
+        self.session = uuid.uuid4().hex[:12]
+        self.identity = JobIdentity(job_id)
+        config = LinkConfig(
+            worker_id,
+            num_workers,
+            timeout,
+            timeout if retry_s is None else retry_s,
+            chunk_bytes,
+            self.session,
+            replay_bytes,
+        )
         self.links = [
-            ShardLink(
-                i,
-                a,
-                channel,
-                worker_id,
-                num_workers,
-                timeout,
-                timeout if retry_s is None else retry_s,
-                chunk_bytes,
-            )
+            ShardLink(i, a, channel, config, self.identity)
             for i, (a, channel) in enumerate(zip(self.addresses, channels, strict=True))
         ]
-        self._pool = ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="ps")
-        self._stop = threading.Event()
-        self._beater: threading.Thread | None = None
+        self.absent: frozenset[int] = frozenset()  # workers the shards say are out of the quorum
+        self._fan = FanOut(len(self.addresses))
+        self._beats = Heartbeats(self.links, heartbeat_s, worker_id, self.session)
+        self._closed = False
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -117,11 +136,15 @@ class PSClient:
         self.close()
 
     def close(self) -> None:
-        """Stops heartbeats and closes the channels; the client is unusable afterwards."""
-        self._stop.set()
-        if self._beater is not None:
-            self._beater.join(timeout=2.0)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Leaves the job (the shards stop counting this worker in the sync quorum and the ssp
+        gate), stops heartbeats and closes the channels; the client is unusable afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        self._beats.stop()
+        if self.shard_map is not None:  # only a worker that joined (init) leaves
+            self._fan.settle(lambda shard: self.links[shard].leave())
+        self._fan.close()
         for link in self.links:
             link.steps.close()
         for channel in self._channels:
@@ -166,6 +189,8 @@ class PSClient:
             digest = hashlib.sha256((digest + tables_digest(tables)).encode()).hexdigest()[:16]
         send_values = self.worker_id == 0
         pieces = shard_map.split(arrays)
+        # Worker 0 proposes the job's identity; a shard that already holds a job keeps its own.
+        proposed = self.identity.value or (uuid.uuid4().hex[:16] if send_values else "")
         averaged = set(buffers)
         self._buffers = averaged
 
@@ -189,6 +214,7 @@ class PSClient:
                     variables=tuple(variables),
                     model_digest=digest,
                     quorum=self.quorum,
+                    job_id=proposed,
                 )
             )
             header = ps_pb2.InitHeader(worker_id=self.worker_id, job=job, has_values=send_values)
@@ -199,18 +225,14 @@ class PSClient:
                     for key, array in pieces[shard].items():
                         yield from encode_chunk_messages(key, array, 2, self.chunk_bytes)
 
-            self._call(shard, "Init", lambda stub: stub.Init(stream(), timeout=self.timeout))
+            self.links[shard].call("Init", lambda stub: stub.Init(stream(), timeout=self.timeout))
 
         clocks = self._fan_out(register)
         self._fan_out(init_one)
         self.shard_map = shard_map
         self.tables = layouts
         self.step = min(clocks)
-        if self.heartbeat_s > 0 and self._beater is None:
-            self._beater = threading.Thread(
-                target=self._heartbeats, name=f"ps-heartbeat-{self.worker_id}", daemon=True
-            )
-            self._beater.start()
+        self._beats.start()
 
     def pull(
         self, names: Sequence[str] | None = None, out: Mapping[str, np.ndarray] | None = None
@@ -294,8 +316,7 @@ class PSClient:
         """
         step = self.step if step is None else step
         pieces = self._pieces(grads)
-
-        replies = self._fan_out(lambda shard: self.links[shard].push(step, pieces[shard]))
+        replies = self._push_all(step, lambda shard: self.links[shard].push(step, pieces[shard]))
         return self._pushed(step, replies)
 
     def push_pull(
@@ -335,7 +356,7 @@ class PSClient:
             request = ps_pb2.PullRequest(worker_id=self.worker_id, step=after)
             return pushed, link.pull(request, into)
 
-        results = self._fan_out(one)
+        results = self._push_all(step, one)
         self._pushed(step, [r for r, _ in results])
         merged: dict[str, np.ndarray] = {}
         for _, arrays in results:
@@ -366,87 +387,76 @@ class PSClient:
     def _pieces(
         self, grads: Mapping[str, np.ndarray | RowSparse]
     ) -> list[dict[str, np.ndarray | RowSparse]]:
-        """Each shard's part of a push (compressed as asked; a table's rows by owner).
+        """Each shard's part of a push, everything a worker can know checked first.
 
         Raises:
-            UnknownVariableError, InvalidRequestError: a name not in the model, bad rows.
+            UnknownVariableError, ShapeMismatchError, InvalidRequestError: bad gradients.
         """
         shard_map = self._require_map()
-        dense = {n: g for n, g in grads.items() if not isinstance(g, RowSparse)}
-        arrays = {name: self._compress(name, np.asarray(g)) for name, g in dense.items()}
-        pieces: list[dict[str, np.ndarray | RowSparse]] = [dict(p) for p in shard_map.split(arrays)]
-        for name, grad in grads.items():
-            if isinstance(grad, RowSparse):
-                for shard, part in enumerate(self._split_rows(name, grad)):
-                    if part is not None:
-                        pieces[shard][name] = part
-        return pieces
+        return split_push(grads, shard_map, self.tables, self._buffers, self.compression)
 
     def _pushed(self, step: int, replies: Sequence[ps_pb2.PushResponse]) -> bool:
-        """Advances the step counter past a push every shard answered; whether all applied."""
+        """Advances the step counter past a push every shard answered; whether all applied
+        (False: a retry the shards already had, or, with backup workers, a late push).
+
+        Raises:
+            WorkerDroppedError: without backup workers, a sync push came too late: this
+                worker had been dropped from the quorum, and its gradient was not applied.
+        """
         self.step = max(self.step, step + 1)
-        late = [int(r.next_step) for r in replies if r.reason == "late"]
+        self._note_absent(replies)
+        late = [(i, int(r.next_step)) for i, r in enumerate(replies) if r.reason == "late"]
         if late:
             # A backup-worker step closed without us: move on to the step the shards are in.
-            self.step = max(self.step, min(late))
+            self.step = max(self.step, min(after for _, after in late))
+            if not self.quorum:
+                raise WorkerDroppedError(
+                    f"worker {self.worker_id}'s push for step {step} arrived after that step "
+                    f"closed without it on shards {[i for i, _ in late]}: the shards had dropped "
+                    "this worker from the quorum (silent past their --heartbeat-timeout), so "
+                    "its gradient was not applied. Training on would leave this worker's data "
+                    "out of the model unnoticed; restart the job (from a checkpoint)"
+                )
+            log.warning(
+                "worker %d: push for step %d came after its step closed (backup workers, "
+                "quorum %d): not applied, moving on to step %d",
+                self.worker_id,
+                step,
+                self.quorum,
+                self.step,
+            )
         return all(r.applied for r in replies)
+
+    def _note_absent(self, replies: Sequence[ps_pb2.PushResponse]) -> None:
+        """Warns when the shards' quorum loses (or regains) workers."""
+        absent = frozenset(w for r in replies for w in r.absent_workers)
+        if absent == self.absent:
+            return
+        if absent - self.absent:
+            log.warning(
+                "workers %s are out of the quorum (silent past the shards' heartbeat timeout, "
+                "or left the job): steps now go on without them",
+                sorted(absent - self.absent),
+            )
+        if self.absent - absent:
+            log.info("workers %s are back in the quorum", sorted(self.absent - absent))
+        self.absent = absent
 
     def heartbeat(self) -> None:
         """Tells every shard this worker is alive (a background thread does this every
         ``heartbeat_s`` seconds after ``init``)."""
-        request = ps_pb2.HeartbeatRequest(worker_id=self.worker_id)
+        request = ps_pb2.HeartbeatRequest(worker_id=self.worker_id, session=self.session)
         self._fan_out(
-            lambda s: self._call(
-                s, "Heartbeat", lambda stub: stub.Heartbeat(request, timeout=self.timeout)
+            lambda s: self.links[s].call(
+                "Heartbeat", lambda stub: stub.Heartbeat(request, timeout=self.timeout)
             )
         )
 
-    def _heartbeats(self) -> None:
-        request = ps_pb2.HeartbeatRequest(worker_id=self.worker_id)
-        while not self._stop.wait(self.heartbeat_s):
-            for link in self.links:
-                try:
-                    link.stub.Heartbeat(request, timeout=max(1.0, self.heartbeat_s))
-                except grpc.RpcError as exc:  # the training calls report and recover
-                    log.debug("heartbeat to shard %d failed: %s", link.index, exc.code())
-
     def status(self) -> list[ps_pb2.StatusResponse]:
         """Each shard's status, in address order."""
-        return status(self.addresses, self.timeout, self.security)
+        return shard_status(self.addresses, self.timeout, self.security)
 
     # -- internals --------------------------------------------------------------------------
-
-    def _compress(self, name: str, grad: np.ndarray) -> np.ndarray:
-        """float32 gradients in 16 bits on the wire when asked (the shards widen them back)."""
-        if self.compression is None or grad.dtype != np.float32 or name in self._buffers:
-            return grad
-        if self.compression == "fp16":
-            with np.errstate(over="ignore"):  # overflow -> inf, which the shard refuses by name
-                return grad.astype(np.float16)
-        return float32_to_bfloat16(grad)
-
-    def _split_rows(self, table: str, grad: RowSparse) -> list[RowSparse | None]:
-        """A table's gradient cut into each shard's rows (None: no rows there).
-
-        Raises:
-            UnknownVariableError, InvalidRequestError: no such table, or bad ids or rows.
-        """
-        layout = self._layout(table)
-        ids = as_ids(table, grad.ids)
-        values = np.asarray(grad.values)
-        if values.shape != (len(ids), layout.table.dim):
-            raise InvalidRequestError(
-                f"table '{table}': push sent {len(ids)} ids with rows of shape {values.shape}; "
-                f"expected ({len(ids)}, {layout.table.dim})"
-            )
-        layout.check_ids(ids, "push")
-        values = self._compress(table, values)
-        owner = layout.shard_of(ids)
-        parts: list[RowSparse | None] = []
-        for shard in range(len(self.addresses)):
-            mask = owner == shard
-            parts.append(RowSparse(ids[mask], values[mask]) if mask.any() else None)
-        return parts
 
     def _layout(self, table: str) -> TableLayout:
         self._require_map()
@@ -463,34 +473,27 @@ class PSClient:
     def _unknown(self, name: str) -> PSError:
         return not_in_model(name, (v.name for v in self._require_map().variables))
 
-    def _call(self, shard: int, rpc: str, fn: Callable[[Any], T]) -> T:
-        return self.links[shard].call(rpc, fn)
+    def _push_all(self, step: int, fn: Callable[[int], T]) -> list[T]:
+        """``fn`` on every shard, all run to the end. When some shards took the push and
+        another refused it, the step is used up (those shards hold it), so the client moves
+        past it and the error names who applied it.
+
+        Raises:
+            PSError: the first shard's error.
+        """
+        done, failed = self._fan.settle(fn)
+        if not failed:
+            return done
+        first = failed[0][1]
+        if len(failed) < len(self.links) and isinstance(first, PSError):
+            self.step = max(self.step, step + 1)
+            took = sorted(set(range(len(self.links))) - {s for s, _ in failed})
+            raise type(first)(
+                f"{first} [step {step} was taken by shards {took} and refused by shards "
+                f"{[s for s, _ in failed]}: the step is used up, the next push is step "
+                f"{self.step}]"
+            ) from first
+        raise first
 
     def _fan_out(self, fn: Callable[[int], T]) -> list[T]:
-        if len(self.addresses) == 1:
-            return [fn(0)]
-        futures = [self._pool.submit(fn, s) for s in range(len(self.addresses))]
-        return [f.result() for f in futures]
-
-
-def status(
-    addresses: Sequence[str], timeout: float = 10.0, security: ClientSecurity | None = None
-) -> list[ps_pb2.StatusResponse]:
-    """Status of each shard at ``addresses``.
-
-    ``security`` defaults to the ``$PS_TLS_*`` / ``$PS_TOKEN`` settings, as ``connect`` does.
-
-    Raises:
-        PSError: a shard did not answer within ``timeout``.
-        ValueError: bad TLS or token settings.
-    """
-    security = security or ClientSecurity.from_env()
-    out = []
-    for i, address in enumerate(addresses):
-        with security.channel(address) as channel:
-            stub = ps_pb2_grpc.ParameterServerStub(channel)
-            try:
-                out.append(stub.Status(ps_pb2.StatusRequest(), timeout=timeout))
-            except grpc.RpcError as exc:
-                raise from_rpc_error(exc, f"Status on shard {i} ({address})") from None
-    return out
+        return self._fan.each(fn)

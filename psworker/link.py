@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
 import numpy as np
 
 from pswire.codec import ChunkAssembler
-from pswire.errors import UnavailableError
-from pswire.proto import ps_pb2
+from pswire.errors import ModelMismatchError, TooLargeError, UnavailableError
+from pswire.proto import ps_pb2, ps_pb2_grpc
 from pswire.push import push_pull_request, push_stream
 from pswire.rpc_errors import from_rpc_error
+from pswire.security import ClientSecurity
 from pswire.stubs import ParameterServerStub
 from pswire.tables import RowSparse
 from psworker.stepstream import StepStream
@@ -26,6 +29,56 @@ BACKOFF_BASE_S = 0.1
 BACKOFF_CAP_S = 2.0
 # Unreachable, or (ABORTED) a shard other than the one this link last saw: re-register, retry.
 _RECOVERABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
+
+
+# A worker keeps its pushes since the shard's newest checkpoint, to replay them if the shard
+# restarts: at most this many bytes per shard (or four pushes, if more);
+# when full it asks the shard to checkpoint, then forgets what the checkpoint holds.
+DEFAULT_REPLAY_BYTES = 64 << 20
+# A restarted worker's new process waits this long at most for the old one's claim to lapse.
+CLAIM_WAIT_S = 15.0
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    """What every link of one client shares."""
+
+    worker_id: int
+    num_workers: int
+    timeout: float
+    retry_s: float
+    chunk_bytes: int
+    session: str = ""  # this client process's id (one process per worker id)
+    replay_bytes: int = DEFAULT_REPLAY_BYTES
+
+
+class JobIdentity:
+    """The job id this worker trains, as the shards report it (or as the user fixed it): a
+    shard that reports another is refused, so a model is never mixed from two runs."""
+
+    def __init__(self, fixed: str = "") -> None:
+        self.value = fixed
+        self._lock = threading.Lock()
+
+    def check(self, seen: str, where: str) -> None:
+        """Learns ``seen`` if no id is known yet; refuses a different one.
+
+        Raises:
+            ModelMismatchError: ``where`` holds another job.
+        """
+        if not seen:
+            return  # the shard has no job yet, or only a provisional one
+        with self._lock:
+            if not self.value:
+                self.value = seen
+                return
+            if seen != self.value:
+                raise ModelMismatchError(
+                    f"{where} holds job {seen}, but this worker trains job {self.value}: the "
+                    "shard was restored from another run's checkpoint (or restarted empty while "
+                    "the others kept theirs); refusing to mix two runs. Restore every shard from "
+                    "the same run, or clear the checkpoint folders to start anew"
+                )
 
 
 def backoff(attempt: int, rng: random.Random) -> float:
@@ -50,26 +103,26 @@ class ShardLink:
         index: int,
         address: str,
         channel: grpc.Channel,
-        worker_id: int,
-        num_workers: int,
-        timeout: float,
-        retry_s: float,
-        chunk_bytes: int,
+        config: LinkConfig,
+        identity: JobIdentity | None = None,
     ) -> None:
         self.index = index
         self.address = address
         self.stub = ParameterServerStub(channel)
-        self.worker_id = worker_id
-        self.num_workers = num_workers
-        self.timeout = timeout
-        self.retry_s = retry_s
-        self.chunk_bytes = chunk_bytes
+        self.config = config
+        self.worker_id = config.worker_id
+        self.num_workers = config.num_workers
+        self.timeout = config.timeout
+        self.retry_s = config.retry_s
+        self.chunk_bytes = config.chunk_bytes
+        self.identity = identity or JobIdentity()
         self.incarnation: str | None = None
         self.checkpointing = False
         self.durable = 0
         self.log: dict[int, dict[str, np.ndarray | RowSparse]] = {}  # step -> pushed, for replay
+        self.log_bytes = 0
         self.recoveries = 0
-        self._rng = random.Random(worker_id * 7919 + index)
+        self._rng = random.Random(config.worker_id * 7919 + index)
         # Small fused steps travel on one open call (see StepStream).
         self.steps = StepStream(self.stub, self.where("PushPullStream"))
 
@@ -126,11 +179,18 @@ class ShardLink:
         reply = self.call(
             "Push",
             lambda stub: stub.Push(
-                push_stream(self.worker_id, step, pieces, self.chunk_bytes, self.incarnation),
+                push_stream(
+                    self.worker_id,
+                    step,
+                    pieces,
+                    self.chunk_bytes,
+                    self.incarnation,
+                    self.config.session,
+                ),
                 timeout=self.timeout,
             ),
         )
-        self.note_reply(reply.incarnation, reply.durable_step)
+        self.note_reply(reply)
         return reply
 
     def push_pull(
@@ -149,7 +209,9 @@ class ShardLink:
 
         def run(_: ParameterServerStub) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
             # Built per attempt: a retry after a restart carries the new incarnation.
-            fused = push_pull_request(self.worker_id, step, pieces, self.incarnation)
+            fused = push_pull_request(
+                self.worker_id, step, pieces, self.incarnation, self.config.session
+            )
             reply = self.steps.step(fused, self.timeout)
             assembler = ChunkAssembler(into=into)
             for chunk in reply.chunks:
@@ -157,36 +219,107 @@ class ShardLink:
             return reply.push, assembler.finish()
 
         pushed, arrays = self.call("PushPull", run)
-        self.note_reply(pushed.incarnation, pushed.durable_step)
+        self.note_reply(pushed)
         return pushed, arrays
 
     def register(self) -> ps_pb2.RegisterWorkerResponse:
-        """RegisterWorker on this shard, remembering what it says about durability."""
-        reply = self.stub.RegisterWorker(
-            ps_pb2.RegisterWorkerRequest(worker_id=self.worker_id, num_workers=self.num_workers),
-            timeout=self.timeout,
+        """RegisterWorker on this shard, remembering what it says about durability and the
+        job. While another process's claim on this worker id is fresh (this worker restarted
+        quickly), waits for it to lapse, up to ``CLAIM_WAIT_S``.
+
+        Raises:
+            grpc.RpcError: the call failed (UNAVAILABLE: the caller retries).
+            DuplicateWorkerError: another live process holds this worker id.
+            ModelMismatchError: the shard holds another job than this worker's.
+        """
+        request = ps_pb2.RegisterWorkerRequest(
+            worker_id=self.worker_id, num_workers=self.num_workers, session=self.config.session
         )
+        give_up = time.monotonic() + min(CLAIM_WAIT_S, self.retry_s)
+        while True:
+            try:
+                reply = self.stub.RegisterWorker(request, timeout=self.timeout)
+                break
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                if code != grpc.StatusCode.ALREADY_EXISTS or time.monotonic() >= give_up:
+                    raise
+                log.warning("%s: waiting for the old claim to lapse", self.where("Register"))
+                time.sleep(1.0)
+        self.identity.check(reply.job_id, f"shard {self.index} ({self.address})")
         self.checkpointing = reply.checkpointing
         self.durable = reply.durable_step
         return reply
 
-    def note_push(self, step: int, pieces: Mapping[str, np.ndarray | RowSparse]) -> None:
-        """Keeps a copy of a push until a checkpoint covers it (only if the shard checkpoints)."""
-        if self.checkpointing:
-            self.log[step] = {
-                k: RowSparse(v.ids.copy(), v.values.copy())
-                if isinstance(v, RowSparse)
-                else np.array(v, copy=True)
-                for k, v in pieces.items()
-            }
+    def leave(self) -> None:
+        """Tells the shard this worker is done (best effort, short deadline)."""
+        request = ps_pb2.LeaveRequest(worker_id=self.worker_id, session=self.config.session)
+        try:
+            self.stub.Leave(request, timeout=min(self.timeout, 5.0))
+        except grpc.RpcError as exc:
+            log.debug("%s failed: %s", self.where("Leave"), exc.code())
 
-    def note_reply(self, incarnation: str, durable_step: int) -> None:
-        """Forgets pushes the shard's newest checkpoint holds."""
+    def note_push(self, step: int, pieces: Mapping[str, np.ndarray | RowSparse]) -> None:
+        """Keeps a copy of a push until a checkpoint covers it (only if the shard checkpoints).
+        A full log asks the shard to checkpoint first (see ``DEFAULT_REPLAY_BYTES``).
+
+        Raises:
+            TooLargeError: the log is full and the shard could not checkpoint.
+        """
+        if not self.checkpointing:
+            return
+        nbytes = sum(
+            v.ids.nbytes + v.values.nbytes if isinstance(v, RowSparse) else v.nbytes
+            for v in pieces.values()
+        )
+        # At least a few pushes fit, so a large model does not checkpoint every step.
+        limit = max(self.config.replay_bytes, 4 * nbytes)
+        if self.log and self.log_bytes + nbytes > limit:
+            self._make_room(limit)  # its reply to this push trims the log
+        self.log[step] = {
+            k: RowSparse(v.ids.copy(), v.values.copy())
+            if isinstance(v, RowSparse)
+            else np.array(v, copy=True)
+            for k, v in pieces.items()
+        }
+        self.log_bytes += nbytes
+
+    def _make_room(self, limit: int) -> None:
+        """Asks the shard for a checkpoint; this push's reply then says what it holds, and
+        those pushes are forgotten.
+
+        Raises:
+            TooLargeError: the shard could not checkpoint (the log may not grow further).
+        """
+        try:
+            self.stub.Checkpoint(ps_pb2.CheckpointRequest(), timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise TooLargeError(
+                f"{self.where('Push')}: this worker's replay log holds {self.log_bytes} bytes of "
+                f"pushes no checkpoint covers (limit {limit}, PS_REPLAY_BYTES), and the shard "
+                f"could not checkpoint ({exc.details()}); refusing to grow it further"
+            ) from None
+
+    def note_reply(self, reply: ps_pb2.PushResponse) -> None:
+        """Learns from a push's reply: forgets pushes the shard's newest checkpoint holds, and
+        checks the shard still holds this worker's job.
+
+        Raises:
+            ModelMismatchError: the shard holds another job.
+        """
         if self.incarnation is None:
-            self.incarnation = incarnation
-        self.durable = max(self.durable, durable_step)
+            self.incarnation = reply.incarnation
+        self.identity.check(reply.job_id, f"shard {self.index} ({self.address})")
+        self.durable = max(self.durable, reply.durable_step)
+        self._forget()
+
+    def _forget(self) -> None:
         for step in [s for s in self.log if s < self.durable]:
-            del self.log[step]
+            pushed = self.log.pop(step)
+            self.log_bytes -= sum(
+                v.ids.nbytes + v.values.nbytes if isinstance(v, RowSparse) else v.nbytes
+                for v in pushed.values()
+            )
 
     def _resync(self) -> None:
         """Re-registers; replays logged pushes if the shard restarted since we last saw it.
@@ -224,9 +357,68 @@ class ShardLink:
         for step in steps:
             self.stub.Push(
                 push_stream(
-                    self.worker_id, step, self.log[step], self.chunk_bytes, reply.incarnation
+                    self.worker_id,
+                    step,
+                    self.log[step],
+                    self.chunk_bytes,
+                    reply.incarnation,
+                    self.config.session,
                 ),
                 timeout=self.timeout,
             )
         self.incarnation = reply.incarnation
         self.recoveries += 1
+
+
+class Heartbeats:
+    """A background thread telling every shard, every ``interval`` seconds, that this worker
+    is alive (0: none)."""
+
+    def __init__(self, links: Sequence[ShardLink], interval: float, worker: int, session: str):
+        self._links = links
+        self._interval = interval
+        self._request = ps_pb2.HeartbeatRequest(worker_id=worker, session=session)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._name = f"ps-heartbeat-{worker}"
+
+    def start(self) -> None:
+        if self._interval > 0 and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            for link in self._links:
+                try:
+                    link.stub.Heartbeat(self._request, timeout=max(1.0, self._interval))
+                except grpc.RpcError as exc:  # the training calls report and recover
+                    log.debug("heartbeat to shard %d failed: %s", link.index, exc.code())
+
+
+def shard_status(
+    addresses: Sequence[str], timeout: float = 10.0, security: ClientSecurity | None = None
+) -> list[ps_pb2.StatusResponse]:
+    """Status of each shard at ``addresses``.
+
+    ``security`` defaults to the ``$PS_TLS_*`` / ``$PS_TOKEN`` settings, as ``connect`` does.
+
+    Raises:
+        PSError: a shard did not answer within ``timeout``.
+        ValueError: bad TLS or token settings.
+    """
+    security = security or ClientSecurity.from_env()
+    out = []
+    for i, address in enumerate(addresses):
+        with security.channel(address) as channel:
+            stub = ps_pb2_grpc.ParameterServerStub(channel)
+            try:
+                out.append(stub.Status(ps_pb2.StatusRequest(), timeout=timeout))
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc, f"Status on shard {i} ({address})") from None
+    return out

@@ -220,6 +220,7 @@ class JobSpec(_message.Message):
     VARIABLES_FIELD_NUMBER: _builtins.int
     MODEL_DIGEST_FIELD_NUMBER: _builtins.int
     QUORUM_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
     mode: _builtins.str
     """"sync", "async" or "ssp" """
     staleness: _builtins.int
@@ -229,6 +230,10 @@ class JobSpec(_message.Message):
     """digest of the whole model's (name, shape, dtype) list"""
     quorum: _builtins.int
     """sync: apply a step after its first `quorum` pushes, dropping"""
+    job_id: _builtins.str
+    """later ones (backup workers); 0 = every live worker
+    the job's identity, fixed at its first init and kept in
+    """
     @_builtins.property
     def optimizer(self) -> Global___OptimizerSpec: ...
     @_builtins.property
@@ -245,10 +250,11 @@ class JobSpec(_message.Message):
         variables: _abc.Iterable[Global___VariableSpec] | None = ...,
         model_digest: _builtins.str = ...,
         quorum: _builtins.int = ...,
+        job_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["optimizer", b"optimizer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "model_digest", b"model_digest", "num_workers", b"num_workers", "optimizer", b"optimizer", "quorum", b"quorum", "staleness", b"staleness", "variables", b"variables"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "mode", b"mode", "model_digest", b"model_digest", "num_workers", b"num_workers", "optimizer", b"optimizer", "quorum", b"quorum", "staleness", b"staleness", "variables", b"variables"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -260,17 +266,21 @@ class RegisterWorkerRequest(_message.Message):
 
     WORKER_ID_FIELD_NUMBER: _builtins.int
     NUM_WORKERS_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.int
     num_workers: _builtins.int
+    session: _builtins.str
+    """this client process's random id: a second live process"""
     def __init__(
         self,
         *,
         worker_id: _builtins.int = ...,
         num_workers: _builtins.int = ...,
+        session: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_workers", b"num_workers", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_workers", b"num_workers", "session", b"session", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -285,6 +295,7 @@ class RegisterWorkerResponse(_message.Message):
     INCARNATION_FIELD_NUMBER: _builtins.int
     DURABLE_STEP_FIELD_NUMBER: _builtins.int
     CHECKPOINTING_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
     clock: _builtins.int
     """the step this worker (re)joins at on this shard"""
     initialized: _builtins.bool
@@ -295,6 +306,8 @@ class RegisterWorkerResponse(_message.Message):
     """this worker's steps covered by the shard's last checkpoint"""
     checkpointing: _builtins.bool
     """the shard checkpoints: keep pushes after durable_step to replay"""
+    job_id: _builtins.str
+    """the job this shard holds ("" before its first init)"""
     def __init__(
         self,
         *,
@@ -303,10 +316,11 @@ class RegisterWorkerResponse(_message.Message):
         incarnation: _builtins.str = ...,
         durable_step: _builtins.int = ...,
         checkpointing: _builtins.bool = ...,
+        job_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpointing", b"checkpointing", "clock", b"clock", "durable_step", b"durable_step", "incarnation", b"incarnation", "initialized", b"initialized"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpointing", b"checkpointing", "clock", b"clock", "durable_step", b"durable_step", "incarnation", b"incarnation", "initialized", b"initialized", "job_id", b"job_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -317,15 +331,18 @@ class HeartbeatRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     WORKER_ID_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.int
+    session: _builtins.str
     def __init__(
         self,
         *,
         worker_id: _builtins.int = ...,
+        session: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session", b"session", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -410,20 +427,65 @@ class InitResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     VALUES_ACCEPTED_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
     values_accepted: _builtins.bool
     """false when the shard already held values (they are kept)"""
+    job_id: _builtins.str
+    """the job the shard holds: the header's on its first init"""
     def __init__(
         self,
         *,
         values_accepted: _builtins.bool = ...,
+        job_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["values_accepted", b"values_accepted"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "values_accepted", b"values_accepted"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___InitResponse: _TypeAlias = InitResponse  # noqa: Y015
+
+@_typing.final
+class LeaveRequest(_message.Message):
+    """A worker leaves the job (its client closed): it no longer counts in the sync quorum or the
+    ssp gate. Anything it sends later rejoins it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.int
+    session: _builtins.str
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.int = ...,
+        session: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session", b"session", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaveRequest: _TypeAlias = LeaveRequest  # noqa: Y015
+
+@_typing.final
+class LeaveResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaveResponse: _TypeAlias = LeaveResponse  # noqa: Y015
 
 @_typing.final
 class PullRequest(_message.Message):
@@ -548,21 +610,27 @@ class PushHeader(_message.Message):
     WORKER_ID_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.int
     step: _builtins.int
     """the step this gradient belongs to (0-based)"""
     incarnation: _builtins.str
     """the shard incarnation this worker last saw; a shard that is"""
+    session: _builtins.str
+    """another (it restarted) refuses with ABORTED: re-register first
+    as RegisterWorkerRequest.session
+    """
     def __init__(
         self,
         *,
         worker_id: _builtins.int = ...,
         step: _builtins.int = ...,
         incarnation: _builtins.str = ...,
+        session: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "step", b"step", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "session", b"session", "step", b"step", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -578,6 +646,8 @@ class PushResponse(_message.Message):
     INCARNATION_FIELD_NUMBER: _builtins.int
     DURABLE_STEP_FIELD_NUMBER: _builtins.int
     NEXT_STEP_FIELD_NUMBER: _builtins.int
+    ABSENT_WORKERS_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
     applied: _builtins.bool
     """false for a duplicate (already applied) or a dropped late push"""
     reason: _builtins.str
@@ -589,6 +659,16 @@ class PushResponse(_message.Message):
     """this worker's steps covered by the shard's last checkpoint"""
     next_step: _builtins.int
     """the step this worker reads at and pushes next: step + 1, or"""
+    job_id: _builtins.str
+    """(silent past the heartbeat timeout, or left)
+    the job the shard holds (JobSpec.job_id)
+    """
+    @_builtins.property
+    def absent_workers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """after a late sync push the step the shard is in
+        sync/ssp: the job's workers not in the quorum now
+        """
+
     def __init__(
         self,
         *,
@@ -598,10 +678,12 @@ class PushResponse(_message.Message):
         incarnation: _builtins.str = ...,
         durable_step: _builtins.int = ...,
         next_step: _builtins.int = ...,
+        absent_workers: _abc.Iterable[_builtins.int] | None = ...,
+        job_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "clock", b"clock", "durable_step", b"durable_step", "incarnation", b"incarnation", "next_step", b"next_step", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["absent_workers", b"absent_workers", "applied", b"applied", "clock", b"clock", "durable_step", b"durable_step", "incarnation", b"incarnation", "job_id", b"job_id", "next_step", b"next_step", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -724,6 +806,8 @@ class StatusResponse(_message.Message):
     CHECKPOINT_STEP_FIELD_NUMBER: _builtins.int
     CHECKPOINT_AGE_S_FIELD_NUMBER: _builtins.int
     TABLES_FIELD_NUMBER: _builtins.int
+    LEFT_WORKERS_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
     initialized: _builtins.bool
     clock: _builtins.int
     """sync: rounds applied; otherwise total pushes applied"""
@@ -736,6 +820,8 @@ class StatusResponse(_message.Message):
     checkpoint_step: _builtins.int
     """clock of the newest checkpoint; -1 when none"""
     checkpoint_age_s: _builtins.float
+    failure: _builtins.str
+    """set when the shard refused a step it could not apply (e.g. a"""
     @_builtins.property
     def job(self) -> Global___JobSpec: ...
     @_builtins.property
@@ -744,6 +830,10 @@ class StatusResponse(_message.Message):
     def live_workers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def tables(self) -> _containers.RepeatedCompositeFieldContainer[Global___TableStatus]: ...
+    @_builtins.property
+    def left_workers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """workers that left (closed their client) and are not back"""
+
     def __init__(
         self,
         *,
@@ -760,10 +850,12 @@ class StatusResponse(_message.Message):
         checkpoint_step: _builtins.int = ...,
         checkpoint_age_s: _builtins.float = ...,
         tables: _abc.Iterable[Global___TableStatus] | None = ...,
+        left_workers: _abc.Iterable[_builtins.int] | None = ...,
+        failure: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_age_s", b"checkpoint_age_s", "checkpoint_step", b"checkpoint_step", "clock", b"clock", "incarnation", b"incarnation", "initialized", b"initialized", "job", b"job", "live_workers", b"live_workers", "pushes_applied", b"pushes_applied", "pushes_duplicate", b"pushes_duplicate", "pushes_late", b"pushes_late", "tables", b"tables", "total_bytes", b"total_bytes", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_age_s", b"checkpoint_age_s", "checkpoint_step", b"checkpoint_step", "clock", b"clock", "failure", b"failure", "incarnation", b"incarnation", "initialized", b"initialized", "job", b"job", "left_workers", b"left_workers", "live_workers", b"live_workers", "pushes_applied", b"pushes_applied", "pushes_duplicate", b"pushes_duplicate", "pushes_late", b"pushes_late", "tables", b"tables", "total_bytes", b"total_bytes", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -79,6 +79,11 @@ class ParameterServerStub:
                 request_serializer=pswire_dot_proto_dot_ps__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=pswire_dot_proto_dot_ps__pb2.CheckpointResponse.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/pswire.v1.ParameterServer/Leave',
+                request_serializer=pswire_dot_proto_dot_ps__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=pswire_dot_proto_dot_ps__pb2.LeaveResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -144,6 +149,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Leave(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -191,6 +202,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Checkpoint,
                     request_deserializer=pswire_dot_proto_dot_ps__pb2.CheckpointRequest.FromString,
                     response_serializer=pswire_dot_proto_dot_ps__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=pswire_dot_proto_dot_ps__pb2.LeaveRequest.FromString,
+                    response_serializer=pswire_dot_proto_dot_ps__pb2.LeaveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -436,6 +452,33 @@ class ParameterServer:
             '/pswire.v1.ParameterServer/Checkpoint',
             pswire_dot_proto_dot_ps__pb2.CheckpointRequest.SerializeToString,
             pswire_dot_proto_dot_ps__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pswire.v1.ParameterServer/Leave',
+            pswire_dot_proto_dot_ps__pb2.LeaveRequest.SerializeToString,
+            pswire_dot_proto_dot_ps__pb2.LeaveResponse.FromString,
             options,
             channel_credentials,
             insecure,

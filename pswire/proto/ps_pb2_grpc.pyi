@@ -52,6 +52,7 @@ class ParameterServerStub:
     """
     Status: _grpc.UnaryUnaryMultiCallable[_ps_pb2.StatusRequest, _ps_pb2.StatusResponse]
     Checkpoint: _grpc.UnaryUnaryMultiCallable[_ps_pb2.CheckpointRequest, _ps_pb2.CheckpointResponse]
+    Leave: _grpc.UnaryUnaryMultiCallable[_ps_pb2.LeaveRequest, _ps_pb2.LeaveResponse]
 
 @_typing.type_check_only
 class ParameterServerAsyncStub(ParameterServerStub):
@@ -73,6 +74,7 @@ class ParameterServerAsyncStub(ParameterServerStub):
     """
     Status: _aio.UnaryUnaryMultiCallable[_ps_pb2.StatusRequest, _ps_pb2.StatusResponse]  # type: ignore[assignment]
     Checkpoint: _aio.UnaryUnaryMultiCallable[_ps_pb2.CheckpointRequest, _ps_pb2.CheckpointResponse]  # type: ignore[assignment]
+    Leave: _aio.UnaryUnaryMultiCallable[_ps_pb2.LeaveRequest, _ps_pb2.LeaveResponse]  # type: ignore[assignment]
 
 class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -145,5 +147,12 @@ class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
         request: _ps_pb2.CheckpointRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_ps_pb2.CheckpointResponse, _abc.Awaitable[_ps_pb2.CheckpointResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Leave(
+        self,
+        request: _ps_pb2.LeaveRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ps_pb2.LeaveResponse, _abc.Awaitable[_ps_pb2.LeaveResponse]]: ...
 
 def add_ParameterServerServicer_to_server(servicer: ParameterServerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -17,7 +17,7 @@ from e2e_support import Processes, child_env
 import psworker
 from psctl.admin import checkpoint_all, export_state_dict
 from psserver.checkpoint import Checkpointer, checkpoint_name
-from psworker.client import status
+from psworker.link import shard_status as status
 
 
 def wait_until(condition: Callable[[], object], timeout: float, what: str) -> None:

@@ -190,9 +190,10 @@ def test_status_prints_table_and_json(procs: Processes) -> None:
         "SHARD", "ADDRESS", "HEALTH", "MODE", "CLOCK", "VARS", "BYTES", "LIVE"
     ]  # fmt: skip
     assert row.split()[:10] == [
-        "0", daemon.address, "SERVING", "ssp(2)", "2", "2", "60", "B", "1/1", "0"
+        "0", daemon.address, "SERVING", "ssp(2)", "2", "2", "60", "B", "0/1", "0"
     ]  # fmt: skip
-    assert re.search(r"^0\s+2\s+0\s+yes\s+\d+\.\ds ago$", table, re.M), table
+    # The worker closed its client: it left the job (not dropped for silence).
+    assert re.search(r"^0\s+2\s+0\s+left\s+\d+\.\ds ago$", table, re.M), table
 
     spec = json.dumps({"cluster": {"ps": [daemon.address], "worker": []}})
     code, text = procs.run([*PSCTL, "status", "--cluster", spec, "--json"], timeout=20)

@@ -100,6 +100,7 @@ def test_a_silent_worker_leaves_the_quorum_and_the_rest_continue(shards):
     address = [server.address]
     done = {0: 0, 1: 0}
     killed_at = 3
+    victims: list[psworker.PSClient] = []
 
     def victim():
         client = psworker.connect(address, worker_id=2, num_workers=3, mode="sync", timeout=20)
@@ -107,7 +108,8 @@ def test_a_silent_worker_leaves_the_quorum_and_the_rest_continue(shards):
         for step in range(killed_at):
             client.pull()
             client.push(grad_for(2, step))
-        client.close()  # dies: no more pushes, no more heartbeats
+        client._beats.stop()  # dies: no more pushes, no more heartbeats, no goodbye
+        victims.append(client)
 
     def survivor(i: int):
         def run():
@@ -128,13 +130,16 @@ def test_a_silent_worker_leaves_the_quorum_and_the_rest_continue(shards):
     # The survivors waited at most about one heartbeat timeout for the dead worker.
     assert time.monotonic() - start < 15
     status = server.shard.status()
-    assert status.clock == 10 and status.live == {0, 1}
+    # Worker 2 was dropped for its silence; 0 and 1 left when they closed their clients.
+    assert status.clock == 10 and status.left == {0, 1} and 2 not in status.live | status.left
 
     # A restarted worker 2 rejoins at the current step, not at 0 or where it died.
     with psworker.connect(address, worker_id=2, num_workers=3, mode="sync", timeout=20) as again:
         again.init(init_values(), SGD(lr=0.1))
         assert again.step == 10
         assert 2 in server.shard.status().live
+    for client in victims:
+        client.close()
 
 
 def test_backup_workers_apply_the_first_k_pushes_and_drop_late_ones(shards):

@@ -19,7 +19,7 @@ from psserver.shard import Shard
 from pswire.codec import tensor_to_chunks
 from pswire.proto import ps_pb2, ps_pb2_grpc
 from pswire.security import ClientSecurity, ServerSecurity
-from psworker.client import status as shard_status
+from psworker.link import shard_status
 
 TOKEN = "s3cret-token_for.tests"
 MODEL = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(3, np.float32)}

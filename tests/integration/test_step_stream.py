@@ -38,8 +38,14 @@ def test_steps_share_one_call_and_a_bad_step_changes_nothing_then_the_next_works
 
         bad = ones()
         bad["w"][1, 2] = np.nan
+        # Refused by the client before anything is sent: the open call stays as it was.
         with pytest.raises(InvalidRequestError, match=r"'w'.*non-finite"):
             client.push_pull(bad)
+        assert client.links[0].steps._call is call
+        # The same step sent anyway (past the client's checks) is refused by the shard, and
+        # the error ends the call.
+        with pytest.raises(InvalidRequestError, match=r"'w'.*non-finite"):
+            client.links[0].push_pull(client.step, bad)
         assert server.shard.status().pushes_applied == 2
         np.testing.assert_array_equal(client.pull()["w"], second["w"])
 

@@ -71,6 +71,9 @@ class _Context:
     def time_remaining(self) -> float:
         return 10.0
 
+    def add_callback(self, callback: object) -> bool:
+        return True
+
 
 def test_pulls_at_one_clock_share_one_encoded_reply_while_it_is_being_sent(shards):
     from psserver.servicer import ParameterServerServicer

@@ -61,7 +61,7 @@ def test_table_shows_shards_workers_staleness_and_checkpoints() -> None:
     # Worker 1: clocks 7 and 8, 2 behind the newest (9), live on both shards, heard 1.5s ago.
     assert lines[header + 2].split() == ["1", "7", "8", "2", "yes", "1.5s", "ago"]
     # Worker 2: out of the quorum, and 6 steps behind.
-    assert lines[header + 3].split() == ["2", "3", "3", "6", "no", "2.5s", "ago"]
+    assert lines[header + 3].split() == ["2", "3", "3", "6", "dropped", "2.5s", "ago"]
     assert "fc.weight  0      10x4   float32" in table
     assert not all_serving(health, statuses)
 

@@ -1,0 +1,190 @@
+"""Keeps a shard answerable under any load: calls that can last are capped below the thread pool,
+so status, health and registration always find a thread; a request stream that sits idle is
+cancelled; each worker has at most a few open step streams."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from pswire.errors import TooLargeError
+
+log = logging.getLogger(__name__)
+
+# Calls that may hold a server thread for long: they wait on the consistency rule or stream.
+LONG_CALLS = frozenset({"Init", "Pull", "Push", "PushPull", "PushPullStream"})
+# Calls whose requests stream in, and may stop arriving.
+REQUEST_STREAMS = frozenset({"Init", "Push", "PushPullStream"})
+# Threads kept for short calls (status, health, registration, heartbeats, checkpoints).
+RESERVED_THREADS = 8
+DEFAULT_STREAM_IDLE_S = 120.0
+DEFAULT_STREAMS_PER_WORKER = 2
+_WATCH_TICK_S = 0.5
+
+
+class Admission:
+    """The limits above, for one server with ``threads`` threads.
+
+    ``stream_idle_s``: a request stream with no message for this long is cancelled (0: never).
+    ``streams_per_worker``: open ``PushPullStream`` calls one worker id may hold.
+    """
+
+    def __init__(
+        self,
+        threads: int,
+        stream_idle_s: float = DEFAULT_STREAM_IDLE_S,
+        streams_per_worker: int = DEFAULT_STREAMS_PER_WORKER,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        reserved = min(RESERVED_THREADS, max(1, threads // 2))
+        self.long_limit = max(1, threads - reserved)
+        self.stream_idle_s = stream_idle_s
+        self.streams_per_worker = streams_per_worker
+        self._now = clock
+        self._lock = threading.Lock()
+        self._long = 0
+        self._streams: dict[int, int] = {}
+        self._idle: dict[int, tuple[float, grpc.ServicerContext]] = {}
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    # -- the stream watchdog ---------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.stream_idle_s > 0 and self._watcher is None:
+            self._watcher = threading.Thread(
+                target=self._watch, name="ps-idle-streams", daemon=True
+            )
+            self._watcher.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=2.0)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(_WATCH_TICK_S):
+            now = self._now()
+            with self._lock:
+                idle = [
+                    (call, context)
+                    for call, (since, context) in self._idle.items()
+                    if now - since > self.stream_idle_s
+                ]
+                for call, _ in idle:
+                    del self._idle[call]
+            for _, context in idle:
+                log.info("cancelling a request stream idle for over %.0fs", self.stream_idle_s)
+                context.cancel()
+
+    def _watched(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        """``requests``, with the wait for each next message watched for idleness."""
+        call = next(self._ids)
+        try:
+            while True:
+                with self._lock:
+                    self._idle[call] = (self._now(), context)
+                try:
+                    request = next(requests)
+                except StopIteration:
+                    return
+                finally:
+                    with self._lock:
+                        self._idle.pop(call, None)
+                yield request
+        finally:
+            with self._lock:
+                self._idle.pop(call, None)
+
+    # -- per-worker step streams -----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def step_stream(self, worker_id: int) -> Iterator[None]:
+        """Holds one of ``worker_id``'s open step streams.
+
+        Raises:
+            TooLargeError: the worker already holds ``streams_per_worker`` of them.
+        """
+        with self._lock:
+            held = self._streams.get(worker_id, 0)
+            if held >= self.streams_per_worker:
+                raise TooLargeError(
+                    f"worker {worker_id} already holds {held} open step streams on this shard "
+                    f"(limit {self.streams_per_worker}); a worker needs one"
+                )
+            self._streams[worker_id] = held + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._streams[worker_id] -= 1
+                if not self._streams[worker_id]:
+                    del self._streams[worker_id]
+
+    # -- the interceptor -------------------------------------------------------------------
+
+    def _enter_long(self, context: grpc.ServicerContext, rpc: str) -> None:
+        with self._lock:
+            if self._long < self.long_limit:
+                self._long += 1
+                return
+        context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{rpc} refused: the shard already serves {self.long_limit} calls that can wait "
+            "or stream (psserver --threads, minus threads kept for status and health)",
+        )
+
+    def _exit_long(self) -> None:
+        with self._lock:
+            self._long -= 1
+
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """``handler`` of ``method`` (its path) under these limits (short calls unchanged);
+        applied once, when the service is registered."""
+        rpc = method.rpartition("/")[2]
+        if rpc not in LONG_CALLS:
+            return handler
+        streams = rpc in REQUEST_STREAMS
+
+        def requests(request: Any, context: grpc.ServicerContext) -> Any:
+            return self._watched(iter(request), context) if streams else request
+
+        def unary(behavior: Callable[..., Any]) -> Callable[..., Any]:
+            def run(request: Any, context: grpc.ServicerContext) -> Any:
+                self._enter_long(context, rpc)
+                try:
+                    return behavior(requests(request, context), context)
+                finally:
+                    self._exit_long()
+
+            return run
+
+        def streaming(behavior: Callable[..., Any]) -> Callable[..., Any]:
+            def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                self._enter_long(context, rpc)
+                try:
+                    yield from behavior(requests(request, context), context)
+                finally:
+                    self._exit_long()
+
+            return run
+
+        kwargs = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), **kwargs)
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **kwargs)
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **kwargs)
+        return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kwargs)

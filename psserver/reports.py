@@ -1,0 +1,121 @@
+"""What a shard reports and saves: its status, a consistent state for checkpoints, and the
+restore from one. A part of ``Shard`` (its base class), kept apart to keep each file short."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from psserver.agreement import JobAgreement
+from psserver.consistency import ConsistencyPolicy, make_policy
+from psserver.membership import Membership
+from psserver.records import ShardState, ShardStatus
+from psserver.variables import Variables
+
+
+class Reports:
+    """Status, snapshot, export and restore of a ``Shard``'s state (under its lock)."""
+
+    _cond: threading.Condition
+    _now: Callable[[], float]
+    _agreement: JobAgreement
+    _policy: ConsistencyPolicy | None
+    _state: Variables
+    _finished: dict[int, int]
+    _members: Membership
+    _ready: bool
+    _updates: int
+    _counters: dict[str, int]
+    _durable: dict[int, int]
+    _checkpoint_step: int
+    _checkpoint_time: float | None
+    _failure: str
+
+    def status(self) -> ShardStatus:
+        """What the shard holds and who it counts, read without changing anything."""
+        with self._cond:
+            now = self._now()
+            workers = {
+                w: (self._finished.get(w, 0), self._members.seconds_since(w, now))
+                for w in self._members.known()
+            }
+            age = -1.0 if self._checkpoint_time is None else now - self._checkpoint_time
+            return ShardStatus(
+                initialized=self._ready,
+                job=self._agreement.job,
+                clock=self._updates,
+                workers=workers,
+                live=self._members.live,
+                total_bytes=self._state.nbytes,
+                pushes_applied=self._counters["applied"],
+                pushes_duplicate=self._counters["duplicate"],
+                pushes_late=self._counters["late"],
+                checkpoint_step=self._checkpoint_step,
+                checkpoint_age_s=age,
+                tables={
+                    k: (t.rows, t.nbytes, t.evictions, t.spec.capacity)
+                    for k, t in self._state.tables.items()
+                },
+                left=self._members.left,
+                failure=self._failure,
+            )
+
+    def snapshot(self) -> dict[str, np.ndarray]:
+        """Copies of every variable (for tests and exports)."""
+        with self._cond:
+            return {k: v.copy() for k, v in self._state.values.items()}
+
+    def export_state(self) -> ShardState | None:
+        """A consistent copy of everything a checkpoint needs; None before initial values.
+
+        Taken between updates, so a sync step is either wholly in it or not at all: pushes to
+        the open step are left out (their workers' clocks say so) and get re-sent by the
+        workers after a restart.
+        """
+        with self._cond:
+            if not self._ready:
+                return None
+            job = self._agreement.job
+            policy = self._policy
+            assert job is not None and policy is not None
+            finished = {
+                w: policy.durable_clock(self._updates, f) for w, f in self._finished.items()
+            }
+            variables, slots, tables = self._state.export()
+            return ShardState(
+                job=job,
+                variables=variables,
+                slots=slots,
+                updates=self._updates,
+                finished=finished,
+                counters=dict(self._counters),
+                tables=tables,
+            )
+
+    def mark_checkpoint(self, state: ShardState) -> None:
+        """Records that ``state`` is durable: workers may forget pushes it covers."""
+        with self._cond:
+            self._durable = dict(state.finished)
+            self._checkpoint_step = state.updates
+            self._checkpoint_time = self._now()
+
+    def restore(self, state: ShardState) -> None:
+        """Becomes the shard that saved ``state`` (on a fresh shard, before serving).
+
+        Raises:
+            InvalidRequestError: the state does not match its own job.
+        """
+        restored = Variables.restored(state.job, state.variables, state.slots, state.tables)
+        with self._cond:
+            self._agreement.restore(state.job)
+            self._policy = make_policy(state.job.mode, state.job.staleness, state.job.quorum)
+            self._members.start(state.job.num_workers, self._now())
+            self._state = restored
+            self._updates = state.updates
+            self._finished = dict(state.finished)
+            self._counters.update(state.counters)
+            self._ready = True
+            self._cond.notify_all()
+        self.mark_checkpoint(state)

@@ -1,0 +1,120 @@
+"""Who is in a shard's job: registration, heartbeats, leaving, and dropping the silent. A part of
+``Shard`` (its base class), kept apart to keep each file short."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from psserver.agreement import JobAgreement
+from psserver.consistency import Clocks, ConsistencyPolicy
+from psserver.membership import Membership
+from psserver.records import Limits, Registration
+from pswire.errors import InvalidRequestError, ModelMismatchError, TooLargeError
+
+
+class Roster:
+    """Registration, heartbeats, leaving and expiry of a ``Shard``'s workers (its lock held)."""
+
+    limits: Limits
+    _cond: threading.Condition
+    _now: Callable[[], float]
+    _agreement: JobAgreement
+    _policy: ConsistencyPolicy | None
+    _finished: dict[int, int]
+    _members: Membership
+    _ready: bool
+    _durable: dict[int, int]
+
+    def register_worker(self, worker_id: int, num_workers: int, session: str = "") -> Registration:
+        """Records a worker (new, restarted or reconnecting); says where it (re)joins.
+
+        Raises:
+            InvalidRequestError: ids out of range.
+            TooLargeError: more workers than the shard's limit.
+            ModelMismatchError: ``num_workers`` differs from the job's.
+            DuplicateWorkerError: another live process holds this worker id.
+        """
+        if num_workers < 1 or not 0 <= worker_id < num_workers:
+            raise InvalidRequestError(
+                f"worker_id {worker_id} must be in [0, num_workers) with num_workers >= 1, "
+                f"got num_workers {num_workers}"
+            )
+        if num_workers > self.limits.max_workers:
+            raise TooLargeError(
+                f"num_workers {num_workers} is over this shard's limit of {self.limits.max_workers}"
+            )
+        with self._cond:
+            job = self._agreement.job
+            if job is not None and job.num_workers != num_workers:
+                raise ModelMismatchError(
+                    f"worker {worker_id} says num_workers {num_workers}; the job on this shard "
+                    f"has {job.num_workers}"
+                )
+            self._members.claim(worker_id, session, self._now())
+            self._touch(worker_id)
+            if self._policy is not None:
+                # A worker that fell behind (dropped, restarted) resumes at the current step.
+                joined = self._policy.join_clock(self._clocks(), worker_id)
+                self._finished[worker_id] = max(self._finished.get(worker_id, 0), joined)
+            return Registration(
+                self._finished.get(worker_id, 0),
+                self._ready,
+                self._durable.get(worker_id, 0),
+                job.job_id if job is not None else "",
+            )
+
+    def heartbeat(self, worker_id: int, session: str = "") -> int:
+        """Marks a worker alive; returns the steps it has finished here.
+
+        Raises:
+            InvalidRequestError: an id outside the job's workers (before a job: the limit).
+            DuplicateWorkerError: another process holds this worker id now.
+        """
+        with self._cond:
+            job = self._agreement.job
+            self._check_worker(
+                worker_id, job.num_workers if job else self.limits.max_workers, "heartbeat"
+            )
+            self._members.check(worker_id, session)
+            self._touch(worker_id)
+            return self._finished.get(worker_id, 0)
+
+    def leave(self, worker_id: int, session: str = "") -> None:
+        """A worker leaves the job (its client closed): it no longer counts in the sync quorum
+        or the ssp gate, and a round waiting only on it closes now.
+
+        Raises:
+            InvalidRequestError: an id outside the job's workers.
+            DuplicateWorkerError: another process holds this worker id now.
+        """
+        with self._cond:
+            job = self._agreement.job
+            if job is None:
+                return
+            self._check_worker(worker_id, job.num_workers, "leave")
+            self._members.check(worker_id, session)
+            if self._members.leave(worker_id):
+                self._membership_changed()
+
+    def expire_silent(self) -> list[int]:
+        """Drops workers silent past the heartbeat timeout (see ``Membership.expire``); a sync
+        step waiting only on them closes now. The server calls this on a timer; reads
+        (``status``, metrics) never do."""
+        with self._cond:
+            dropped = self._members.expire(self._now()) if self._policy is not None else []
+            if dropped:
+                self._membership_changed()
+            return dropped
+
+    def _touch(self, worker_id: int) -> None:
+        raise NotImplementedError
+
+    def _clocks(self) -> Clocks:
+        raise NotImplementedError
+
+    def _check_worker(self, worker_id: int, num_workers: int, what: str) -> None:
+        raise NotImplementedError
+
+    def _membership_changed(self) -> None:
+        raise NotImplementedError

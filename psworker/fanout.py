@@ -1,0 +1,39 @@
+"""A call run on every shard at once, one thread per shard."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class FanOut:
+    """Runs ``fn(shard)`` for every shard in parallel (inline when there is one)."""
+
+    def __init__(self, shards: int) -> None:
+        self.shards = shards
+        self._pool = ThreadPoolExecutor(max_workers=shards, thread_name_prefix="ps")
+
+    def each(self, fn: Callable[[int], T]) -> list[T]:
+        """Every shard's result, in shard order; the first error (by shard) is raised."""
+        if self.shards == 1:
+            return [fn(0)]
+        futures = [self._pool.submit(fn, s) for s in range(self.shards)]
+        return [f.result() for f in futures]
+
+    def settle(self, fn: Callable[[int], T]) -> tuple[list[T], list[tuple[int, Exception]]]:
+        """Every shard's call run to its end: (the results, (shard, error) of those failed)."""
+        futures = [self._pool.submit(fn, s) for s in range(self.shards)]
+        done: list[T] = []
+        failed: list[tuple[int, Exception]] = []
+        for shard, future in enumerate(futures):
+            try:
+                done.append(future.result())
+            except Exception as exc:
+                failed.append((shard, exc))
+        return done, failed
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,96 @@
+"""A push as it leaves a worker: checked against the model, compressed, cut into each shard's part.
+
+Everything a worker can know is checked here, before any shard hears of the push, so a bad
+gradient never reaches some shards and not others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Set
+
+import numpy as np
+
+from pswire.codec import all_finite, check_tensor, float32_to_bfloat16
+from pswire.errors import InvalidRequestError, not_in_model
+from pswire.tables import RowSparse, as_ids
+from psworker.placement import ShardMap, TableLayout
+
+Pieces = list[dict[str, np.ndarray | RowSparse]]
+
+
+def split_push(
+    grads: Mapping[str, np.ndarray | RowSparse],
+    shard_map: ShardMap,
+    tables: Mapping[str, TableLayout],
+    buffers: Set[str],
+    compression: str | None,
+) -> Pieces:
+    """Each shard's part of a push: dense gradients checked (name, shape, dtype, finite) and
+    compressed as asked, cut along the placement; a table's rows checked and sent to the
+    shard holding each id.
+
+    Raises:
+        UnknownVariableError: a name that is neither a variable nor a table.
+        ShapeMismatchError, InvalidRequestError: wrong shape or dtype, non-finite values, bad
+            row ids.
+    """
+    infos = {v.name: v for v in shard_map.variables}
+    arrays: dict[str, np.ndarray] = {}
+    for name, grad in grads.items():
+        if isinstance(grad, RowSparse):
+            continue
+        info = infos.get(name)
+        if info is None:
+            raise not_in_model(name, infos)
+        array = np.asarray(grad)
+        what = "buffer value" if name in buffers else "gradient"
+        check_tensor(name, info.shape, info.dtype, array, what)
+        arrays[name] = array if name in buffers else compress(array, compression)
+    pieces: Pieces = [dict(p) for p in shard_map.split(arrays)]
+    for name, grad in grads.items():
+        if isinstance(grad, RowSparse):
+            layout = tables.get(name)
+            if layout is None:
+                raise not_in_model(name, tables, "table")
+            for shard, part in enumerate(split_rows(layout, grad, compression)):
+                if part is not None:
+                    pieces[shard][name] = part
+    return pieces
+
+
+def compress(grad: np.ndarray, compression: str | None) -> np.ndarray:
+    """float32 gradients in 16 bits on the wire when asked (the shards widen them back)."""
+    if compression is None or grad.dtype != np.float32:
+        return grad
+    if compression == "fp16":
+        with np.errstate(over="ignore"):  # overflow -> inf, which the shard refuses by name
+            return grad.astype(np.float16)
+    return float32_to_bfloat16(grad)
+
+
+def split_rows(
+    layout: TableLayout, grad: RowSparse, compression: str | None
+) -> list[RowSparse | None]:
+    """A table's gradient cut into each shard's rows (None: no rows there).
+
+    Raises:
+        InvalidRequestError: bad ids, rows of the wrong shape, or non-finite rows.
+    """
+    table = layout.name
+    ids = as_ids(table, grad.ids)
+    values = np.asarray(grad.values)
+    if values.shape != (len(ids), layout.table.dim):
+        raise InvalidRequestError(
+            f"table '{table}': push sent {len(ids)} ids with rows of shape {values.shape}; "
+            f"expected ({len(ids)}, {layout.table.dim})"
+        )
+    layout.check_ids(ids, "push")
+    if values.dtype.kind == "f" and not all_finite(values):
+        raise InvalidRequestError(f"table '{table}': push sent rows with NaN or Inf values")
+    values = compress(values, compression)
+    owner = layout.shard_of(ids)
+    parts: list[RowSparse | None] = []
+    for shard in range(layout.num_shards):
+        mask = owner == shard
+        parts.append(RowSparse(ids[mask], values[mask]) if mask.any() else None)
+    return parts
