@@ -28,6 +28,9 @@ _NAME = re.compile(r"ckpt-(\d{10,})\.safetensors")
 _TMP_PREFIX = ".ckpt-"
 _TMP_SUFFIX = ".tmp"
 _LOCK_FILE = ".lock"
+# safetensors writes a file through a temporary one of its own in the same folder (Rust's
+# tempfile crate: ".tmp" and six letters or digits), which a crash mid-write leaves behind.
+_SAFETENSORS_TMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 
 
 def checkpoint_name(updates: int) -> str:
@@ -75,10 +78,13 @@ class Checkpointer:
                 "(give each shard its own --checkpoint-dir)"
             ) from None
         self._dir_lock = fd
-        # Only now, holding the directory, is no other save writing these.
-        for path in self.directory.glob(f"{_TMP_PREFIX}*{_TMP_SUFFIX}"):
-            log.warning("removing %s, left by a save that did not finish", path)
-            path.unlink(missing_ok=True)
+        # Only now, holding the directory, is no other save writing these: our own temp names,
+        # and the ones safetensors writes through before renaming (".tmp" + 6 characters).
+        for path in self.directory.iterdir():
+            ours = path.name.startswith(_TMP_PREFIX) and path.name.endswith(_TMP_SUFFIX)
+            if ours or _SAFETENSORS_TMP.fullmatch(path.name):
+                log.warning("removing %s, left by a save that did not finish", path)
+                path.unlink(missing_ok=True)
 
     def unlock(self) -> None:
         """Releases the directory claimed by ``lock`` (also released when the process exits)."""

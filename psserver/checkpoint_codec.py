@@ -152,6 +152,7 @@ def encode_state(state: ShardState, incarnation: str) -> tuple[dict[str, np.ndar
             "num_workers": job.num_workers,
             "quorum": job.quorum,
             "model_digest": job.model_digest,
+            "job_id": job.job_id,
             "optimizer": {"name": job.optimizer.name, "params": job.optimizer.params()},
             "variables": [
                 {
@@ -201,6 +202,7 @@ def decode_state(text: str, tensors: Mapping[str, np.ndarray]) -> ShardState:
         variables=tuple(variables),
         model_digest=spec["model_digest"],
         quorum=int(spec["quorum"]),
+        job_id=str(spec.get("job_id", "")),  # checkpoints older than job ids have none
     )
     make_policy(job.mode, job.staleness, job.quorum)  # raises on a mode this build lacks
     dense = [v for v in variables if v.table is None]

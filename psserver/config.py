@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from psserver.admission import DEFAULT_STREAM_IDLE_S
 from psserver.records import Limits
 from pswire import cli
 from pswire.cluster import ClusterSpec
@@ -37,6 +39,8 @@ class ServerConfig:
     metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port
     log_format: str = "text"
     shard_name: str = ""  # the ``shard`` label of its metrics; empty: host:port
+    metrics_host: str = "127.0.0.1"  # /metrics has no token: exposing it is a choice
+    stream_idle_s: float = DEFAULT_STREAM_IDLE_S
 
     def __post_init__(self) -> None:
         problems = []
@@ -78,6 +82,12 @@ class ServerConfig:
             problems.append(f"log-format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if self.log_level not in LOG_LEVELS:
             problems.append(f"log-level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if self.limits.max_step_ahead < 0:
+            problems.append(f"max-step-ahead must be >= 0, got {self.limits.max_step_ahead}")
+        if self.limits.memory_limit_bytes < 0:
+            problems.append(f"memory-limit must be >= 0, got {self.limits.memory_limit_bytes}")
+        if not self.stream_idle_s >= 0:
+            problems.append(f"stream-idle-timeout must be >= 0 seconds, got {self.stream_idle_s}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -124,6 +134,31 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=_DEFAULT_LIMITS.max_request_bytes,
         help="largest init or push stream accepted",
+    )
+    cli.add(
+        parser,
+        "--memory-limit",
+        env="PS_MEMORY_LIMIT",
+        type=int,
+        default=None,
+        help="bytes a job's state may take on this shard: variables, optimizer slots, table "
+        "rows at their bound; a larger job is refused at init [default: this machine's memory]",
+    )
+    cli.add(
+        parser,
+        "--max-step-ahead",
+        env="PS_MAX_STEP_AHEAD",
+        type=int,
+        default=_DEFAULT_LIMITS.max_step_ahead,
+        help="steps a push may be ahead of the one its worker is expected to push next",
+    )
+    cli.add(
+        parser,
+        "--stream-idle-timeout",
+        env="PS_STREAM_IDLE_TIMEOUT",
+        type=float,
+        default=DEFAULT_STREAM_IDLE_S,
+        help="seconds a request stream may sit without a message before it is cancelled (0: never)",
     )
     cli.add(
         parser,
@@ -189,6 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="serve Prometheus metrics at http://HOST:PORT/metrics; 0: off",
+    )
+    cli.add(
+        parser,
+        "--metrics-host",
+        env="PS_METRICS_HOST",
+        default="127.0.0.1",
+        help="address /metrics listens on; it has no token, so it serves only this machine "
+        "unless you choose otherwise (the images use 0.0.0.0)",
     )
     cli.add(
         parser,
@@ -277,6 +320,10 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                 max_request_bytes=args.max_request_bytes,
                 max_wait_s=args.max_wait,
                 heartbeat_timeout_s=args.heartbeat_timeout,
+                max_step_ahead=args.max_step_ahead,
+                memory_limit_bytes=(
+                    physical_memory() if args.memory_limit is None else args.memory_limit
+                ),
             ),
             grace_s=args.grace,
             log_level=args.log_level,
@@ -294,9 +341,19 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
             metrics_port=args.metrics_port or None,
             log_format=args.log_format,
             shard_name=shard_name,
+            metrics_host=args.metrics_host,
+            stream_idle_s=args.stream_idle_timeout,
         )
     except ValueError as exc:
         parser.error(str(exc))
+
+
+def physical_memory() -> int:
+    """This machine's memory in bytes (0 when it cannot tell)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def _ps_task(source: str | None) -> tuple[int, int] | None:

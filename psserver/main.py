@@ -71,6 +71,7 @@ def serve(config: ServerConfig, stop: threading.Event) -> int:
             config.security,
             checkpoint=saver.checkpoint if saver is not None else None,
             metrics=metrics,
+            stream_idle_s=config.stream_idle_s,
         )
     except (RuntimeError, ValueError) as exc:
         log.error("psserver could not start on %s:%d: %s", config.host, config.port, exc)
@@ -78,12 +79,12 @@ def serve(config: ServerConfig, stop: threading.Event) -> int:
     exporter: MetricsServer | None = None
     if metrics is not None and config.metrics_port is not None:
         try:
-            exporter = metrics.serve(config.host, config.metrics_port)
+            exporter = metrics.serve(config.metrics_host, config.metrics_port)
         except OSError as exc:
             log.error("psserver could not serve metrics on port %d: %s", config.metrics_port, exc)
             server.stop(0)
             return 1
-        log.info("metrics at http://%s:%d/metrics", config.host, exporter.port)
+        log.info("metrics at http://%s:%d/metrics", config.metrics_host, exporter.port)
     try:
         log.info(
             "psserver listening on %s:%d (%s)",

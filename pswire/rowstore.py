@@ -31,9 +31,11 @@ class RowStore:
     """The rows of one table slice and their optimizer state; not thread-safe (the shard
     holds its lock around every call).
 
-    Fixed slices are one dense array allocated at creation. Dynamic slices map ids to rows of
-    arrays that grow by doubling; with a capacity, the least recently touched rows (pulled or
-    pushed) are evicted and counted, and come back re-initialised if touched again.
+    Fixed slices are one dense array reserved at creation and filled row by row as rows are
+    first touched (a large table costs memory only as it is used; an export fills the rest).
+    Dynamic slices map ids to rows of arrays that grow by doubling; with a capacity, the least
+    recently touched rows (pulled or pushed) are evicted and counted, and come back
+    re-initialised if touched again.
     """
 
     def __init__(self, spec: TableSlice, optimizer: Optimizer) -> None:
@@ -44,12 +46,14 @@ class RowStore:
         self._lru: OrderedDict[int, int] = OrderedDict()  # dynamic: id -> row, oldest first
         self._free: list[int] = []
         rows = spec.local_rows if not spec.dynamic else 16
-        if spec.dynamic:
-            self.values = np.zeros((rows, spec.dim), dtype=spec.dtype)
-        else:
-            ids = np.arange(spec.row_start, spec.row_end, dtype=np.int64)
-            self.values = self._fresh(ids)
-        self.slots = self._fresh_slots(self.values)
+        # Fixed: reserved, not touched (the OS backs pages as rows are made); dynamic: small.
+        self.values = (np.zeros if spec.dynamic else np.empty)((rows, spec.dim), spec.dtype)
+        self._made = np.zeros(0 if spec.dynamic else rows, dtype=bool)  # fixed rows drawn
+        kinds = self.optimizer.make_state(self.values[:0])
+        self.slots = {
+            k: np.zeros_like(self.values) if v is None or isinstance(v, np.ndarray) else v
+            for k, v in kinds.items()
+        }
 
     @property
     def rows(self) -> int:
@@ -73,6 +77,8 @@ class RowStore:
             self.optimizer.apply_rows(self.values, rows, grad, self.slots)
 
     def export(self) -> TableState:
+        if not self.spec.dynamic and not self._made.all():
+            self._locate(np.arange(self.spec.row_start, self.spec.row_end, dtype=np.int64))
         slots = {k: _take(v, slice(None)) for k, v in self.slots.items()}
         if not self.spec.dynamic:
             return TableState(None, self.values.copy(), slots, self.evictions)
@@ -99,6 +105,7 @@ class RowStore:
                 f"({expected}, {spec.dim})"
             )
         store.values = np.array(state.values, dtype=spec.dtype, copy=True)
+        store._made = np.ones(0 if spec.dynamic else len(store.values), dtype=bool)
         store.slots = {k: _take(v, slice(None)) for k, v in state.slots.items()}
         ids = state.ids if state.ids is not None else np.empty(0, dtype=np.int64)
         store._lru = OrderedDict((int(i), r) for r, i in enumerate(ids))
@@ -118,7 +125,15 @@ class RowStore:
 
     def _locate(self, ids: np.ndarray) -> np.ndarray:
         if not self.spec.dynamic:
-            return ids - self.spec.row_start
+            rows = ids - self.spec.row_start
+            first = np.unique(rows[~self._made[rows]])
+            if len(first):  # first touch: draw the rows, start their optimizer state
+                self.values[first] = self._fresh(first + self.spec.row_start)
+                for k, v in self._fresh_slots(self.values[first]).items():
+                    if isinstance(v, np.ndarray):
+                        self.slots[k][first] = v
+                self._made[first] = True
+            return rows
         rows = np.empty(len(ids), dtype=np.int64)
         new: list[int] = []
         lru = self._lru

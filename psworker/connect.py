@@ -71,8 +71,14 @@ def connect(
     (demanding its neighbour's, signed by the CA) and the token, and calls its neighbour with
     them.
 
+    Without a cluster spec, ``worker_id`` and ``num_workers`` default to ``$PS_WORKER_ID`` and
+    ``$PS_NUM_WORKERS`` (else worker 0 of 1); a job of several workers needs each one's id.
+    ``job_id`` (``$PS_JOB_ID``) fixes the job's identity; ``replay_bytes``
+    (``$PS_REPLAY_BYTES``) bounds the pushes kept for replay after a shard restart.
+
     Raises:
-        ValueError: a parameter-server mode with no cluster, or inconsistent arguments.
+        ValueError: a parameter-server mode with no cluster, or inconsistent arguments (e.g.
+            several workers but no worker id).
     """
     mode = mode or os.environ.get("PS_MODE") or None
     if "compression" not in options and os.environ.get("PS_COMPRESSION"):
@@ -98,6 +104,22 @@ def connect(
         num_workers = (len(spec.workers) or 1) if num_workers is None else num_workers
     if staleness is None:
         staleness = int(os.environ.get("PS_STALENESS") or 0)
+    if worker_id is None and os.environ.get("PS_WORKER_ID"):
+        worker_id = int(os.environ["PS_WORKER_ID"])
+    if num_workers is None and os.environ.get("PS_NUM_WORKERS"):
+        num_workers = int(os.environ["PS_NUM_WORKERS"])
+    if worker_id is None and (num_workers or 1) > 1:
+        raise ValueError(
+            f"a job of {num_workers} workers needs each worker's id: pass worker_id=, or set "
+            "$PS_WORKER_ID or TF_CONFIG's task.index (two processes as one worker would have "
+            "the second's pushes dropped as retries)"
+        )
+    for name, env, convert in (
+        ("job_id", "PS_JOB_ID", str),
+        ("replay_bytes", "PS_REPLAY_BYTES", int),
+    ):
+        if name not in options and os.environ.get(env):
+            options[name] = convert(os.environ[env])
     return PSClient(
         addresses,
         worker_id=0 if worker_id is None else worker_id,

@@ -20,6 +20,9 @@ WATCH_TICK_S = 0.05
 WATCH_IDLE_S = 5.0
 # The longest step deadline a request carries (timeout_ms is a uint32): about 49 days.
 MAX_STEP_S = (2**32 - 1) / 1000
+# A call idle this long is closed and a new one opened for the next step: shards cancel request
+# streams idle for their --stream-idle-timeout (120 s by default), and a step must not race that.
+IDLE_REOPEN_S = 60.0
 
 
 class StepStream:
@@ -41,6 +44,7 @@ class StepStream:
         self._call: Any = None
         self._expired = False
         self._steps = 0  # steps sent: which one the watchdog means
+        self._last = 0.0  # when the open call last answered
 
     def step(self, request: ps_pb2.PushPullRequest, timeout: float) -> ps_pb2.PushPullResponse:
         """Sends one step's request; returns its reply.
@@ -52,27 +56,39 @@ class StepStream:
         """
         request.timeout_ms = max(1, round(min(timeout, MAX_STEP_S) * 1000))
         with self._lock:
-            if self._call is None:
-                self._open()
-            assert self._requests is not None
-            self._expired = False
-            self._steps += 1
-            self._requests.put(request)
-            _WATCHDOG.watch(self, time.monotonic() + timeout, self._steps)
+            if self._call is not None and time.monotonic() - self._last > IDLE_REOPEN_S:
+                self._end()
             try:
-                return next(self._call)
-            except grpc.RpcError:
-                self._end()
-                if self._expired:
-                    raise WaitTimeoutError(
-                        f"{self._where}: no reply within {timeout:.1f}s"
-                    ) from None
-                raise
-            except StopIteration:
-                self._end()
-                raise UnavailableError(f"{self._where}: the shard ended the step stream") from None
-            finally:
-                _WATCHDOG.unwatch(self)
+                return self._send(request, timeout)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.CANCELLED:
+                    raise
+                # The shard cancelled the call as idle just as this step went out: the step is
+                # sent again on a new call (a push it had taken is acknowledged as a retry).
+                return self._send(request, timeout)
+
+    def _send(self, request: ps_pb2.PushPullRequest, timeout: float) -> ps_pb2.PushPullResponse:
+        if self._call is None:
+            self._open()
+        assert self._requests is not None
+        self._expired = False
+        self._steps += 1
+        self._requests.put(request)
+        _WATCHDOG.watch(self, time.monotonic() + timeout, self._steps)
+        try:
+            reply = next(self._call)
+            self._last = time.monotonic()
+            return reply
+        except grpc.RpcError:
+            self._end()
+            if self._expired:
+                raise WaitTimeoutError(f"{self._where}: no reply within {timeout:.1f}s") from None
+            raise
+        except StopIteration:
+            self._end()
+            raise UnavailableError(f"{self._where}: the shard ended the step stream") from None
+        finally:
+            _WATCHDOG.unwatch(self)
 
     def close(self) -> None:
         """Ends the call (the shard sees the stream end and finishes it)."""

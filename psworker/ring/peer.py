@@ -79,10 +79,17 @@ class Mailbox:
         self._cond = threading.Condition()
         self._items: dict[Hashable, collections.deque[np.ndarray]] = {}
         self._failure: Failure | None = None
+        self._nbytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes filed and not yet taken."""
+        return self._nbytes
 
     def put(self, key: Hashable, array: np.ndarray) -> None:
         with self._cond:
             self._items.setdefault(key, collections.deque()).append(array)
+            self._nbytes += array.nbytes
             self._cond.notify_all()
 
     def fail(self, failure: Failure) -> bool:
@@ -96,6 +103,7 @@ class Mailbox:
                 return False
             self._failure = failure
             self._items.clear()  # nothing queued will be read again
+            self._nbytes = 0
             self._cond.notify_all()
             return True
 
@@ -129,6 +137,7 @@ class Mailbox:
                 queue = self._items.get(key)
                 if queue:
                     array = queue.popleft()
+                    self._nbytes -= array.nbytes
                     if not queue:
                         del self._items[key]
                     return array

@@ -401,6 +401,7 @@ class Ring:
             self._calls = [c for c in self._calls if not c.done()]
             op = self._next_op
             self._next_op += 1
+            self._server.current_op = op  # the server takes chunks of this and the next one
             peer = _OpPeer(self, op)
             try:
                 result = body(peer)

@@ -19,7 +19,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pswire.channel import OPTIONS
 from pswire.codec import DTYPES, check_dtype
-from pswire.errors import InvalidRequestError, PSError, UnavailableError, error_for_status
+from pswire.errors import (
+    InvalidRequestError,
+    PSError,
+    TooLargeError,
+    UnavailableError,
+    error_for_status,
+)
 from pswire.proto import ring_pb2
 from pswire.rpc_errors import rpc_errors
 from pswire.security import ServerSecurity, TokenInterceptor
@@ -195,6 +201,10 @@ class RingPeerStub:
         )
 
 
+# The most bytes a rank holds of chunks it has not read yet: well above a collective's share.
+DEFAULT_MAX_BUFFERED_BYTES = 1 << 30
+
+
 class RingServer:
     """A worker's RingPeer server: files the chunks its left neighbour streams into a mailbox.
 
@@ -203,7 +213,11 @@ class RingServer:
     """
 
     def __init__(
-        self, bind: str = "127.0.0.1:0", threads: int = 8, security: ServerSecurity | None = None
+        self,
+        bind: str = "127.0.0.1:0",
+        threads: int = 8,
+        security: ServerSecurity | None = None,
+        max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
     ) -> None:
         """Binds ``host:port`` (port 0 picks a free one) and starts serving. ``security``: TLS
         (mutual with a CA) and the token, as a shard's; None: plaintext, no token.
@@ -215,6 +229,10 @@ class RingServer:
         security = security or ServerSecurity()
         credentials = security.credentials() if security.tls else None
         self.mailbox = Mailbox()
+        self.max_buffered_bytes = max_buffered_bytes
+        # The collective this rank is in (or will start next): chunks of it and the one after
+        # are filed, any other is refused, so a peer cannot make the mailbox grow unbounded.
+        self.current_op = 0
         self.rank: int | None = None
         self.world_size = 0
         self.describe: Callable[[int], str] = _describe_default
@@ -310,6 +328,16 @@ class _RingPeerServicer:
             return
         if chunk.array is None:
             raise InvalidRequestError(f"ring chunk of collective {chunk.op} carries no tensor")
+        if not owner.current_op <= chunk.op <= owner.current_op + 1:
+            raise InvalidRequestError(
+                f"{owner.describe(chunk.sender)} sent a chunk of collective {chunk.op}, but this "
+                f"rank takes only collectives {owner.current_op} and {owner.current_op + 1}"
+            )
+        if owner.mailbox.nbytes + chunk.array.nbytes > owner.max_buffered_bytes:
+            raise TooLargeError(
+                f"{owner.describe(chunk.sender)} sent more than {owner.max_buffered_bytes} bytes "
+                "that this rank has not read yet"
+            )
         owner.mailbox.put(chunk.key, chunk.array)
 
     def _take_abort(self, abort: ring_pb2.RingAbort) -> None:

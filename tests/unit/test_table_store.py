@@ -76,7 +76,7 @@ def test_table_and_slice_refuse_bad_settings_by_name():
 def test_fixed_store_applies_the_dense_optimizer_to_touched_rows_only():
     spec = TableSlice("t", 3, num_rows=6, row_start=2, row_end=6, init="uniform", seed=1)
     store = RowStore(spec, Adagrad(lr=0.1, initial_accumulator_value=0.2))
-    dense = store.values.copy()
+    dense = store.gather(np.arange(2, 6)).copy()  # rows are drawn on first touch
     state = Adagrad(lr=0.1, initial_accumulator_value=0.2).make_state(dense[[1, 3]])
     grad = np.array([[1, 2, 3], [4, 5, 6], [1, 1, 1]], dtype=np.float32)
     store.apply(np.array([5, 3, 5]), grad)  # id 5 twice: summed
