@@ -1,7 +1,9 @@
-"""Shared fixtures: in-process shard servers on port 0, stopped after each test."""
+"""Shared fixtures: in-process shard servers on port 0, stopped after each test; the process
+environment restored after each test (code under test may export PS_* variables)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -9,6 +11,16 @@ import pytest
 from psserver.records import Limits
 from psserver.server import RunningServer, start_server
 from psserver.shard import Shard
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment() -> Iterator[None]:
+    # psworker run exports TF_CONFIG and PS_* for its entry point; connect() reads them, so a
+    # test that runs it must not leave them to the tests after it.
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture
