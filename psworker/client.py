@@ -13,15 +13,21 @@ import grpc
 import numpy as np
 
 from pswire.codec import COMPRESSIONS, DEFAULT_CHUNK_BYTES, float32_to_bfloat16
-from pswire.errors import InvalidRequestError, NotInitializedError, PSError, not_in_model
+from pswire.errors import (
+    ClientClosedError,
+    ConfigError,
+    InvalidRequestError,
+    NotInitializedError,
+    PSError,
+    not_in_model,
+)
 from pswire.job import MODES, Job, VarSpec, job_to_proto
 from pswire.optim import Optimizer
-from pswire.proto import ps_pb2, ps_pb2_grpc
-from pswire.rpc_errors import from_rpc_error
+from pswire.proto import ps_pb2
 from pswire.security import ClientSecurity
 from pswire.tables import RowSparse, Table, as_ids
 from pswire.wiremsg import encode_chunk_messages
-from psworker.link import ShardLink
+from psworker.link import ShardLink, status
 from psworker.placement import (
     DEFAULT_SPLIT_BYTES,
     ShardMap,
@@ -64,15 +70,15 @@ class PSClient:
         compression: str | None = None,
     ) -> None:
         if not addresses:
-            raise ValueError("connect needs at least one shard address")
+            raise ConfigError("connect needs at least one shard address")
         if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+            raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
         if not 0 <= worker_id < num_workers:
-            raise ValueError(f"worker_id {worker_id} must be in [0, {num_workers})")
+            raise ConfigError(f"worker_id {worker_id} must be in [0, {num_workers})")
         if compression not in COMPRESSIONS:
-            raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+            raise ConfigError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
         if mode == "ssp" and staleness < 0:
-            raise ValueError(f"staleness must be >= 0, got {staleness}")
+            raise ConfigError(f"staleness must be >= 0, got {staleness}")
         self.addresses = list(addresses)
         self.worker_id = worker_id
         self.num_workers = num_workers
@@ -101,11 +107,12 @@ class PSClient:
                 timeout,
                 timeout if retry_s is None else retry_s,
                 chunk_bytes,
+                self.security,
             )
             for i, (a, channel) in enumerate(zip(self.addresses, channels, strict=True))
         ]
         self._pool = ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="ps")
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # set: closed
         self._beater: threading.Thread | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -117,13 +124,13 @@ class PSClient:
         self.close()
 
     def close(self) -> None:
-        """Stops heartbeats and closes the channels; the client is unusable afterwards."""
+        """Stops heartbeats and closes the channels; later calls raise ClientClosedError."""
         self._stop.set()
         if self._beater is not None:
             self._beater.join(timeout=2.0)
         self._pool.shutdown(wait=False, cancel_futures=True)
         for link in self.links:
-            link.steps.close()
+            link.close()
         for channel in self._channels:
             channel.close()
 
@@ -456,6 +463,7 @@ class PSClient:
         return layout
 
     def _require_map(self) -> ShardMap:
+        self._require_open()
         if self.shard_map is None:
             raise NotInitializedError("call client.init(variables, optimizer) before pull or push")
         return self.shard_map
@@ -466,31 +474,16 @@ class PSClient:
     def _call(self, shard: int, rpc: str, fn: Callable[[Any], T]) -> T:
         return self.links[shard].call(rpc, fn)
 
+    def _require_open(self) -> None:
+        if self._stop.is_set():
+            raise ClientClosedError(f"worker {self.worker_id}'s client is closed: connect again")
+
     def _fan_out(self, fn: Callable[[int], T]) -> list[T]:
+        self._require_open()
         if len(self.addresses) == 1:
             return [fn(0)]
-        futures = [self._pool.submit(fn, s) for s in range(len(self.addresses))]
+        try:
+            futures = [self._pool.submit(fn, s) for s in range(len(self.addresses))]
+        except RuntimeError:  # closed by another thread just now
+            raise ClientClosedError(f"worker {self.worker_id}'s client is closed") from None
         return [f.result() for f in futures]
-
-
-def status(
-    addresses: Sequence[str], timeout: float = 10.0, security: ClientSecurity | None = None
-) -> list[ps_pb2.StatusResponse]:
-    """Status of each shard at ``addresses``.
-
-    ``security`` defaults to the ``$PS_TLS_*`` / ``$PS_TOKEN`` settings, as ``connect`` does.
-
-    Raises:
-        PSError: a shard did not answer within ``timeout``.
-        ValueError: bad TLS or token settings.
-    """
-    security = security or ClientSecurity.from_env()
-    out = []
-    for i, address in enumerate(addresses):
-        with security.channel(address) as channel:
-            stub = ps_pb2_grpc.ParameterServerStub(channel)
-            try:
-                out.append(stub.Status(ps_pb2.StatusRequest(), timeout=timeout))
-            except grpc.RpcError as exc:
-                raise from_rpc_error(exc, f"Status on shard {i} ({address})") from None
-    return out

@@ -6,7 +6,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from pswire.cli import env_default
 from pswire.cluster import ClusterSpec
+from pswire.errors import ConfigError
+from pswire.job import CLIENT_MODES
 from pswire.security import ClientSecurity
 from psworker.api import Client
 from psworker.client import PSClient
@@ -25,7 +28,7 @@ def _connect_ring(
     if peers is None:
         spec = ClusterSpec.load(cluster, role="worker")
         if spec is None or not spec.workers:
-            raise ValueError(
+            raise ConfigError(
                 "mode 'allreduce' needs the workers' ring addresses: addresses=..., "
                 "cluster=..., or $TF_CONFIG with cluster.worker"
             )
@@ -34,7 +37,7 @@ def _connect_ring(
     allowed = {"timeout", "bucket_bytes", "compression", "server"}
     unknown = set(options) - allowed
     if unknown:
-        raise ValueError(f"options {sorted(unknown)} do not apply to mode 'allreduce'")
+        raise ConfigError(f"options {sorted(unknown)} do not apply to mode 'allreduce'")
     return AllReduceClient(
         0 if worker_id is None else worker_id, peers, security=security, **options
     )
@@ -72,9 +75,14 @@ def connect(
     them.
 
     Raises:
-        ValueError: a parameter-server mode with no cluster, or inconsistent arguments.
+        ConfigError: an unknown mode, a parameter-server mode with no cluster, an address
+            without a port, unreadable TLS files, or inconsistent arguments (a ValueError).
     """
+    given = mode
     mode = mode or os.environ.get("PS_MODE") or None
+    if mode is not None and mode not in CLIENT_MODES:
+        source = "mode" if given else "$PS_MODE"
+        raise ConfigError(f"{source}={mode!r} is not a mode; expected one of {list(CLIENT_MODES)}")
     if "compression" not in options and os.environ.get("PS_COMPRESSION"):
         options["compression"] = os.environ["PS_COMPRESSION"]
     if mode == "local":
@@ -87,17 +95,17 @@ def connect(
         if spec is None:
             if mode is None:
                 return LocalClient()
-            raise ValueError(
+            raise ConfigError(
                 f"mode {mode!r} needs shard addresses, cluster=..., or $TF_CONFIG "
                 "(or use mode='local')"
             )
         if not spec.ps:
-            raise ValueError("the cluster spec lists no parameter servers (cluster.ps)")
+            raise ConfigError("the cluster spec lists no parameter servers (cluster.ps)")
         addresses = spec.ps
         worker_id = spec.task_index if worker_id is None else worker_id
         num_workers = (len(spec.workers) or 1) if num_workers is None else num_workers
     if staleness is None:
-        staleness = int(os.environ.get("PS_STALENESS") or 0)
+        staleness = env_default("PS_STALENESS", 0, int)
     return PSClient(
         addresses,
         worker_id=0 if worker_id is None else worker_id,
