@@ -176,8 +176,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     @rpc_errors
     def PushPullStream(self, request_iterator, context):
         for request in _until_gone(request_iterator):
-            # Each step's own deadline, within the call's.
-            timeout = request.timeout_ms / 1000 if request.timeout_ms else None
+            # Each step's own deadline, within the call's; answered DEADLINE_MARGIN_S before
+            # it, as a call's deadline is, so the worker's watchdog never beats our reply.
+            timeout = (
+                max(0.0, request.timeout_ms / 1000 - DEADLINE_MARGIN_S)
+                if request.timeout_ms
+                else None
+            )
             remaining = _timeout(context)
             if remaining is not None:
                 timeout = remaining if timeout is None else min(timeout, remaining)
