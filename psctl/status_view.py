@@ -36,9 +36,10 @@ def gather(
     health: list[str] = []
     statuses: list[Status] = []
     for address in addresses:
-        health.append(_health(address, timeout, security))
-        if health[-1] == UNREACHABLE:
-            statuses.append(f"no answer from {address} within {timeout:g}s")
+        name, problem = _health(address, timeout, security)
+        health.append(name)
+        if problem is not None:
+            statuses.append(problem)
             continue
         try:
             statuses.append(shard_status([address], timeout, security)[0])
@@ -47,15 +48,22 @@ def gather(
     return health, statuses
 
 
-def _health(address: str, timeout: float, security: ClientSecurity) -> str:
+def _health(address: str, timeout: float, security: ClientSecurity) -> tuple[str, str | None]:
+    """The shard's health status name, and why it has none (None when it answered)."""
     with security.channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout
             )
-        except grpc.RpcError:
-            return UNREACHABLE
-    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return UNREACHABLE, f"no answer within {timeout:g}s"
+            hint = security.diagnose(address, exc.details() or "")
+            why = f"{exc.code().name}: {exc.details()}" + (
+                f". Likely cause: {hint}" if hint else ""
+            )
+            return UNREACHABLE, f"{address} unreachable ({why})"
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)), None
 
 
 def all_serving(health: Sequence[str], statuses: Sequence[Status]) -> bool:
