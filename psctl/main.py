@@ -212,23 +212,12 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         plot = out / demo_results.PLOT_FILE
         if config.workers > 1:  # a lone worker plotted its own history
             plot = demo_results.plot_losses(out, config.workers)
-    except (OSError, ValueError, KeyError) as exc:
+        walls = demo_results.read_walls(out, config.workers)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"psctl demo: the workers succeeded but left no complete results in {out}: {exc}")
         return 1
     total = time.perf_counter() - started
-    shards = f"{config.servers} shard(s), " if config.servers else ""
-    print(
-        f"\ndemo finished: mode {metrics['mode']}, {shards}{metrics['workers']} worker(s), "
-        f"{metrics['epochs']} epochs ({metrics['steps_per_worker']} steps per worker)\n"
-        f"  held-out accuracy  {metrics['accuracy']:.4f} ({metrics['held_out']} images)\n"
-        f"  training wall time {metrics['wall_s']:.2f}s (worker 0); {total:.2f}s in all, "
-        "with start-up\n"
-        f"  throughput         {metrics['samples_per_s']:.0f} samples/s "
-        f"({metrics['samples']} samples, all workers)\n"
-        f"  model              {out / demo_results.MODEL_FILE}\n"
-        f"  loss curves        {plot}",
-        flush=True,
-    )
+    print("\n" + demo_results.summary(metrics, walls, config.servers, total, out, plot), flush=True)
     return 0
 
 

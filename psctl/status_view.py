@@ -76,7 +76,8 @@ def to_data(
 ) -> dict[str, Any]:
     """The cluster as plain data: ``{"shards": [...], "workers": [...]}``.
 
-    Each shard has its address, health, job (mode, ``staleness``: the ssp bound), clock,
+    Each shard has its address, health, job (mode, ``staleness``: the ssp bound), clock (and
+    ``clock_counts``: "steps" in sync, "pushes applied" in async and ssp),
     variables, embedding tables (rows, bytes, evictions), bytes, push counts,
     ``max_staleness`` (clock spread of the live workers), workers (clock, staleness, live,
     seconds since heard) and newest checkpoint, or ``error``.
@@ -114,6 +115,8 @@ def _shard_data(index: int, address: str, health: str, status: Status) -> dict[s
             else None
         ),
         clock=int(status.clock),
+        # A sync shard's clock counts steps; async and ssp apply each push as one update.
+        clock_counts=("steps" if job.mode == "sync" else "pushes applied") if job else None,
         num_variables=len(dense),
         variables=[
             {"name": v.name, "dtype": v.dtype, "shape": [int(d) for d in v.shape]} for v in dense
@@ -242,6 +245,11 @@ def render_table(
     lines += [
         f"shard {s['shard']} ({s['address']}): {s['error']}" for s in shards if s.get("error")
     ]
+    if any(s.get("clock_counts") == "pushes applied" for s in shards):
+        lines.append(
+            "CLOCK: updates applied; in async and ssp one per push (each worker's own step is "
+            "its CLOCK below), in sync one per step"
+        )
 
     answered = [s["shard"] for s in shards if not s.get("error")]
     lines.append("")
