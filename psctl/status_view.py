@@ -59,10 +59,8 @@ def _health(address: str, timeout: float, security: ClientSecurity) -> tuple[str
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return UNREACHABLE, f"no answer within {timeout:g}s"
             hint = security.diagnose(address, exc.details() or "")
-            why = f"{exc.code().name}: {exc.details()}" + (
-                f". Likely cause: {hint}" if hint else ""
-            )
-            return UNREACHABLE, f"{address} unreachable ({why})"
+            why = f"unreachable ({exc.code().name}): {exc.details()}"
+            return UNREACHABLE, why + (f". Likely cause: {hint}" if hint else "")
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)), None
 
 
