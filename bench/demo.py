@@ -71,8 +71,8 @@ def measure(quick: bool, epochs: int = 2) -> Table:
         rows=rows,
         notes=[
             f"`python -m psctl.main demo --mode M --epochs {epochs}`: 2 shards and 2 workers "
-            "(local: 1 process); throughput from its 'throughput' line (worker 0's training "
-            f"wall time); median of {rounds} interleaved round(s).",
+            "(local: 1 process); throughput from its 'throughput' line (over the slowest "
+            f"worker's training wall time); median of {rounds} interleaved round(s).",
             "A tiny model: this measures per-step overhead, not bandwidth.",
             *([f"failed once, retried: {', '.join(retried)}"] if retried else []),
         ],

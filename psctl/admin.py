@@ -34,6 +34,14 @@ BUFFER_PREFIX = "buffer:"
 _PIECE = re.compile(r"(?P<var>.+)/part(?P<i>\d+)of(?P<k>\d+)")
 COMMANDS = ("checkpoint", "export")
 DEFAULT_OUT = "model.pt"
+# Read from the environment by every command that calls the shards (no flags: command lines
+# are visible to other users).
+SECURITY_EPILOG = (
+    "TLS and token, from the environment as for workers: $PS_TLS_CA (CA that signed the "
+    "shards' certificates; turns TLS on), $PS_TLS_CERT and $PS_TLS_KEY (this client's "
+    "certificate, for shards demanding mutual TLS), $PS_TOKEN or $PS_TOKEN_FILE (the shared "
+    "token)."
+)
 
 
 @dataclass(frozen=True)
@@ -269,6 +277,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         "checkpoint",
         help="make every shard save a checkpoint now",
         description="Calls Checkpoint on each shard (started with --checkpoint-dir) in parallel.",
+        epilog=SECURITY_EPILOG,
     )
     add_target_flags(checkpoint, timeout=60.0)
     export = commands.add_parser(
@@ -279,9 +288,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
             "and writes a file for model.load_state_dict(torch.load(PATH)). A path ending in "
             ".safetensors (or no torch installed) writes safetensors instead."
         ),
+        epilog=SECURITY_EPILOG,
     )
     add_target_flags(export, timeout=120.0)
-    export.add_argument("--out", default=DEFAULT_OUT, help=f"output file [default {DEFAULT_OUT}]")
+    cli.add(export, "--out", env="PS_EXPORT_OUT", default=DEFAULT_OUT, help="output file")
 
 
 def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -314,8 +324,13 @@ def add_target_flags(parser: argparse.ArgumentParser, timeout: float) -> None:
         "(else $TF_CONFIG)",
     )
     parser.add_argument("addresses", nargs="*", metavar="ADDR", help="shard host:port")
-    parser.add_argument(
-        "--timeout", type=float, default=timeout, help=f"seconds per shard [default {timeout:g}]"
+    cli.add(
+        parser,
+        "--timeout",
+        env="PS_SHARD_TIMEOUT",
+        type=float,
+        default=timeout,
+        help="seconds each shard has to answer",
     )
 
 

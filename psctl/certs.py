@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pswire import cli
+
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
 DEFAULT_DAYS = 365
 # File names inside --out; the key files are written 0600.
@@ -92,17 +94,30 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
             "ca-key.pem private, or anyone holding it can mint certificates."
         ),
     )
-    parser.add_argument("--out", required=True, type=Path, help="folder for the PEM files")
-    parser.add_argument(
+    cli.add(
+        parser,
+        "--out",
+        env="PS_CERTS_OUT",
+        required=True,
+        type=Path,
+        help="folder for the PEM files",
+    )
+    cli.add(
+        parser,
         "--hosts",
+        env="PS_CERTS_HOSTS",
         default=",".join(DEFAULT_HOSTS),
-        help="comma-separated DNS names and IPs the shards answer on "
-        f"[default {','.join(DEFAULT_HOSTS)}]",
+        help="comma-separated DNS names and IPs the shards answer on",
     )
-    parser.add_argument(
-        "--days", type=int, default=DEFAULT_DAYS, help=f"validity [default {DEFAULT_DAYS}]"
+    cli.add(parser, "--days", env="PS_CERTS_DAYS", type=int, default=DEFAULT_DAYS, help="validity")
+    cli.add(
+        parser,
+        "--force",
+        env="PS_CERTS_FORCE",
+        action="store_true",
+        default=False,
+        help="overwrite existing files",
     )
-    parser.add_argument("--force", action="store_true", help="overwrite existing files")
     return parser
 
 

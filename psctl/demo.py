@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                 progress.update(len(losses), losses[-1], samples)
         wall = time.perf_counter() - start
 
-    demo_results.write_losses(out, wid, client.mode, losses)
+    demo_results.write_losses(out, wid, client.mode, losses, wall)
     print(f"worker {wid} done: {samples} samples in {wall:.2f}s", flush=True)
     if wid != 0:
         return 0

@@ -1,4 +1,4 @@
-"""The demo's output folder: per-worker loss histories, worker 0's metrics, the loss plot."""
+"""The demo's output folder: per-worker histories and wall times, worker 0's metrics, the plot."""
 
 from __future__ import annotations
 
@@ -17,11 +17,14 @@ def loss_file(out: Path, worker: int) -> Path:
     return out / _LOSS_PATTERN.format(worker)
 
 
-def write_losses(out: Path, worker: int, mode: str, losses: list[float]) -> Path:
-    """Writes one worker's per-step training loss; returns the file's path."""
+def write_losses(
+    out: Path, worker: int, mode: str, losses: list[float], wall_s: float | None = None
+) -> Path:
+    """Writes one worker's per-step training loss and training wall time; returns the path."""
     path = loss_file(out, worker)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"worker": worker, "mode": mode, "loss": losses}) + "\n")
+    record = {"worker": worker, "mode": mode, "loss": losses, "wall_s": wall_s}
+    tmp.write_text(json.dumps(record) + "\n")
     # Renamed into place, so a reader never sees half a history.
     os.replace(tmp, path)
     return path
@@ -41,6 +44,38 @@ def read_metrics(out: Path) -> dict[str, Any]:
     """
     result: dict[str, Any] = json.loads((out / METRICS_FILE).read_text())
     return result
+
+
+def read_walls(out: Path, workers: int) -> list[float]:
+    """Each worker's training wall time, in worker order.
+
+    Raises:
+        FileNotFoundError: a worker's history is missing.
+        KeyError, TypeError: a history without a wall time.
+    """
+    return [float(json.loads(loss_file(out, w).read_text())["wall_s"]) for w in range(workers)]
+
+
+def summary(
+    metrics: dict[str, Any], walls: list[float], servers: int, total_s: float, out: Path, plot: Path
+) -> str:
+    """psctl demo's closing lines. The job took as long as its slowest worker, so that
+    worker's wall time is reported, and the throughput is over it (worker 0's own figures in
+    ``metrics`` may be shorter)."""
+    slowest = max(range(len(walls)), key=walls.__getitem__)
+    who = f"worker {slowest}, the slowest; fastest {min(walls):.2f}s" if len(walls) > 1 else ""
+    shards = f"{servers} shard(s), " if servers else ""
+    return (
+        f"demo finished: mode {metrics['mode']}, {shards}{metrics['workers']} worker(s), "
+        f"{metrics['epochs']} epochs ({metrics['steps_per_worker']} steps per worker)\n"
+        f"  held-out accuracy  {metrics['accuracy']:.4f} ({metrics['held_out']} images)\n"
+        f"  training wall time {walls[slowest]:.2f}s{f' ({who})' if who else ''}; "
+        f"{total_s:.2f}s in all, with start-up\n"
+        f"  throughput         {metrics['samples'] / walls[slowest]:.0f} samples/s "
+        f"({metrics['samples']} samples, all workers)\n"
+        f"  model              {out / MODEL_FILE}\n"
+        f"  loss curves        {plot}"
+    )
 
 
 def plot_losses(out: Path, workers: int) -> Path:

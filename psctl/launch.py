@@ -30,6 +30,8 @@ LAUNCH_MODES = CLIENT_MODES
 DEFAULT_TIMEOUT_S = 3600.0
 DEFAULT_START_TIMEOUT_S = 60.0
 DEFAULT_GRACE_S = 5.0
+# ssp's bound for psctl local and psctl demo alike (0 would make ssp lock-step).
+DEFAULT_STALENESS = 1
 # Exit codes beside the workers' own: the shell's for "timed out" and for death by a signal.
 EXIT_TIMEOUT = 124
 EXIT_SIGNAL_BASE = 128
@@ -44,7 +46,7 @@ class LocalConfig:
     servers: int = 1
     workers: int = 1
     mode: str = "sync"
-    staleness: int = 0
+    staleness: int = DEFAULT_STALENESS
     timeout_s: float = DEFAULT_TIMEOUT_S
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
     grace_s: float = DEFAULT_GRACE_S
@@ -208,10 +210,15 @@ class LocalCluster:
         # Local and allreduce modes have no shards.
         servers = 0 if cfg.mode in SHARDLESS_MODES else cfg.servers
         port_files = [folder / f"ps{i}.port" for i in range(servers)]
+        checkpoints = env.get("PS_CHECKPOINT_DIR")
         for i, port_file in enumerate(port_files):
             argv = [sys.executable, "-m", "psserver", "--host", "127.0.0.1", "--port", "0"]
             argv += ["--port-file", str(port_file), "--threads", threads]
             argv += ["--grace", str(cfg.grace_s)]
+            if checkpoints:
+                # One folder per shard daemon (a second one in a folder is refused).
+                env = {**env, "PS_CHECKPOINT_DIR": str(Path(checkpoints) / f"ps{i}")}
+                self.say(f"ps{i} checkpoints to {env['PS_CHECKPOINT_DIR']}")
             self._servers.append(self._spawn(f"ps{i}", argv, env))
         ports = [
             self._read_port(s, f, start_deadline)

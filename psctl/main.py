@@ -11,9 +11,11 @@ from pathlib import Path
 from psctl import admin, certs, demo_results, status_view
 from psctl.launch import (
     DEFAULT_GRACE_S,
+    DEFAULT_STALENESS,
     DEFAULT_START_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
     LAUNCH_MODES,
+    SHARDLESS_MODES,
     LocalConfig,
     run_local,
 )
@@ -38,10 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
             "Starts --servers psserver daemons on 127.0.0.1, then --workers copies of CMD, each "
             "with TF_CONFIG, PS_MODE, PS_STALENESS, PS_WORKER_ID and PS_NUM_WORKERS set. The "
             "first worker to fail stops the rest and its exit code is psctl's. --mode local "
-            "starts no shards and one worker without TF_CONFIG."
+            "starts no shards and one worker without TF_CONFIG; --mode allreduce no shards. "
+            "With $PS_CHECKPOINT_DIR set, shard i checkpoints to its subfolder psI."
         ),
     )
-    _add_cluster_flags(local, servers=1, workers=1, staleness=0)
+    _add_cluster_flags(local, servers=1, workers=1)
     local.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD", help="worker command")
 
     demo = commands.add_parser(
@@ -55,32 +58,54 @@ def build_parser() -> argparse.ArgumentParser:
             "--mode local trains in one process with no shards."
         ),
     )
-    _add_cluster_flags(demo, servers=2, workers=2, staleness=1)
-    demo.add_argument("--epochs", type=int, default=8, help="passes over the data [default 8]")
-    demo.add_argument("--seed", type=int, default=0, help="split, init and shuffle seed")
-    demo.add_argument("--out", default=DEMO_OUT, help=f"output folder [default {DEMO_OUT}]")
+    _add_cluster_flags(demo, servers=2, workers=2)
+    cli.add(
+        demo, "--epochs", env="PS_DEMO_EPOCHS", type=int, default=8, help="passes over the data"
+    )
+    cli.add(
+        demo, "--seed", env="PS_DEMO_SEED", type=int, default=0, help="split, init, shuffle seed"
+    )
+    cli.add(demo, "--out", env="PS_DEMO_OUT", default=DEMO_OUT, help="output folder")
 
     status = commands.add_parser(
         "status",
         help="show shards, variables, workers and clocks",
         description="Asks each shard for its health and status.",
+        epilog=admin.SECURITY_EPILOG,
     )
     admin.add_target_flags(status, timeout=5.0)
-    status.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    cli.add(
+        status,
+        "--json",
+        env="PS_STATUS_JSON",
+        action="store_true",
+        default=False,
+        help="print JSON instead of tables",
+    )
     admin.add_parsers(commands)
     certs.add_parser(commands)
     return parser
 
 
-def _add_cluster_flags(
-    parser: argparse.ArgumentParser, servers: int, workers: int, staleness: int
-) -> None:
-    parser.add_argument(
-        "--servers", type=int, default=servers, help=f"parameter-server shards [default {servers}]"
+def _add_cluster_flags(parser: argparse.ArgumentParser, servers: int, workers: int) -> None:
+    cli.add(
+        parser,
+        "--servers",
+        env="PS_SERVERS",
+        type=int,
+        default=servers,
+        help="parameter-server shards (none in modes local and allreduce)",
     )
-    parser.add_argument(
-        "--workers", type=int, default=workers, help=f"worker processes [default {workers}]"
+    # None: the command's default, or 1 in mode local (where any other count is refused).
+    cli.add(
+        parser,
+        "--workers",
+        env="PS_WORKERS",
+        type=int,
+        default=None,
+        help=f"worker processes; unset: {workers}, or 1 in mode local",
     )
+    parser.set_defaults(default_workers=workers)
     cli.add(
         parser,
         "--mode",
@@ -94,26 +119,32 @@ def _add_cluster_flags(
         "--staleness",
         env="PS_STALENESS",
         type=int,
-        default=staleness,
+        default=DEFAULT_STALENESS,
         help="ssp: steps a worker may run ahead of the slowest",
     )
-    parser.add_argument(
+    cli.add(
+        parser,
         "--timeout",
+        env="PS_RUN_TIMEOUT",
         type=float,
         default=DEFAULT_TIMEOUT_S,
-        help=f"seconds before everything is killed [default {DEFAULT_TIMEOUT_S:g}]",
+        help="seconds before everything is killed",
     )
-    parser.add_argument(
+    cli.add(
+        parser,
         "--start-timeout",
+        env="PS_START_TIMEOUT",
         type=float,
         default=DEFAULT_START_TIMEOUT_S,
-        help=f"seconds for the shards to serve [default {DEFAULT_START_TIMEOUT_S:g}]",
+        help="seconds for the shards to serve",
     )
-    parser.add_argument(
+    cli.add(
+        parser,
         "--grace",
+        env="PS_GRACE",
         type=float,
         default=DEFAULT_GRACE_S,
-        help=f"seconds processes get after SIGTERM before SIGKILL [default {DEFAULT_GRACE_S:g}]",
+        help="seconds processes get after SIGTERM before SIGKILL",
     )
 
 
@@ -136,11 +167,14 @@ def main(argv: list[str] | None = None) -> int:
 def _local_config(
     parser: argparse.ArgumentParser, args: argparse.Namespace, command: list[str]
 ) -> LocalConfig:
+    workers = args.workers
+    if workers is None:
+        workers = 1 if args.mode == "local" else args.default_workers
     try:
         return LocalConfig(
             command=tuple(command),
             servers=args.servers,
-            workers=args.workers,
+            workers=workers,
             mode=args.mode,
             staleness=args.staleness,
             timeout_s=args.timeout,
@@ -160,10 +194,8 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             f"the demo needs {', '.join(missing)}: install torch and the demo extra "
             "(pip install -e '.[demo]'), or run `bash scripts/dev.sh demo`"
         )
-    if args.mode == "local":
-        args.servers, args.workers = 0, 1  # one process, no shards: flags for a cluster ignored
-    elif args.mode == "allreduce":
-        args.servers = 0  # the workers average gradients among themselves
+    if args.mode in SHARDLESS_MODES:
+        args.servers = 0  # one process, or workers averaging among themselves: no shards
     out = Path(args.out).resolve()
     command = [sys.executable, "-m", "psctl.demo", "--epochs", str(args.epochs)]
     command += ["--seed", str(args.seed), "--out", str(out)]
@@ -180,23 +212,12 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         plot = out / demo_results.PLOT_FILE
         if config.workers > 1:  # a lone worker plotted its own history
             plot = demo_results.plot_losses(out, config.workers)
-    except (OSError, ValueError, KeyError) as exc:
+        walls = demo_results.read_walls(out, config.workers)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"psctl demo: the workers succeeded but left no complete results in {out}: {exc}")
         return 1
     total = time.perf_counter() - started
-    shards = f"{config.servers} shard(s), " if config.servers else ""
-    print(
-        f"\ndemo finished: mode {metrics['mode']}, {shards}{metrics['workers']} worker(s), "
-        f"{metrics['epochs']} epochs ({metrics['steps_per_worker']} steps per worker)\n"
-        f"  held-out accuracy  {metrics['accuracy']:.4f} ({metrics['held_out']} images)\n"
-        f"  training wall time {metrics['wall_s']:.2f}s (worker 0); {total:.2f}s in all, "
-        "with start-up\n"
-        f"  throughput         {metrics['samples_per_s']:.0f} samples/s "
-        f"({metrics['samples']} samples, all workers)\n"
-        f"  model              {out / demo_results.MODEL_FILE}\n"
-        f"  loss curves        {plot}",
-        flush=True,
-    )
+    print("\n" + demo_results.summary(metrics, walls, config.servers, total, out, plot), flush=True)
     return 0
 
 

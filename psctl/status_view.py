@@ -36,9 +36,10 @@ def gather(
     health: list[str] = []
     statuses: list[Status] = []
     for address in addresses:
-        health.append(_health(address, timeout, security))
-        if health[-1] == UNREACHABLE:
-            statuses.append(f"no answer from {address} within {timeout:g}s")
+        name, problem = _health(address, timeout, security)
+        health.append(name)
+        if problem is not None:
+            statuses.append(problem)
             continue
         try:
             statuses.append(shard_status([address], timeout, security)[0])
@@ -47,15 +48,20 @@ def gather(
     return health, statuses
 
 
-def _health(address: str, timeout: float, security: ClientSecurity) -> str:
+def _health(address: str, timeout: float, security: ClientSecurity) -> tuple[str, str | None]:
+    """The shard's health status name, and why it has none (None when it answered)."""
     with security.channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout
             )
-        except grpc.RpcError:
-            return UNREACHABLE
-    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return UNREACHABLE, f"no answer within {timeout:g}s"
+            hint = security.diagnose(address, exc.details() or "")
+            why = f"unreachable ({exc.code().name}): {exc.details()}"
+            return UNREACHABLE, why + (f". Likely cause: {hint}" if hint else "")
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)), None
 
 
 def all_serving(health: Sequence[str], statuses: Sequence[Status]) -> bool:
@@ -68,7 +74,8 @@ def to_data(
 ) -> dict[str, Any]:
     """The cluster as plain data: ``{"shards": [...], "workers": [...]}``.
 
-    Each shard has its address, health, job (mode, ``staleness``: the ssp bound), clock,
+    Each shard has its address, health, job (mode, ``staleness``: the ssp bound), clock (and
+    ``clock_counts``: "steps" in sync, "pushes applied" in async and ssp),
     variables, embedding tables (rows, bytes, evictions), bytes, push counts,
     ``max_staleness`` (clock spread of the live workers), workers (clock, staleness, live,
     seconds since heard) and newest checkpoint, or ``error``.
@@ -107,6 +114,8 @@ def _shard_data(index: int, address: str, health: str, status: Status) -> dict[s
             else None
         ),
         clock=int(status.clock),
+        # A sync shard's clock counts steps; async and ssp apply each push as one update.
+        clock_counts=("steps" if job.mode == "sync" else "pushes applied") if job else None,
         num_variables=len(dense),
         variables=[
             {"name": v.name, "dtype": v.dtype, "shape": [int(d) for d in v.shape]} for v in dense
@@ -240,6 +249,11 @@ def render_table(
     lines += [
         f"shard {s['shard']} ({s['address']}): {s['error']}" for s in shards if s.get("error")
     ]
+    if any(s.get("clock_counts") == "pushes applied" for s in shards):
+        lines.append(
+            "CLOCK: updates applied; in async and ssp one per push (each worker's own step is "
+            "its CLOCK below), in sync one per step"
+        )
 
     answered = [s["shard"] for s in shards if not s.get("error")]
     lines.append("")

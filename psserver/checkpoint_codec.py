@@ -242,6 +242,7 @@ def decode_state(text: str, tensors: Mapping[str, np.ndarray]) -> ShardState:
         finished={int(w): int(n) for w, n in doc["finished"].items()},
         counters={str(k): int(n) for k, n in doc["counters"].items()},
         tables=tables,
+        saved_at=float(doc["saved_at"]) if "saved_at" in doc else None,
     )
 
 

@@ -59,6 +59,8 @@ class ShardState:
     finished: dict[int, int]
     counters: dict[str, int]
     tables: dict[str, TableState] = field(default_factory=dict)
+    # When the checkpoint holding this state was written (time.time()); None: not from a file.
+    saved_at: float | None = None
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ restore from one. A part of ``Shard`` (its base class), kept apart to keep each 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -99,7 +100,9 @@ class Reports:
         with self._cond:
             self._durable = dict(state.finished)
             self._checkpoint_step = state.updates
-            self._checkpoint_time = self._now()
+            # Its age counts from the file's write (a restored one was written long ago).
+            ago = 0.0 if state.saved_at is None else max(0.0, time.time() - state.saved_at)
+            self._checkpoint_time = self._now() - ago
 
     def restore(self, state: ShardState) -> None:
         """Becomes the shard that saved ``state`` (on a fresh shard, before serving).

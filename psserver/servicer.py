@@ -220,8 +220,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         worker = first.header.worker_id
         with _ending(context, self.shard) as cancelled, self.admission.step_stream(worker):
             for request in itertools.chain([first], requests):
-                # Each step's own deadline, within the call's.
-                timeout = request.timeout_ms / 1000 if request.timeout_ms else None
+                # Each step's own deadline, within the call's; answered DEADLINE_MARGIN_S
+                # before it, as a call's deadline is, so the worker's watchdog never beats
+                # our reply.
+                timeout = (
+                    max(0.0, request.timeout_ms / 1000 - DEADLINE_MARGIN_S)
+                    if request.timeout_ms
+                    else None
+                )
                 remaining = _timeout(context)
                 if remaining is not None:
                     timeout = remaining if timeout is None else min(timeout, remaining)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import grpc
 
 from pswire.codec import DEFAULT_CHUNK_BYTES
+from pswire.errors import ConfigError
 
 # Messages carry at most one chunk plus a small header; leave generous headroom so a peer with a
 # larger configured chunk still gets through, while a huge unary message is refused.
@@ -27,6 +30,31 @@ OPTIONS: list[tuple[str, int]] = [
 
 # Bind addresses meaning "every interface": a client reaches such a server on loopback.
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
+
+
+# host:port or [v6]:port; and the gRPC target schemes that carry their own form.
+_HOST_PORT = re.compile(r"(?:\[[^\]]+\]|[^:\[\]/\s]+):(?P<port>\d+)")
+_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+
+
+def check_address(address: str) -> str:
+    """Returns ``address`` if it is ``host:port``, ``[v6addr]:port`` or a gRPC target with a
+    scheme (``dns:///host:port``, ``unix:path``).
+
+    Raises:
+        ConfigError: no port (gRPC would silently dial 443) or a port out of range.
+    """
+    if address.startswith(_SCHEMES):
+        return address
+    match = _HOST_PORT.fullmatch(address)
+    if match is None:
+        raise ConfigError(
+            f"address {address!r} is not host:port (e.g. 'localhost:7001', '[::1]:7001'); "
+            "without a port gRPC would dial 443"
+        )
+    if not 0 < int(match["port"]) < 65536:
+        raise ConfigError(f"address {address!r}: port {match['port']} is not in 1..65535")
+    return address
 
 
 def insecure_channel(address: str) -> grpc.Channel:

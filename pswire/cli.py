@@ -7,6 +7,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from pswire.errors import ConfigError
+
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -15,7 +17,7 @@ def env_default(env: str, default: Any = None, convert: Callable[[str], Any] = s
     """The value of ``$env`` converted by ``convert``, or ``default`` when unset or empty.
 
     Raises:
-        ValueError: the variable is set but ``convert`` rejects it; the message names it.
+        ConfigError: the variable is set but ``convert`` rejects it; the message names it.
     """
     text = os.environ.get(env)
     if not text:
@@ -23,19 +25,19 @@ def env_default(env: str, default: Any = None, convert: Callable[[str], Any] = s
     try:
         return convert(text)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"${env}={text!r} is not a valid value: {exc}") from exc
+        raise ConfigError(f"${env}={text!r} is not a valid value: {exc}") from exc
 
 
 def parse_bool(text: str) -> bool:
     """``1/true/yes/on`` or ``0/false/no/off``, any case.
 
     Raises:
-        ValueError: anything else.
+        ConfigError: anything else.
     """
     lowered = text.strip().lower()
     if lowered in _TRUE or lowered in _FALSE:
         return lowered in _TRUE
-    raise ValueError(f"expected one of {_TRUE + _FALSE}, got {text!r}")
+    raise ConfigError(f"expected one of {_TRUE + _FALSE}, got {text!r}")
 
 
 def add(
@@ -55,7 +57,7 @@ def add(
     reads the variable as a boolean.
 
     Raises:
-        ValueError: a ``store_true`` flag's variable is not a boolean word.
+        ConfigError: a ``store_true`` flag's variable is not a boolean word.
     """
     text = os.environ.get(env)
     note = f"env {env}; default {default!r}"

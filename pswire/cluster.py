@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from pswire.errors import ConfigError
+
 # A StatefulSet pod's hostname is "<set name>-<ordinal>".
 _ORDINAL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?-(?P<ordinal>\d+)$")
 
@@ -22,14 +24,14 @@ def task_index_from_env(
     None when none of them says.
 
     Raises:
-        ValueError: a variable is set but is not a non-negative integer.
+        ConfigError: a variable is set but is not a non-negative integer.
     """
     env = os.environ if environ is None else environ
     for name in ("PS_TASK_INDEX", "JOB_COMPLETION_INDEX"):
         text = env.get(name, "").strip()
         if text:
             if not text.isdigit():
-                raise ValueError(f"${name}={text!r} is not a task index (a number >= 0)")
+                raise ConfigError(f"${name}={text!r} is not a task index (a number >= 0)")
             return int(text)
     match = _ORDINAL.match(socket.gethostname() if hostname is None else hostname)
     return int(match["ordinal"]) if match else None
@@ -53,21 +55,21 @@ class ClusterSpec:
         ``role`` a missing task means worker 0, as before.
 
         Raises:
-            ValueError: not JSON, lacking the cluster/task fields, or no task and no task
+            ConfigError: not JSON, lacking the cluster/task fields, or no task and no task
                 index in the environment while ``role`` is given.
         """
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"cluster spec is not valid JSON: {exc}") from exc
+            raise ConfigError(f"cluster spec is not valid JSON: {exc}") from exc
         if not isinstance(data, dict) or not isinstance(data.get("cluster"), dict):
-            raise ValueError('cluster spec needs a "cluster" object with "ps" and "worker" lists')
+            raise ConfigError('cluster spec needs a "cluster" object with "ps" and "worker" lists')
         cluster = data["cluster"]
         task = data.get("task") or {}
         if not task and role is not None:
             index = task_index_from_env()
             if index is None:
-                raise ValueError(
+                raise ConfigError(
                     "the cluster spec names no task, and neither $PS_TASK_INDEX, "
                     "$JOB_COMPLETION_INDEX nor a StatefulSet hostname (name-N) gives this "
                     f"{role}'s index"
@@ -92,7 +94,7 @@ class ClusterSpec:
         ``role`` names this process when the spec has no task (see ``parse``).
 
         Raises:
-            ValueError: the source is unreadable or malformed.
+            ConfigError: the source is unreadable or malformed.
         """
         text = source if source is not None else os.environ.get("TF_CONFIG")
         if not text:
@@ -101,7 +103,7 @@ class ClusterSpec:
         if not stripped.startswith("{"):
             path = Path(stripped)
             if not path.is_file():
-                raise ValueError(f"cluster spec {stripped!r} is neither JSON nor a readable file")
+                raise ConfigError(f"cluster spec {stripped!r} is neither JSON nor a readable file")
             stripped = path.read_text()
         return cls.parse(stripped, role)
 

@@ -119,6 +119,19 @@ class CorruptCheckpointError(PSError, ValueError):
     status = "DATA_LOSS"
 
 
+class ConfigError(PSError, ValueError):
+    """Raised when a client or daemon is configured wrongly (an unknown mode, a missing TLS
+    file, a malformed cluster spec or address); a ``ValueError`` too, as before."""
+
+    status = "INVALID_ARGUMENT"
+
+
+class ClientClosedError(PSError, RuntimeError):
+    """Raised when a client is used after ``close()`` (or after leaving its ``with`` block)."""
+
+    status = "FAILED_PRECONDITION"
+
+
 def not_in_model(name: str, known: Iterable[str], kind: str = "variable") -> UnknownVariableError:
     """The error for a name the model lacks, naming some of those it has."""
     shown = sorted(known)

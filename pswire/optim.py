@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from pswire.errors import InvalidRequestError
+from pswire.errors import ConfigError, InvalidRequestError
 
 # apply_blocked's piece: 1M elements (4 MiB of float32) keeps temporaries small and each numpy
 # call long enough that the per-call overhead does not show.
@@ -22,11 +22,11 @@ class Optimizer:
     lr: float = 0.01
 
     def _check_ranges(self, **bounds: tuple[float, float]) -> None:
-        """Raises ValueError for a hyper-parameter outside [low, high) (torch.optim's checks)."""
+        """Raises ConfigError for a hyper-parameter outside [low, high) (torch.optim's checks)."""
         for key, (low, high) in {"lr": (0.0, float("inf")), **bounds}.items():
             value = getattr(self, key)
             if not low <= value < high:
-                raise ValueError(f"invalid {key}: {value} (expected {low} <= {key} < {high})")
+                raise ConfigError(f"invalid {key}: {value} (expected {low} <= {key} < {high})")
 
     def params(self) -> dict[str, float]:
         return {k: float(v) for k, v in asdict(self).items()}
@@ -97,7 +97,7 @@ class SGD(Optimizer):
     def __post_init__(self) -> None:
         self._check_ranges(momentum=(0.0, float("inf")), weight_decay=(0.0, float("inf")))
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
-            raise ValueError("nesterov needs momentum > 0 and dampening 0")
+            raise ConfigError("nesterov needs momentum > 0 and dampening 0")
 
     def make_state(self, param: np.ndarray) -> dict[str, Any]:
         return {"momentum_buffer": None} if self.momentum else {}

@@ -13,7 +13,8 @@ from typing import Any, NamedTuple
 
 import grpc
 
-from pswire.channel import OPTIONS, insecure_channel
+from pswire.channel import OPTIONS, check_address, insecure_channel
+from pswire.errors import ConfigError
 
 # The header both ends use for the token: the HTTP convention, and what
 # grpc.access_token_call_credentials sends.
@@ -30,14 +31,14 @@ def check_token(token: str, source: str = "token") -> str:
     """Returns ``token`` if it can travel as a header value.
 
     Raises:
-        ValueError: empty, or a character other than printable non-space ASCII; the message
+        ConfigError: empty, or a character other than printable non-space ASCII; the message
             names ``source`` but never echoes the token.
     """
     if not token:
-        raise ValueError(f"{source} is empty")
+        raise ConfigError(f"{source} is empty")
     bad = sorted({c for c in token if c not in _TOKEN_CHARS})
     if bad:
-        raise ValueError(
+        raise ConfigError(
             f"{source} holds {len(bad)} kind(s) of character that cannot travel in a header "
             "(only printable ASCII without spaces is allowed)"
         )
@@ -48,12 +49,12 @@ def read_token_file(path: str | Path) -> str:
     """The token stored in ``path``, without the trailing newline editors add.
 
     Raises:
-        ValueError: the file cannot be read or holds no valid token.
+        ConfigError: the file cannot be read or holds no valid token.
     """
     try:
         text = Path(path).read_text(encoding="ascii")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read token file {str(path)!r}: {exc}") from exc
+        raise ConfigError(f"cannot read token file {str(path)!r}: {exc}") from exc
     return check_token(text.strip(), f"token file {str(path)!r}")
 
 
@@ -61,9 +62,9 @@ def _read_pem(path: Path, what: str) -> bytes:
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise ValueError(f"cannot read {what} {str(path)!r}: {exc}") from exc
+        raise ConfigError(f"cannot read {what} {str(path)!r}: {exc}") from exc
     if b"-----BEGIN " not in data:
-        raise ValueError(f"{what} {str(path)!r} is not a PEM file")
+        raise ConfigError(f"{what} {str(path)!r} is not a PEM file")
     return data
 
 
@@ -95,7 +96,7 @@ class ServerSecurity:
             except ValueError as exc:
                 problems.append(str(exc))
         if problems:
-            raise ValueError("; ".join(problems))
+            raise ConfigError("; ".join(problems))
 
     @property
     def tls(self) -> bool:
@@ -109,10 +110,10 @@ class ServerSecurity:
         """The TLS credentials for ``add_secure_port``, read from the PEM files now.
 
         Raises:
-            ValueError: TLS is off, or a file cannot be read or is not PEM.
+            ConfigError: TLS is off, or a file cannot be read or is not PEM.
         """
         if self.cert is None or self.key is None:
-            raise ValueError("server TLS needs a certificate and a key")
+            raise ConfigError("server TLS needs a certificate and a key")
         pair = (_read_pem(self.key, "TLS key"), _read_pem(self.cert, "TLS certificate"))
         ca = _read_pem(self.ca, "TLS CA certificate") if self.ca is not None else None
         return grpc.ssl_server_credentials(
@@ -150,7 +151,7 @@ class ClientSecurity:
             except ValueError as exc:
                 problems.append(str(exc))
         if problems:
-            raise ValueError("; ".join(problems))
+            raise ConfigError("; ".join(problems))
 
     @classmethod
     def from_env(
@@ -164,7 +165,7 @@ class ClientSecurity:
         (or a file named by ``$PS_TOKEN_FILE``), else off.
 
         Raises:
-            ValueError: inconsistent settings or an unreadable token file.
+            ConfigError: inconsistent settings or an unreadable token file.
         """
         env = os.environ.get
         if token is None:
@@ -188,10 +189,10 @@ class ClientSecurity:
         the same token.
 
         Raises:
-            ValueError: TLS (a CA) without a certificate and key to serve with.
+            ConfigError: TLS (a CA) without a certificate and key to serve with.
         """
         if self.ca is not None and self.cert is None:
-            raise ValueError(
+            raise ConfigError(
                 "all-reduce with TLS needs each worker's certificate and key (tls_cert, "
                 "tls_key: e.g. psctl certs' server.pem, valid for every worker's host) for its "
                 "ring server"
@@ -204,8 +205,9 @@ class ClientSecurity:
         """A channel to ``host:port`` with these credentials and the project's options.
 
         Raises:
-            ValueError: a PEM file cannot be read.
+            ConfigError: a PEM file cannot be read, or the address has no port.
         """
+        check_address(address)
         if not self.tls:
             if self.token is None:
                 return insecure_channel(address)
@@ -223,6 +225,44 @@ class ClientSecurity:
                 creds, grpc.access_token_call_credentials(self.token)
             )
         return grpc.secure_channel(address, creds, options=OPTIONS)
+
+    def diagnose(self, address: str, details: str) -> str:
+        """What a failed connection to ``address`` most likely means, given grpc's ``details``
+        and what this client expects (TLS or not, which CA); "" when nothing more is known."""
+        ca = f"tls_ca={str(self.ca)!r}" if self.ca else "the system's root CAs"
+        if "Connection refused" in details:
+            return "nothing accepts connections there: is the shard running, on that host and port?"
+        if "resolving" in details or "Domain name not found" in details:
+            return f"the host name in {address!r} does not resolve"
+        if "Hostname Verification" in details or "Peer name" in details:
+            return (
+                "TLS: the shard's certificate does not name this host; make it for the name "
+                "you connect to (psctl certs --hosts ...) or connect by a name it has"
+            )
+        if "CERTIFICATE_VERIFY_FAILED" in details:
+            return (
+                f"TLS: the shard's certificate is not signed by the CA this client trusts "
+                f"({ca}); pass the CA that signed the shard's --tls-cert"
+            )
+        if self.tls and ("WRONG_VERSION_NUMBER" in details or "handshake failed" in details):
+            return (
+                f"TLS mismatch: this client expects TLS ({ca}) but the shard answers in "
+                "plaintext; start the shard with --tls-cert/--tls-key, or connect without "
+                "tls_ca / $PS_TLS_CA"
+            )
+        if "Socket closed" in details and not self.tls:
+            return (
+                "TLS mismatch: the shard closed the connection during setup, as a TLS shard "
+                "does to a plaintext client (this client has no tls_ca / $PS_TLS_CA); pass "
+                "tls_ca= the CA that signed the shard's certificate"
+            )
+        if "Socket closed" in details:
+            return (
+                "TLS mismatch: the shard closed the connection during the handshake, as a shard "
+                "demanding mutual TLS (--tls-ca) does to a client without a certificate its CA "
+                "signed" + (" (this client has no tls_cert / tls_key)" if self.cert is None else "")
+            )
+        return ""
 
 
 class _CallDetails(NamedTuple):

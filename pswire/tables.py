@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from pswire.errors import InvalidRequestError, TooLargeError
+from pswire.errors import ConfigError, InvalidRequestError, TooLargeError
 from pswire.optim import Optimizer
 from pswire.proto import ps_pb2
 
@@ -48,19 +48,19 @@ class Table:
 
     def __post_init__(self) -> None:
         if self.num_rows is not None and self.num_rows < 1:
-            raise ValueError(f"num_rows must be >= 1 or None (dynamic), got {self.num_rows}")
+            raise ConfigError(f"num_rows must be >= 1 or None (dynamic), got {self.num_rows}")
         if self.dim < 1:
-            raise ValueError(f"dim must be >= 1, got {self.dim}")
+            raise ConfigError(f"dim must be >= 1, got {self.dim}")
         if self.dtype not in TABLE_DTYPES:
-            raise ValueError(f"table dtype must be one of {TABLE_DTYPES}, got {self.dtype!r}")
+            raise ConfigError(f"table dtype must be one of {TABLE_DTYPES}, got {self.dtype!r}")
         if self.init not in INITS:
-            raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
+            raise ConfigError(f"init must be one of {INITS}, got {self.init!r}")
         if not np.isfinite(self.init_scale) or self.init_scale < 0:
-            raise ValueError(f"init_scale must be finite and >= 0, got {self.init_scale}")
+            raise ConfigError(f"init_scale must be finite and >= 0, got {self.init_scale}")
         if self.capacity < 0 or (self.capacity and self.num_rows is not None):
-            raise ValueError("capacity is for dynamic tables (num_rows=None) and must be >= 0")
+            raise ConfigError("capacity is for dynamic tables (num_rows=None) and must be >= 0")
         if not 0 <= self.seed <= _MASK64:
-            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+            raise ConfigError(f"seed must be in [0, 2**64), got {self.seed}")
 
     @property
     def dynamic(self) -> bool:

@@ -3,6 +3,8 @@
 from pswire import __version__
 from pswire.errors import (
     CallCancelledError,
+    ClientClosedError,
+    ConfigError,
     InvalidRequestError,
     ModelMismatchError,
     NotInitializedError,
@@ -31,6 +33,8 @@ __all__ = [
     "AllReduceClient",
     "CallCancelledError",
     "Client",
+    "ClientClosedError",
+    "ConfigError",
     "DistributedOptimizer",
     "InvalidRequestError",
     "LocalClient",

@@ -13,13 +13,15 @@ import numpy as np
 
 from pswire.codec import COMPRESSIONS, DEFAULT_CHUNK_BYTES
 from pswire.errors import (
+    ClientClosedError,
+    ConfigError,
     InvalidRequestError,
     NotInitializedError,
     PSError,
     WorkerDroppedError,
     not_in_model,
 )
-from pswire.job import MODES, Job, VarSpec, job_to_proto
+from pswire.job import MODES, Job, job_to_proto
 from pswire.optim import Optimizer
 from pswire.proto import ps_pb2
 from pswire.security import ClientSecurity
@@ -34,7 +36,7 @@ from psworker.link import (
     ShardLink,
     shard_status,
 )
-from psworker.outgoing import split_push
+from psworker.outgoing import check_shards_agree, shard_jobs, split_push
 from psworker.placement import (
     DEFAULT_SPLIT_BYTES,
     ShardMap,
@@ -79,15 +81,15 @@ class PSClient:
         replay_bytes: int = DEFAULT_REPLAY_BYTES,
     ) -> None:
         if not addresses:
-            raise ValueError("connect needs at least one shard address")
+            raise ConfigError("connect needs at least one shard address")
         if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+            raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
         if not 0 <= worker_id < num_workers:
-            raise ValueError(f"worker_id {worker_id} must be in [0, {num_workers})")
+            raise ConfigError(f"worker_id {worker_id} must be in [0, {num_workers})")
         if compression not in COMPRESSIONS:
-            raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+            raise ConfigError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
         if mode == "ssp" and staleness < 0:
-            raise ValueError(f"staleness must be >= 0, got {staleness}")
+            raise ConfigError(f"staleness must be >= 0, got {staleness}")
         self.addresses = list(addresses)
         self.worker_id = worker_id
         self.num_workers = num_workers
@@ -119,7 +121,7 @@ class PSClient:
             replay_bytes,
         )
         self.links = [
-            ShardLink(i, a, channel, config, self.identity)
+            ShardLink(i, a, channel, config, self.identity, self.security)
             for i, (a, channel) in enumerate(zip(self.addresses, channels, strict=True))
         ]
         self.absent: frozenset[int] = frozenset()  # workers the shards say are out of the quorum
@@ -146,7 +148,7 @@ class PSClient:
             self._fan.settle(lambda shard: self.links[shard].leave())
         self._fan.close()
         for link in self.links:
-            link.steps.close()
+            link.close()
         for channel in self._channels:
             channel.close()
 
@@ -189,34 +191,30 @@ class PSClient:
             digest = hashlib.sha256((digest + tables_digest(tables)).encode()).hexdigest()[:16]
         send_values = self.worker_id == 0
         pieces = shard_map.split(arrays)
-        # Worker 0 proposes the job's identity; a shard that already holds a job keeps its own.
-        proposed = self.identity.value or (uuid.uuid4().hex[:16] if send_values else "")
-        averaged = set(buffers)
-        self._buffers = averaged
+        self._buffers = set(buffers)
 
-        def register(shard: int) -> int:
+        def register(shard: int) -> ps_pb2.RegisterWorkerResponse:
             link = self.links[shard]
             reply = link.call("RegisterWorker", lambda _: link.register())
             link.incarnation = reply.incarnation
-            return int(reply.clock)
+            return reply
+
+        registered = self._fan_out(register)
+        if send_values:
+            check_shards_agree(registered, self.addresses)
+        # Worker 0 proposes the job's identity; a shard that already holds a job keeps its own.
+        proposed = self.identity.value or (uuid.uuid4().hex[:16] if send_values else "")
+        jobs = shard_jobs(
+            shard_map,
+            layouts,
+            self._buffers,
+            Job(self.mode, self.staleness, self.num_workers, optimizer, (), digest, self.quorum),
+            proposed,
+        )
 
         def init_one(shard: int) -> None:
-            variables = [
-                VarSpec(p.key, p.shape, p.dtype, average=p.var in averaged)
-                for p in shard_map.on_shard(shard)
-            ] + [VarSpec.of_table(layout.slice_for(shard)) for layout in layouts.values()]
-            job = job_to_proto(
-                Job(
-                    mode=self.mode,
-                    staleness=self.staleness,
-                    num_workers=self.num_workers,
-                    optimizer=optimizer,
-                    variables=tuple(variables),
-                    model_digest=digest,
-                    quorum=self.quorum,
-                    job_id=proposed,
-                )
-            )
+            link = self.links[shard]
+            job = job_to_proto(jobs[shard])
             header = ps_pb2.InitHeader(worker_id=self.worker_id, job=job, has_values=send_values)
 
             def stream() -> Iterator[bytes | ps_pb2.InitRequest]:
@@ -225,13 +223,13 @@ class PSClient:
                     for key, array in pieces[shard].items():
                         yield from encode_chunk_messages(key, array, 2, self.chunk_bytes)
 
-            self.links[shard].call("Init", lambda stub: stub.Init(stream(), timeout=self.timeout))
+            reply = link.call("Init", lambda stub: stub.Init(stream(), timeout=self.timeout))
+            link.identity.check(reply.job_id, f"shard {shard} ({link.address})")
 
-        clocks = self._fan_out(register)
         self._fan_out(init_one)
         self.shard_map = shard_map
         self.tables = layouts
-        self.step = min(clocks)
+        self.step = min(int(r.clock) for r in registered)
         self._beats.start()
 
     def pull(
@@ -325,14 +323,10 @@ class PSClient:
         step: int | None = None,
         out: Mapping[str, np.ndarray] | None = None,
     ) -> dict[str, np.ndarray]:
-        """``push(grads, step)`` then ``pull()``: one round trip per shard when the shard's part
-        of the push and of the weights each fit in ``chunk_bytes`` (small models are bound by
-        per-call latency: one message each way on a call kept open across steps), else a
-        streamed push, then a streamed pull.
-
-        Each shard applies the push as ``push`` does, then answers with its variables once the
-        consistency rule lets this worker read the next step: what ``pull()`` would return.
-        ``out`` as for ``pull``.
+        """``push(grads, step)`` then ``pull(out=out)``: one message each way per shard on a call
+        kept open across steps when the shard's part of each fits in ``chunk_bytes``, else a
+        streamed push, then a streamed pull. The weights are what ``pull()`` would return at
+        the next step.
 
         Raises:
             as ``push`` and ``pull``.
@@ -379,7 +373,7 @@ class PSClient:
                     f"'{name}' is an embedding table: read its rows with pull_rows(name, ids)"
                 )
             if not parts:
-                raise self._unknown(name)
+                raise not_in_model(name, (v.name for v in shard_map.variables))
             for p in parts:
                 keys_by_shard[p.shard].append(p.key)
         return wanted, keys_by_shard
@@ -466,12 +460,10 @@ class PSClient:
         return layout
 
     def _require_map(self) -> ShardMap:
+        self._require_open()
         if self.shard_map is None:
             raise NotInitializedError("call client.init(variables, optimizer) before pull or push")
         return self.shard_map
-
-    def _unknown(self, name: str) -> PSError:
-        return not_in_model(name, (v.name for v in self._require_map().variables))
 
     def _push_all(self, step: int, fn: Callable[[int], T]) -> list[T]:
         """``fn`` on every shard, all run to the end. When some shards took the push and
@@ -495,5 +487,10 @@ class PSClient:
             ) from first
         raise first
 
+    def _require_open(self) -> None:
+        if self._closed:
+            raise ClientClosedError(f"worker {self.worker_id}'s client is closed: connect again")
+
     def _fan_out(self, fn: Callable[[int], T]) -> list[T]:
+        self._require_open()
         return self._fan.each(fn)

@@ -6,7 +6,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from pswire.cli import env_default
 from pswire.cluster import ClusterSpec
+from pswire.errors import ConfigError
+from pswire.job import CLIENT_MODES
 from pswire.security import ClientSecurity
 from psworker.api import Client
 from psworker.client import PSClient
@@ -25,7 +28,7 @@ def _connect_ring(
     if peers is None:
         spec = ClusterSpec.load(cluster, role="worker")
         if spec is None or not spec.workers:
-            raise ValueError(
+            raise ConfigError(
                 "mode 'allreduce' needs the workers' ring addresses: addresses=..., "
                 "cluster=..., or $TF_CONFIG with cluster.worker"
             )
@@ -34,7 +37,7 @@ def _connect_ring(
     allowed = {"timeout", "bucket_bytes", "compression", "server"}
     unknown = set(options) - allowed
     if unknown:
-        raise ValueError(f"options {sorted(unknown)} do not apply to mode 'allreduce'")
+        raise ConfigError(f"options {sorted(unknown)} do not apply to mode 'allreduce'")
     return AllReduceClient(
         0 if worker_id is None else worker_id, peers, security=security, **options
     )
@@ -77,10 +80,15 @@ def connect(
     (``$PS_REPLAY_BYTES``) bounds the pushes kept for replay after a shard restart.
 
     Raises:
-        ValueError: a parameter-server mode with no cluster, or inconsistent arguments (e.g.
-            several workers but no worker id).
+        ConfigError: an unknown mode, a parameter-server mode with no cluster, an address
+            without a port, unreadable TLS files, or inconsistent arguments such as several
+            workers but no worker id (a ValueError).
     """
+    given = mode
     mode = mode or os.environ.get("PS_MODE") or None
+    if mode is not None and mode not in CLIENT_MODES:
+        source = "mode" if given else "$PS_MODE"
+        raise ConfigError(f"{source}={mode!r} is not a mode; expected one of {list(CLIENT_MODES)}")
     if "compression" not in options and os.environ.get("PS_COMPRESSION"):
         options["compression"] = os.environ["PS_COMPRESSION"]
     if mode == "local":
@@ -93,23 +101,23 @@ def connect(
         if spec is None:
             if mode is None:
                 return LocalClient()
-            raise ValueError(
+            raise ConfigError(
                 f"mode {mode!r} needs shard addresses, cluster=..., or $TF_CONFIG "
                 "(or use mode='local')"
             )
         if not spec.ps:
-            raise ValueError("the cluster spec lists no parameter servers (cluster.ps)")
+            raise ConfigError("the cluster spec lists no parameter servers (cluster.ps)")
         addresses = spec.ps
         worker_id = spec.task_index if worker_id is None else worker_id
         num_workers = (len(spec.workers) or 1) if num_workers is None else num_workers
     if staleness is None:
-        staleness = int(os.environ.get("PS_STALENESS") or 0)
-    if worker_id is None and os.environ.get("PS_WORKER_ID"):
-        worker_id = int(os.environ["PS_WORKER_ID"])
-    if num_workers is None and os.environ.get("PS_NUM_WORKERS"):
-        num_workers = int(os.environ["PS_NUM_WORKERS"])
+        staleness = env_default("PS_STALENESS", 0, int)
+    if worker_id is None:
+        worker_id = env_default("PS_WORKER_ID", None, int)
+    if num_workers is None:
+        num_workers = env_default("PS_NUM_WORKERS", None, int)
     if worker_id is None and (num_workers or 1) > 1:
-        raise ValueError(
+        raise ConfigError(
             f"a job of {num_workers} workers needs each worker's id: pass worker_id=, or set "
             "$PS_WORKER_ID or TF_CONFIG's task.index (two processes as one worker would have "
             "the second's pushes dropped as retries)"
@@ -119,7 +127,7 @@ def connect(
         ("replay_bytes", "PS_REPLAY_BYTES", int),
     ):
         if name not in options and os.environ.get(env):
-            options[name] = convert(os.environ[env])
+            options[name] = env_default(env, None, convert)
     return PSClient(
         addresses,
         worker_id=0 if worker_id is None else worker_id,

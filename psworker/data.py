@@ -7,6 +7,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from pswire.errors import ConfigError
+
 
 class _HasWorkers(Protocol):
     worker_id: int
@@ -24,10 +26,10 @@ def shard_indices(
     ``sync`` mode needs; at most ``num_workers - 1`` samples are seen twice per epoch.
 
     Raises:
-        ValueError: ids out of range.
+        ConfigError: ids out of range.
     """
     if not 0 <= worker_id < num_workers:
-        raise ValueError(f"worker_id {worker_id} must be in [0, {num_workers})")
+        raise ConfigError(f"worker_id {worker_id} must be in [0, {num_workers})")
     if shuffle:
         order = np.random.default_rng([seed, epoch]).permutation(length)
     else:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
+
+from pswire.errors import ClientClosedError
 
 T = TypeVar("T")
 
@@ -20,12 +22,11 @@ class FanOut:
         """Every shard's result, in shard order; the first error (by shard) is raised."""
         if self.shards == 1:
             return [fn(0)]
-        futures = [self._pool.submit(fn, s) for s in range(self.shards)]
-        return [f.result() for f in futures]
+        return [f.result() for f in self._submit(fn)]
 
     def settle(self, fn: Callable[[int], T]) -> tuple[list[T], list[tuple[int, Exception]]]:
         """Every shard's call run to its end: (the results, (shard, error) of those failed)."""
-        futures = [self._pool.submit(fn, s) for s in range(self.shards)]
+        futures = self._submit(fn)
         done: list[T] = []
         failed: list[tuple[int, Exception]] = []
         for shard, future in enumerate(futures):
@@ -34,6 +35,12 @@ class FanOut:
             except Exception as exc:
                 failed.append((shard, exc))
         return done, failed
+
+    def _submit(self, fn: Callable[[int], T]) -> list[Future[T]]:
+        try:
+            return [self._pool.submit(fn, s) for s in range(self.shards)]
+        except RuntimeError:  # shut down by another thread just now
+            raise ClientClosedError("the client is closed: connect again") from None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

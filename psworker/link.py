@@ -1,4 +1,4 @@
-"""One shard as a worker sees it: retries with backoff, restart detection, and push replay."""
+"""One shard as a worker sees it: retries (warning while unreachable), restarts, push replay."""
 
 from __future__ import annotations
 
@@ -14,8 +14,15 @@ import grpc
 import numpy as np
 
 from pswire.codec import ChunkAssembler
-from pswire.errors import ModelMismatchError, TooLargeError, UnavailableError
-from pswire.proto import ps_pb2, ps_pb2_grpc
+from pswire.errors import (
+    ClientClosedError,
+    ModelMismatchError,
+    PSError,
+    TooLargeError,
+    UnavailableError,
+    WaitTimeoutError,
+)
+from pswire.proto import ps_pb2
 from pswire.push import push_pull_request, push_stream
 from pswire.rpc_errors import from_rpc_error
 from pswire.security import ClientSecurity
@@ -27,6 +34,8 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 BACKOFF_BASE_S = 0.1
 BACKOFF_CAP_S = 2.0
+# While a shard stays unreachable, a WARNING at the first failure and then this often.
+WARN_EVERY_S = 5.0
 # Unreachable, or (ABORTED) a shard other than the one this link last saw: re-register, retry.
 _RECOVERABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
 
@@ -105,6 +114,7 @@ class ShardLink:
         channel: grpc.Channel,
         config: LinkConfig,
         identity: JobIdentity | None = None,
+        security: ClientSecurity | None = None,
     ) -> None:
         self.index = index
         self.address = address
@@ -116,6 +126,7 @@ class ShardLink:
         self.retry_s = config.retry_s
         self.chunk_bytes = config.chunk_bytes
         self.identity = identity or JobIdentity()
+        self.security = security or ClientSecurity()
         self.incarnation: str | None = None
         self.checkpointing = False
         self.durable = 0
@@ -123,8 +134,14 @@ class ShardLink:
         self.log_bytes = 0
         self.recoveries = 0
         self._rng = random.Random(config.worker_id * 7919 + index)
+        self._closed = threading.Event()
         # Small fused steps travel on one open call (see StepStream).
         self.steps = StepStream(self.stub, self.where("PushPullStream"))
+
+    def close(self) -> None:
+        """Ends the step stream, and any retrying call (it raises ClientClosedError)."""
+        self._closed.set()
+        self.steps.close()
 
     def where(self, rpc: str) -> str:
         return f"{rpc} on shard {self.index} ({self.address})"
@@ -135,21 +152,70 @@ class ShardLink:
         Raises:
             PSError: the call failed for another reason, or the shard stayed unreachable.
         """
-        deadline = time.monotonic() + self.retry_s
+        start = time.monotonic()
+        deadline = start + self.retry_s
         attempt = 0
+        warn_at, warned = start, False
         while True:
             try:
+                if self._closed.is_set():
+                    raise ClientClosedError(f"{self.where(rpc)}: the client was closed")
                 if attempt:
                     self._resync()
-                return fn(self.stub)
+                result = fn(self.stub)
+                if warned:  # the log said it was unreachable: say it is back
+                    log.warning("%s: shard reachable again", self.where(rpc))
+                return result
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
-                if code not in _RECOVERABLE or time.monotonic() >= deadline:
-                    raise from_rpc_error(exc, self.where(rpc)) from None
-                pause = min(backoff(attempt, self._rng), max(0.0, deadline - time.monotonic()))
-                log.info("%s unavailable; retry %d in %.2fs", self.where(rpc), attempt + 1, pause)
-                time.sleep(pause)
+                now = time.monotonic()
+                if self._closed.is_set():
+                    raise ClientClosedError(f"{self.where(rpc)}: the client was closed") from None
+                if code not in _RECOVERABLE or now >= deadline:
+                    raise self._failure(exc, rpc, now - start, attempt + 1) from None
+                pause = min(backoff(attempt, self._rng), max(0.0, deadline - now))
+                if code == grpc.StatusCode.UNAVAILABLE and now >= warn_at:
+                    warn_at, warned = now + WARN_EVERY_S, True
+                    log.warning("%s", self._unreachable(exc, rpc, now - start, deadline - now))
+                else:
+                    log.info("%s: %s; retry %d in %.2fs", self.where(rpc), code, attempt + 1, pause)
+                self._closed.wait(pause)
                 attempt += 1
+
+    def _unreachable(self, exc: grpc.RpcError, rpc: str, waited: float, left: float) -> str:
+        """The warning while retrying an unreachable shard: which, how long, until when, why."""
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        until = time.strftime("%H:%M:%S", time.localtime(time.time() + left))
+        hint = self.security.diagnose(self.address, details or "")
+        how_long = (
+            f"still unreachable after {waited:.0f}s; retrying until {until} ({left:.0f}s more)"
+            if waited >= 1
+            else f"unreachable; retrying for up to {left:.0f}s, until {until} "
+            f"(retry_s={self.retry_s:g})"
+        )
+        return f"{self.where(rpc)}: shard {how_long}: {details}" + (
+            f". Likely cause: {hint}" if hint else ""
+        )
+
+    def _failure(self, exc: grpc.RpcError, rpc: str, waited: float, attempts: int) -> PSError:
+        """The error a failed call raises; for an unreachable shard it says for how long and
+        what the likely cause is."""
+        code = exc.code() if hasattr(exc, "code") else None
+        details = (exc.details() if hasattr(exc, "details") else "") or ""
+        if code == grpc.StatusCode.UNAVAILABLE:
+            hint = self.security.diagnose(self.address, details)
+            return UnavailableError(
+                f"{self.where(rpc)}: shard unreachable for {waited:.1f}s ({attempts} attempts, "
+                f"retry_s={self.retry_s:g}): {details}"
+                + (f". Likely cause: {hint}" if hint else "")
+            )
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
+            # grpc's own deadline, not a shard's wait (a shard names what it waited for).
+            return WaitTimeoutError(
+                f"{self.where(rpc)}: no answer within timeout={self.timeout:g}s (the shard "
+                "neither answered nor said what it waits for: is it overloaded or stuck?)"
+            )
+        return from_rpc_error(exc, self.where(rpc))
 
     def pull(
         self, request: ps_pb2.PullRequest, into: Mapping[str, np.ndarray] | None = None
@@ -410,15 +476,22 @@ def shard_status(
 
     Raises:
         PSError: a shard did not answer within ``timeout``.
-        ValueError: bad TLS or token settings.
+        ConfigError: bad TLS or token settings.
     """
     security = security or ClientSecurity.from_env()
     out = []
     for i, address in enumerate(addresses):
         with security.channel(address) as channel:
-            stub = ps_pb2_grpc.ParameterServerStub(channel)
+            stub = ParameterServerStub(channel)
             try:
                 out.append(stub.Status(ps_pb2.StatusRequest(), timeout=timeout))
             except grpc.RpcError as exc:
-                raise from_rpc_error(exc, f"Status on shard {i} ({address})") from None
+                error = from_rpc_error(exc, f"Status on shard {i} ({address})")
+                hint = security.diagnose(address, exc.details() or "")
+                if hint and isinstance(error, UnavailableError):
+                    error = UnavailableError(f"{error}. Likely cause: {hint}")
+                raise error from None
     return out
+
+
+status = shard_status  # the name psctl and older code import

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from pswire.codec import check_tensor
-from pswire.errors import NotInitializedError, not_in_model
+from pswire.errors import ClientClosedError, NotInitializedError, not_in_model
 from pswire.optim import Optimizer
 from pswire.rowstore import RowStore
 from pswire.tables import RowSparse, Table, as_ids, check_rows
@@ -35,6 +35,7 @@ class LocalClient(PushThenPull):
         self._buffers: set[str] = set()
         self._optimizer: Optimizer | None = None
         self._tables: dict[str, tuple[TableLayout, RowStore]] = {}
+        self._closed = False
 
     def __enter__(self) -> LocalClient:
         return self
@@ -43,7 +44,8 @@ class LocalClient(PushThenPull):
         self.close()
 
     def close(self) -> None:
-        """Nothing to release; present for API parity."""
+        """Nothing to release; as every client, later calls raise ClientClosedError."""
+        self._closed = True
 
     def init(
         self,
@@ -53,7 +55,12 @@ class LocalClient(PushThenPull):
         tables: Mapping[str, Table] | None = None,
     ) -> None:
         """Copies the starting values and creates the optimizer state; ``tables`` are made
-        here with the shards' seeded rows (a fixed table in full, so it must fit)."""
+        here with the shards' seeded rows (a fixed table in full, so it must fit).
+
+        Raises:
+            ClientClosedError: the client was closed.
+        """
+        self._require_open()
         self._tables = {}
         for name, table in (tables or {}).items():
             layout = TableLayout.build(name, table, 1)
@@ -149,7 +156,12 @@ class LocalClient(PushThenPull):
             raise not_in_model(name, self._tables, "table")
         return found
 
+    def _require_open(self) -> None:
+        if self._closed:
+            raise ClientClosedError("the client is closed: connect again")
+
     def _require_init(self) -> Optimizer:
+        self._require_open()
         if self._optimizer is None:
             raise NotInitializedError("call client.init(variables, optimizer) before pull or push")
         return self._optimizer

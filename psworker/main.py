@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import runpy
@@ -13,7 +14,8 @@ from typing import Any
 
 from pswire import cli
 from pswire.cluster import ClusterSpec
-from pswire.job import MODES
+from pswire.errors import ConfigError
+from pswire.job import CLIENT_MODES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
         env="PS_CLUSTER",
         help="TF_CONFIG JSON or a file holding it; unset: $TF_CONFIG as it is",
     )
-    cli.add(run, "--mode", env="PS_MODE", choices=MODES, help="consistency mode of the job")
+    cli.add(
+        run,
+        "--mode",
+        env="PS_MODE",
+        choices=CLIENT_MODES,
+        help="consistency mode of the job (local: one process, no cluster needed)",
+    )
     cli.add(
         run,
         "--staleness",
@@ -60,10 +68,47 @@ def main(argv: list[str] | None = None) -> int:
     if args.staleness is not None and args.staleness < 0:
         parser.error(f"--staleness must be >= 0, got {args.staleness}")
     try:
-        export_job(args.cluster, args.mode, args.staleness)
-    except ValueError as exc:
+        if args.mode == "local":
+            # One process, no shards: psworker.connect() gives a LocalClient.
+            os.environ.update(PS_MODE="local", PS_WORKER_ID="0", PS_NUM_WORKERS="1")
+        else:
+            export_job(args.cluster, args.mode, args.staleness)
+        check_target(args.target)
+        return run_target(args.target, args.args)
+    except _NoTarget as exc:
         parser.error(str(exc))
-    return run_target(args.target, args.args)
+    except ValueError as exc:  # the cluster, before anything ran
+        parser.error(str(exc))
+
+
+class _NoTarget(ConfigError):
+    """Raised when TARGET names no script, module or function (before any of it runs)."""
+
+
+def check_target(target: str) -> None:
+    """Checks that ``target`` exists without running it: a file, or an importable module.
+
+    Raises:
+        ConfigError: no such script or module.
+    """
+    if target.endswith(".py") or os.sep in target:
+        if not Path(target).is_file():
+            raise _NoTarget(f"no such script: {target!r} (from {os.getcwd()})")
+        return
+    # As `python -m` does, so `psworker run mymodule:main` finds mymodule.py in the current
+    # folder even when started as a console script, whose sys.path[0] is its bin folder.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    module = target.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        found = False
+    if not found:
+        raise _NoTarget(
+            f"no module named {module!r} (from {os.getcwd()}); TARGET is module:function, "
+            "a module, or path/to/script.py"
+        )
 
 
 def export_job(cluster: str | None, mode: str | None, staleness: int | None) -> ClusterSpec:
@@ -116,8 +161,8 @@ def run_target(target: str, args: list[str]) -> int:
     """Runs ``target`` in this process with ``sys.argv = [target, *args]``; returns its code.
 
     Raises:
-        ImportError, AttributeError: the module or function does not exist. Whatever the
-        target raises (``SystemExit`` included) propagates.
+        ConfigError: the function does not exist (call ``check_target`` first for the script
+            or module). Whatever the target raises (``SystemExit`` included) propagates.
     """
     sys.argv = [target, *args]
     if target.endswith(".py") or Path(target).is_file():
@@ -125,16 +170,14 @@ def run_target(target: str, args: list[str]) -> int:
         sys.path.insert(0, str(Path(target).resolve().parent))
         runpy.run_path(target, run_name="__main__")
         return 0
-    # As `python -m` does, so `psworker run mymodule:main` finds mymodule.py in the current
-    # folder even when started as a console script, whose sys.path[0] is its bin folder.
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
     module_name, sep, attr = target.partition(":")
     if not sep:
         runpy.run_module(module_name, run_name="__main__", alter_sys=True)
         return 0
     obj: Any = importlib.import_module(module_name)
     for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise _NoTarget(f"{target}: {module_name} has no attribute {part!r}")
         obj = getattr(obj, part)
     if not callable(obj):
         raise TypeError(f"{target} is a {type(obj).__name__}, not a function")

@@ -1,4 +1,5 @@
-"""A push as it leaves a worker: checked against the model, compressed, cut into each shard's part.
+"""What leaves a worker for the shards: each shard's part of the job, and each push checked
+against the model, compressed and cut into each shard's part.
 
 Everything a worker can know is checked here, before any shard hears of the push, so a bad
 gradient never reaches some shards and not others.
@@ -6,12 +7,15 @@ gradient never reaches some shards and not others.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Set
+import dataclasses
+from collections.abc import Mapping, Sequence, Set
 
 import numpy as np
 
 from pswire.codec import all_finite, check_tensor, float32_to_bfloat16
-from pswire.errors import InvalidRequestError, not_in_model
+from pswire.errors import InvalidRequestError, ModelMismatchError, not_in_model
+from pswire.job import Job, VarSpec
+from pswire.proto import ps_pb2
 from pswire.tables import RowSparse, as_ids
 from psworker.placement import ShardMap, TableLayout
 
@@ -56,6 +60,48 @@ def split_push(
                 if part is not None:
                     pieces[shard][name] = part
     return pieces
+
+
+def shard_jobs(
+    shard_map: ShardMap,
+    tables: Mapping[str, TableLayout],
+    buffers: Set[str],
+    job: Job,
+    job_id: str,
+) -> list[Job]:
+    """Each shard's part of ``job`` (its variables and table slices), with ``job_id``."""
+    out = []
+    for shard in range(shard_map.num_shards):
+        variables = [
+            VarSpec(p.key, p.shape, p.dtype, average=p.var in buffers)
+            for p in shard_map.on_shard(shard)
+        ] + [VarSpec.of_table(layout.slice_for(shard)) for layout in tables.values()]
+        out.append(dataclasses.replace(job, variables=tuple(variables), job_id=job_id))
+    return out
+
+
+def check_shards_agree(
+    registered: Sequence[ps_pb2.RegisterWorkerResponse], addresses: Sequence[str]
+) -> None:
+    """Before worker 0 installs its initial values: shards that hold trained values and shards
+    that hold none would end as a model mixed from two runs.
+
+    Raises:
+        ModelMismatchError: naming which shards hold what.
+    """
+    trained = [i for i, r in enumerate(registered) if r.initialized and r.clock > 0]
+    empty = [i for i, r in enumerate(registered) if not r.initialized]
+    if trained and empty:
+        held = ", ".join(
+            f"shard {i} ({addresses[i]}) job {registered[i].job_id or '?'} at step "
+            f"{registered[i].clock}"
+            for i in trained
+        )
+        raise ModelMismatchError(
+            f"{held} hold trained values, but shards {empty} hold none: initialising those "
+            "would mix two runs in one model. Restore every shard from the same run's "
+            "checkpoints, or clear them all to start anew"
+        )
 
 
 def compress(grad: np.ndarray, compression: str | None) -> np.ndarray:

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pswire.errors import ConfigError
 from pswire.optim import Optimizer
 from pswire.tables import RowSparse, Table
 from psworker.api import Client
@@ -163,7 +164,7 @@ class EmbeddingBag(_RemoteTable):
 
     def __init__(self, *args: Any, mode: str = "mean", **kwargs: Any) -> None:
         if mode not in ("sum", "mean"):
-            raise ValueError(f"mode must be 'sum' or 'mean', got {mode!r}")
+            raise ConfigError(f"mode must be 'sum' or 'mean', got {mode!r}")
         super().__init__(*args, **kwargs)
         self.mode = mode
 
@@ -198,7 +199,7 @@ class DistributedOptimizer:
     the mean over workers and otherwise the latest pushed, so replicas stay consistent.
 
     Raises (constructor):
-        ValueError: a parameter that is not floating point.
+        ConfigError: a parameter that is not floating point.
         PSError: the shards reject the model (e.g. ModelMismatchError).
     """
 
@@ -214,7 +215,9 @@ class DistributedOptimizer:
         self._params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         for name, p in self._params.items():
             if not p.dtype.is_floating_point:
-                raise ValueError(f"parameter '{name}' has dtype {p.dtype}; expected floating point")
+                raise ConfigError(
+                    f"parameter '{name}' has dtype {p.dtype}; expected floating point"
+                )
         self._buffers = {BUFFER_PREFIX + n: b for n, b in model.named_buffers() if b is not None}
         self._tables = _tables_of(model, client)
         everything = {**self._params, **self._buffers}
@@ -273,12 +276,12 @@ class DistributedOptimizer:
         """Restores the step counter saved by ``state_dict``.
 
         Raises:
-            ValueError: the saved optimizer differs from this one.
+            ConfigError: the saved optimizer differs from this one.
         """
         saved = state.get("optimizer", {})
         mine = {"name": self.optimizer.name, **self.optimizer.params()}
         if saved and saved != mine:
-            raise ValueError(f"state_dict is for optimizer {saved}, this one is {mine}")
+            raise ConfigError(f"state_dict is for optimizer {saved}, this one is {mine}")
         self.client.step = int(state["step"])
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
@@ -289,15 +292,15 @@ def _tables_of(model: torch.nn.Module, client: Client) -> dict[str, _RemoteTable
     """The model's shard-held tables by name.
 
     Raises:
-        ValueError: two tables share a name, or a table uses another client.
+        ConfigError: two tables share a name, or a table uses another client.
     """
     tables: dict[str, _RemoteTable] = {}
     for module in model.modules():
         if not isinstance(module, _RemoteTable):
             continue
         if module.name in tables and tables[module.name] is not module:
-            raise ValueError(f"two embedding tables are named '{module.name}'")
+            raise ConfigError(f"two embedding tables are named '{module.name}'")
         if module.client is not client:
-            raise ValueError(f"table '{module.name}' was made with another client")
+            raise ConfigError(f"table '{module.name}' was made with another client")
         tables[module.name] = module
     return tables

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from pswire.codec import COMPRESSIONS, bfloat16_to_float32, float32_to_bfloat16
-from pswire.errors import InvalidRequestError, not_in_model
+from pswire.errors import ConfigError, InvalidRequestError, not_in_model
 from pswire.optim import Optimizer
 from pswire.security import ClientSecurity
 from pswire.tables import RowSparse, Table
@@ -48,7 +48,7 @@ class AllReduceClient(PushThenPull):
         security: ClientSecurity | None = None,
     ) -> None:
         if compression not in COMPRESSIONS:
-            raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+            raise ConfigError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
         self.worker_id = rank
         self.num_workers = len(peers)
         self.addresses = list(peers)
@@ -75,8 +75,9 @@ class AllReduceClient(PushThenPull):
         self.close()
 
     def close(self) -> None:
-        """Stops this worker's ring server."""
+        """Stops this worker's ring server; later calls raise ClientClosedError."""
         self.ring.close()
+        self._local.close()
 
     def init(
         self,

@@ -14,6 +14,8 @@ import numpy as np
 
 from pswire.channel import MAX_MESSAGE_BYTES, wait_ready
 from pswire.errors import (
+    ClientClosedError,
+    ConfigError,
     InvalidRequestError,
     PSError,
     UnavailableError,
@@ -208,19 +210,19 @@ class Ring:
             bind: where to listen when no server is given; defaults to ``addresses[rank]``.
 
         Raises:
-            ValueError: bad rank, empty addresses, non-positive timeout, or chunk_bytes out of
+            ConfigError: bad rank, empty addresses, non-positive timeout, or chunk_bytes out of
                 range.
             UnavailableError: the right neighbour accepted no connection within ``timeout``.
             RuntimeError: the server could not bind.
         """
         if not addresses:
-            raise ValueError("a ring needs at least one worker address")
+            raise ConfigError("a ring needs at least one worker address")
         if not 0 <= rank < len(addresses):
-            raise ValueError(f"rank must be in [0, {len(addresses)}), got {rank}")
+            raise ConfigError(f"rank must be in [0, {len(addresses)}), got {rank}")
         if timeout <= 0:
-            raise ValueError(f"timeout must be > 0, got {timeout}")
+            raise ConfigError(f"timeout must be > 0, got {timeout}")
         if not 1 <= chunk_bytes <= MAX_MESSAGE_BYTES // 2:
-            raise ValueError(f"chunk_bytes must be in [1, {MAX_MESSAGE_BYTES // 2}]")
+            raise ConfigError(f"chunk_bytes must be in [1, {MAX_MESSAGE_BYTES // 2}]")
         self.rank = rank
         self.addresses = list(addresses)
         self.world_size = len(self.addresses)
@@ -394,7 +396,7 @@ class Ring:
     def _collective(self, body: Callable[[Peer], T]) -> T:
         with self._lock:
             if self._closed:
-                raise ValueError("the ring is closed")
+                raise ClientClosedError("the ring is closed: this worker's client was closed")
             if self._failure is not None:
                 cls = type(self._failure.error)
                 raise cls(f"the ring failed earlier and cannot be used: {self._failure.error}")

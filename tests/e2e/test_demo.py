@@ -62,6 +62,11 @@ def test_demo_reaches_accuracy_and_writes_model_and_plot(
     # shard() pads each worker's slice of the 1437 training images to the same length.
     assert metrics["samples"] == workers * -(-1437 // workers) * 8
     assert re.search(r"^  throughput\s+\d+ samples/s \(\d+ samples, all workers\)$", out, re.M)
+    # The wall time reported is the slowest worker's, as each worker printed its own.
+    done = r"^\[worker\d\] worker \d done: \d+ samples in (\d+\.\d\d)s$"
+    walls = [float(w) for w in re.findall(done, out, re.M)]
+    assert len(walls) == workers, out
+    assert re.search(rf"^  training wall time {max(walls):.2f}s", out, re.M), out
     assert f"  model              {out_dir / 'model.pt'}" in out
     assert f"  loss curves        {out_dir / 'loss.png'}" in out
 

@@ -216,3 +216,40 @@ def test_status_of_unreachable_shard_fails(procs: Processes) -> None:
     assert code == 1, text
     (shard,) = json.loads(text)["shards"]
     assert shard["health"] == "UNREACHABLE" and shard["error"]
+
+
+PUSH_TWO = """
+import numpy as np
+import psworker
+
+with psworker.connect() as client:
+    client.init({"w": np.zeros(1000, np.float32)}, psworker.SGD(lr=0.1))
+    for _ in range(2):
+        client.push({"w": np.ones(1000, np.float32)})
+"""
+
+
+@pytest.mark.timeout(90)
+def test_checkpoint_dir_from_env_gives_each_shard_its_own_folder(
+    procs: Processes, tmp_path: Path
+) -> None:
+    script = write_script(tmp_path, "push_two.py", PUSH_TWO)
+    folder = tmp_path / "ckpt"
+    env = child_env(PS_CHECKPOINT_DIR=str(folder))
+    args = [*PSCTL, "local", "--servers", "2", "--workers", "1", "--timeout", "60"]
+    code, out = procs.run([*args, "--", sys.executable, str(script)], timeout=80, env=env)
+    adopt_all(procs, out, script)
+    assert code == 0, out
+    for i in range(2):
+        assert f"[psctl] ps{i} checkpoints to {folder / f'ps{i}'}" in out
+        # Each shard saved on SIGTERM into its own folder; before, ps1 was refused the one.
+        assert sorted(p.name for p in (folder / f"ps{i}").glob("ckpt-*.safetensors")), out
+
+
+@pytest.mark.timeout(30)
+def test_status_of_a_refused_port_says_nothing_listens(procs: Processes) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    code, text = procs.run([*PSCTL, "status", address], timeout=20, env=child_env())
+    assert code == 1, text
+    assert "within 5s" not in text  # it did not wait 5 s: the port refused at once
+    assert "Connection refused" in text and "nothing accepts connections there" in text

@@ -86,3 +86,32 @@ def test_run_without_cluster_is_a_usage_error(procs: Processes, tmp_path: Path) 
     code, out = procs.run([*PSWORKER, "run", "jobmod:train"], timeout=20, cwd=tmp_path)
     assert code == 2, out
     assert "no cluster" in out
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("target", ["missing_job.py", "missing_module:train", "jobmod:nope"])
+def test_a_missing_target_is_a_usage_error_not_a_traceback(
+    procs: Processes, tmp_path: Path, target: str
+) -> None:
+    (tmp_path / "jobmod.py").write_text(textwrap.dedent(JOB))
+    args = [*PSWORKER, "run", "--mode", "local", target]
+    code, out = procs.run(args, timeout=20, cwd=tmp_path)
+    assert code == 2, out
+    assert "Traceback" not in out, out
+    expected = {
+        "missing_job.py": "no such script: 'missing_job.py'",
+        "missing_module:train": "no module named 'missing_module'",
+        "jobmod:nope": "jobmod has no attribute 'nope'",
+    }[target]
+    assert expected in out, out
+
+
+@pytest.mark.timeout(30)
+def test_run_in_mode_local_needs_no_cluster(procs: Processes, tmp_path: Path) -> None:
+    (tmp_path / "jobmod.py").write_text(textwrap.dedent(JOB))
+    result = tmp_path / "result.json"
+    args = [*PSWORKER, "run", "--mode", "local", "jobmod:train", str(result), "0"]
+    code, out = procs.run(args, timeout=20, cwd=tmp_path, env=child_env(TF_CONFIG="{}"))
+    assert code == 0, out
+    got = json.loads(result.read_text())
+    assert got["mode"] == "local" and got["w"] == [-2.0, -2.0, -2.0]
