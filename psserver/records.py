@@ -20,8 +20,9 @@ class Limits:
     max_wait_s: float = 300.0
     heartbeat_timeout_s: float = 30.0  # silent this long: out of the sync/ssp quorum; 0: never
     # A push may be for at most this many steps beyond the one the shard expects from its
-    # worker: a step far ahead would make that worker's real pushes look like retries.
-    max_step_ahead: int = 0
+    # worker: a step far ahead would make that worker's real pushes look like retries. Gaps
+    # are legitimate only after pushes another shard took and this one refused.
+    max_step_ahead: int = 16
     # The bytes a job's state may take on the shard (variables, optimizer slots, table rows at
     # their bound); 0: no limit.
     memory_limit_bytes: int = 0

@@ -81,13 +81,14 @@ class Variables:
         trained = [k for k in dense if not job.specs[k].average]
         backup = self._backup(trained) if self._risky(job, update, trained) else None
         opt = job.optimizer
-        for key, grad in update.items():
-            if isinstance(grad, RowSparse):
-                self.tables[key].apply(grad.ids, grad.values)
-            elif job.specs[key].average:
-                np.copyto(self.values[key], grad, casting="unsafe")
-            else:
-                opt.apply_blocked(self.values[key], grad, self.slots[key])
+        with np.errstate(over="ignore", invalid="ignore"):  # non-finite results: see below
+            for key, grad in update.items():
+                if isinstance(grad, RowSparse):
+                    self.tables[key].apply(grad.ids, grad.values)
+                elif job.specs[key].average:
+                    np.copyto(self.values[key], grad, casting="unsafe")
+                else:
+                    opt.apply_blocked(self.values[key], grad, self.slots[key])
         bad = [k for k in trained if not self._measure(k)]
         bad += [
             k

@@ -95,7 +95,8 @@ class SyncPolicy(ConsistencyPolicy):
                     mine = worker in self._owned and flags.writeable and flags.c_contiguous
                     mean[key] = grad if mine else grad.copy()
                 else:
-                    acc += grad
+                    with np.errstate(over="ignore"):  # an overflow is refused when applied
+                        acc += grad
         for key, acc in mean.items():
             if acc.dtype.kind == "f":
                 acc /= acc.dtype.type(count)
