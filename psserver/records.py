@@ -26,6 +26,7 @@ class PushResult:
     clock: int
     durable_step: int
     next_step: int  # the step the worker reads at and pushes next
+    skipped: bool = False  # the step had no optimizer update (sync: known after its pull)
 
 
 @dataclass(frozen=True)

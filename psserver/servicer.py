@@ -14,8 +14,9 @@ from psserver.shard import Shard
 from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler, tensor_to_proto
 from pswire.errors import InvalidRequestError, NotInitializedError
 from pswire.job import job_from_proto, job_to_proto
+from pswire.optstate import split_state, state_arrays
 from pswire.proto import ps_pb2, ps_pb2_grpc
-from pswire.push import assembled_grads, push_pull_grads, read_stream
+from pswire.push import assembled_grads, header_options, push_pull_grads, read_stream
 from pswire.rpc_errors import rpc_errors
 from pswire.wiremsg import encode_chunk_messages, varint_field
 
@@ -154,6 +155,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             incarnation=request.incarnation,
         )
         yield from messages
+        if request.worker_id >= 0 and self.shard.step_skipped(request.step - 1):
+            yield ps_pb2.PullResponse(skipped=True)  # sync: the step just pushed was skipped
 
     @rpc_errors
     def Push(self, request_iterator, context):
@@ -166,6 +169,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             timeout=_timeout(context),
             incarnation=header.incarnation,
             take=True,  # the assembler's arrays belong to this call alone
+            options=header_options(header),
         )
         return _push_response(result, self.shard.incarnation)
 
@@ -195,9 +199,34 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             incarnation=header.incarnation,
             take=True,
             encode=_whole_chunks,
+            options=header_options(header),
         )
         pushed = _push_response(result, self.shard.incarnation)
         return ps_pb2.PushPullResponse(push=pushed, chunks=chunks, clock=clock)
+
+    @rpc_errors
+    def PullState(self, request, context):
+        arrays = state_arrays(self.shard.optimizer_state(_timeout(context)))
+        for name, array in arrays.items():
+            yield from encode_chunk_messages(name, array, 1, self.chunk_bytes)
+
+    @rpc_errors
+    def LoadState(self, request_iterator, context):
+        assembler = ChunkAssembler(self.shard.limits.max_request_bytes)
+        header = read_stream(request_iterator, assembler, "LoadState")
+        values, slots = split_state(assembler.finish())
+        if (values or slots) and not header.has_values:
+            raise InvalidRequestError(
+                "LoadState carries values but its header says has_values=false"
+            )
+        self.shard.load_state(
+            header.worker_id,
+            header.digest,
+            values if header.has_values else None,
+            slots,
+            timeout=_timeout(context),
+        )
+        return ps_pb2.LoadStateResponse()
 
     @rpc_errors
     def Status(self, request, context):
@@ -248,4 +277,5 @@ def _push_response(result: PushResult, incarnation: str) -> ps_pb2.PushResponse:
         incarnation=incarnation,
         durable_step=result.durable_step,
         next_step=result.next_step,
+        skipped=result.skipped,
     )

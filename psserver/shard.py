@@ -18,6 +18,7 @@ from psserver.consistency import Clocks, ConsistencyPolicy, make_policy
 from psserver.membership import Membership
 from psserver.observer import Observer, observed
 from psserver.records import Limits, PushResult, Registration, ShardState, ShardStatus
+from psserver.shard_optim import NO_OPTIONS, OptimizerSide, StepOptions
 from psserver.variables import Variables
 from pswire.errors import (
     InvalidRequestError,
@@ -31,7 +32,7 @@ from pswire.job import OBSERVER, Job
 from pswire.tables import RowSparse
 
 
-class Shard:
+class Shard(OptimizerSide):
     """One parameter-server shard; thread-safe, every wait bounded."""
 
     def __init__(self, limits: Limits | None = None, clock: Callable[[], float] = time.monotonic):
@@ -52,8 +53,7 @@ class Shard:
         self._durable: dict[int, int] = {}  # worker -> its steps in the newest checkpoint
         self._checkpoint_step = -1
         self._checkpoint_time: float | None = None
-
-    # -- membership -------------------------------------------------------------------------
+        self._start_optimizer_side(None)
 
     def register_worker(self, worker_id: int, num_workers: int) -> Registration:
         """Records a worker (new, restarted or reconnecting); says where it (re)joins.
@@ -101,8 +101,6 @@ class Shard:
             self._touch(worker_id)
             return self._finished.get(worker_id, 0)
 
-    # -- init -------------------------------------------------------------------------------
-
     def init(
         self,
         worker_id: int,
@@ -137,6 +135,7 @@ class Shard:
                         + "; ".join(diffs[:10])
                     )
             self._touch(worker_id)
+            self._forget_load(worker_id)
             if values is None or self._ready:
                 return False
             self._state.install(job, values, take)
@@ -148,8 +147,7 @@ class Shard:
         self._job = job
         self._policy = make_policy(job.mode, job.staleness, job.quorum)
         self._members.start(job.num_workers, self._now())
-
-    # -- pull / push ------------------------------------------------------------------------
+        self._start_optimizer_side(job)
 
     def pull(
         self,
@@ -225,8 +223,9 @@ class Shard:
         timeout: float | None = None,
         incarnation: str = "",
         take: bool = False,
+        options: StepOptions = NO_OPTIONS,
     ) -> PushResult:
-        """Takes one worker's gradients for one step, applying them as the rule says.
+        """Takes one worker's gradients (and ``options``) for one step, as the rule says.
 
         ``take``: the arrays were decoded for this call alone and may be changed (the
         servicer's); sync mode then sums a step's pushes into one of them instead of a copy.
@@ -241,11 +240,12 @@ class Shard:
 
         Raises:
             NotInitializedError: no job yet.
-            UnknownVariableError, ShapeMismatchError, InvalidRequestError: bad gradients.
+            UnknownVariableError, ShapeMismatchError, InvalidRequestError: bad gradients/options.
+            HyperParameterMismatchError: sync, and another push of the step had other values.
             WaitTimeoutError: the rule did not let the push in within the deadline.
         """
         with observed(self.observer, "Push", grads):
-            return self._push(worker_id, step, grads, timeout, incarnation, take)
+            return self._push(worker_id, step, grads, timeout, incarnation, take, options)
 
     def _push(
         self,
@@ -255,6 +255,7 @@ class Shard:
         timeout: float | None,
         incarnation: str,
         take: bool,
+        options: StepOptions,
     ) -> PushResult:
         self._check_incarnation(incarnation, worker_id, "push")
         job = self._require_job()
@@ -265,6 +266,7 @@ class Shard:
         if step < 0:
             raise InvalidRequestError(f"push from worker {worker_id} has negative step {step}")
         grads = job.checked_grads(grads)
+        optimizers = job.step_optimizers(options)
         with self._cond:
             self._touch(worker_id)
             self._wait_values(timeout)
@@ -281,6 +283,7 @@ class Shard:
             skipped = self._skip(policy, worker_id, step)
             if skipped is not None:
                 return skipped
+            self._steps.take(worker_id, step, optimizers, options.skip)
             update = policy.submit(self._clocks(), worker_id, step, grads, owned=take)
             self._finished[worker_id] = max(self._finished.get(worker_id, 0), step + 1)
             self._counters["applied"] += 1
@@ -298,6 +301,7 @@ class Shard:
         timeout: float | None = None,
         incarnation: str = "",
         take: bool = False,
+        options: StepOptions = NO_OPTIONS,
     ) -> tuple[PushResult, Any, int]:
         """``push``, then ``pull`` of every variable that is not a table at the step the
         worker goes on to (``PushResult.next_step``): (the push's result, ``encode``'s
@@ -306,10 +310,11 @@ class Shard:
         Raises:
             as ``push`` and ``pull``.
         """
-        result = self.push(worker_id, step, grads, timeout, incarnation, take)
+        result = self.push(worker_id, step, grads, timeout, incarnation, take, options)
         snapshot, clock = self.pull(
             worker_id, result.next_step, timeout=timeout, encode=encode, incarnation=incarnation
         )
+        result.skipped = options.skip or self.step_skipped(step)
         return result, snapshot, clock
 
     def _skip(self, policy: ConsistencyPolicy, worker_id: int, step: int) -> PushResult | None:
@@ -325,10 +330,9 @@ class Shard:
         return PushResult(applied, reason, self._updates, self._durable.get(worker_id, 0), after)
 
     def _apply(self, update: Mapping[str, Any]) -> None:
-        self._state.apply(self._require_job(), update)
+        optimizers, skip = self._steps.pop(self._updates)
+        self._state.apply(self._require_job(), update, optimizers, skip)
         self._updates += 1
-
-    # -- status and state -------------------------------------------------------------------
 
     def status(self) -> ShardStatus:
         with self._cond:
@@ -411,8 +415,6 @@ class Shard:
             self._ready = True
             self._cond.notify_all()
         self.mark_checkpoint(state)
-
-    # -- internals --------------------------------------------------------------------------
 
     def _clocks(self) -> Clocks:
         # The live dict, not a copy: policies only read it, under the lock, and keep nothing.

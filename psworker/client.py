@@ -15,12 +15,12 @@ import numpy as np
 from pswire.codec import COMPRESSIONS, DEFAULT_CHUNK_BYTES, float32_to_bfloat16
 from pswire.errors import InvalidRequestError, NotInitializedError, PSError, not_in_model
 from pswire.job import MODES, Job, VarSpec, job_to_proto
-from pswire.optim import Optimizer
-from pswire.proto import ps_pb2, ps_pb2_grpc
-from pswire.rpc_errors import from_rpc_error
+from pswire.optim import Optimizer, StepOptions, resolve_groups
+from pswire.proto import ps_pb2
 from pswire.security import ClientSecurity
 from pswire.tables import RowSparse, Table, as_ids
 from pswire.wiremsg import encode_chunk_messages
+from psworker.client_state import ClientState
 from psworker.link import ShardLink
 from psworker.placement import (
     DEFAULT_SPLIT_BYTES,
@@ -30,6 +30,7 @@ from psworker.placement import (
     plan,
     tables_digest,
 )
+from psworker.shard_status import status
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 120.0
@@ -38,7 +39,7 @@ DEFAULT_HEARTBEAT_S = 2.0
 log = logging.getLogger(__name__)
 
 
-class PSClient:
+class PSClient(ClientState):
     """A worker's connection to the parameter-server shards of one job.
 
     Every call fans out to all shards in parallel and has a deadline (``timeout`` seconds);
@@ -82,6 +83,7 @@ class PSClient:
         self.chunk_bytes = chunk_bytes
         self.split_bytes = split_bytes
         self.step = 0
+        self.last_skipped = False  # the step last pushed had no optimizer update
         self.shard_map: ShardMap | None = None
         self.quorum = quorum
         self.compression = compression
@@ -132,11 +134,15 @@ class PSClient:
     def init(
         self,
         variables: Mapping[str, np.ndarray],
-        optimizer: Optimizer,
+        optimizer: Optimizer | Sequence[Optimizer],
         buffers: Sequence[str] = (),
         tables: Mapping[str, Table] | None = None,
+        groups: Mapping[str, int] | None = None,
     ) -> None:
         """Agrees on the job with every shard; worker 0 sends the initial values.
+
+        ``optimizer``: one, or one per parameter group (the same class); ``groups`` gives a
+        variable's or table's group (index into them; 0 when absent).
 
         Every worker passes the same model (names, shapes, dtypes); worker 0's values become
         the starting weights, other workers' are not sent. A worker that restarts resumes at
@@ -168,6 +174,7 @@ class PSClient:
         pieces = shard_map.split(arrays)
         averaged = set(buffers)
         self._buffers = averaged
+        optimizers, group = resolve_groups(optimizer, groups, [*arrays, *tables])
 
         def register(shard: int) -> int:
             link = self.links[shard]
@@ -177,18 +184,19 @@ class PSClient:
 
         def init_one(shard: int) -> None:
             variables = [
-                VarSpec(p.key, p.shape, p.dtype, average=p.var in averaged)
+                VarSpec(p.key, p.shape, p.dtype, p.var in averaged, group=group[p.var])
                 for p in shard_map.on_shard(shard)
-            ] + [VarSpec.of_table(layout.slice_for(shard)) for layout in layouts.values()]
+            ] + [VarSpec.of_table(t.slice_for(shard), group[n]) for n, t in layouts.items()]
             job = job_to_proto(
                 Job(
                     mode=self.mode,
                     staleness=self.staleness,
                     num_workers=self.num_workers,
-                    optimizer=optimizer,
+                    optimizer=optimizers[0],
                     variables=tuple(variables),
                     model_digest=digest,
                     quorum=self.quorum,
+                    groups=optimizers[1:],
                 )
             )
             header = ps_pb2.InitHeader(worker_id=self.worker_id, job=job, has_values=send_values)
@@ -278,8 +286,14 @@ class PSClient:
                 out[owner == shard] = rows
         return out[inverse.reshape(-1)]
 
-    def push(self, grads: Mapping[str, np.ndarray | RowSparse], step: int | None = None) -> bool:
-        """Sends this worker's gradients for one step to the shards that own them.
+    def push(
+        self,
+        grads: Mapping[str, np.ndarray | RowSparse],
+        step: int | None = None,
+        options: StepOptions | None = None,
+    ) -> bool:
+        """Sends this worker's gradients for one step to the shards that own them, with
+        ``options`` (hyper-parameters that differ from the job's; a GradScaler's skip).
 
         A table's gradient is a ``RowSparse`` (row ids and their gradient rows; repeated ids
         are summed); each shard gets the rows it holds. Every shard hears from every push, even
@@ -295,7 +309,8 @@ class PSClient:
         step = self.step if step is None else step
         pieces = self._pieces(grads)
 
-        replies = self._fan_out(lambda shard: self.links[shard].push(step, pieces[shard]))
+        replies = self._fan_out(lambda s: self.links[s].push(step, pieces[s], options))
+        self.last_skipped = bool(options and options.skip)
         return self._pushed(step, replies)
 
     def push_pull(
@@ -303,8 +318,9 @@ class PSClient:
         grads: Mapping[str, np.ndarray | RowSparse],
         step: int | None = None,
         out: Mapping[str, np.ndarray] | None = None,
+        options: StepOptions | None = None,
     ) -> dict[str, np.ndarray]:
-        """``push(grads, step)`` then ``pull()``: one round trip per shard when the shard's part
+        """``push(grads, step, options)`` then ``pull()``: one round trip per shard when the part
         of the push and of the weights each fit in ``chunk_bytes`` (small models are bound by
         per-call latency: one message each way on a call kept open across steps), else a
         streamed push, then a streamed pull.
@@ -328,15 +344,18 @@ class PSClient:
             link = self.links[shard]
             push_bytes = sum(p.nbytes for p in pieces[shard].values())
             if max(push_bytes, pull_bytes[shard]) <= self.chunk_bytes:
-                return link.push_pull(step, pieces[shard], into)
+                return link.push_pull(step, pieces[shard], into, options)
             # Too big for one message each way: stream the push, then the pull.
-            pushed = link.push(step, pieces[shard])
+            pushed = link.push(step, pieces[shard], options)
             after = max(self.step, int(pushed.next_step))
             request = ps_pb2.PullRequest(worker_id=self.worker_id, step=after)
-            return pushed, link.pull(request, into)
+            arrays = link.pull(request, into)
+            pushed.skipped = pushed.skipped or link.pull_skipped
+            return pushed, arrays
 
         results = self._fan_out(one)
         self._pushed(step, [r for r, _ in results])
+        self.last_skipped = any(r.skipped for r, _ in results) or bool(options and options.skip)
         merged: dict[str, np.ndarray] = {}
         for _, arrays in results:
             merged.update(arrays)
@@ -471,26 +490,3 @@ class PSClient:
             return [fn(0)]
         futures = [self._pool.submit(fn, s) for s in range(len(self.addresses))]
         return [f.result() for f in futures]
-
-
-def status(
-    addresses: Sequence[str], timeout: float = 10.0, security: ClientSecurity | None = None
-) -> list[ps_pb2.StatusResponse]:
-    """Status of each shard at ``addresses``.
-
-    ``security`` defaults to the ``$PS_TLS_*`` / ``$PS_TOKEN`` settings, as ``connect`` does.
-
-    Raises:
-        PSError: a shard did not answer within ``timeout``.
-        ValueError: bad TLS or token settings.
-    """
-    security = security or ClientSecurity.from_env()
-    out = []
-    for i, address in enumerate(addresses):
-        with security.channel(address) as channel:
-            stub = ps_pb2_grpc.ParameterServerStub(channel)
-            try:
-                out.append(stub.Status(ps_pb2.StatusRequest(), timeout=timeout))
-            except grpc.RpcError as exc:
-                raise from_rpc_error(exc, f"Status on shard {i} ({address})") from None
-    return out

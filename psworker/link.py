@@ -13,6 +13,7 @@ import numpy as np
 
 from pswire.codec import ChunkAssembler
 from pswire.errors import UnavailableError
+from pswire.optim import StepOptions
 from pswire.proto import ps_pb2
 from pswire.push import push_pull_request, push_stream
 from pswire.rpc_errors import from_rpc_error
@@ -68,6 +69,8 @@ class ShardLink:
         self.checkpointing = False
         self.durable = 0
         self.log: dict[int, dict[str, np.ndarray | RowSparse]] = {}  # step -> pushed, for replay
+        self.logged_options: dict[int, StepOptions] = {}  # step -> its options, for replay
+        self.pull_skipped = False  # the last pull said: the step before it was skipped (sync)
         self.recoveries = 0
         self._rng = random.Random(worker_id * 7919 + index)
         # Small fused steps travel on one open call (see StepStream).
@@ -110,23 +113,34 @@ class ShardLink:
         def run(stub: ParameterServerStub) -> dict[str, np.ndarray]:
             request.incarnation = self.incarnation or ""  # per attempt: a retry after a restart
             assembler = ChunkAssembler(into=into)
+            self.pull_skipped = False
             for reply in stub.Pull(request, timeout=self.timeout):
+                if reply.skipped:  # one last message, without a chunk
+                    self.pull_skipped = True
+                    continue
                 assembler.add(reply.chunk)
             return assembler.finish()
 
         return self.call("Pull", run)
 
-    def push(self, step: int, pieces: Mapping[str, np.ndarray | RowSparse]) -> ps_pb2.PushResponse:
+    def push(
+        self,
+        step: int,
+        pieces: Mapping[str, np.ndarray | RowSparse],
+        options: StepOptions | None = None,
+    ) -> ps_pb2.PushResponse:
         """A streamed Push of this shard's pieces of one step (kept for replay first).
 
         Raises:
             PSError: the call failed (after retries through UNAVAILABLE).
         """
-        self.note_push(step, pieces)
+        self.note_push(step, pieces, options)
         reply = self.call(
             "Push",
             lambda stub: stub.Push(
-                push_stream(self.worker_id, step, pieces, self.chunk_bytes, self.incarnation),
+                push_stream(
+                    self.worker_id, step, pieces, self.chunk_bytes, self.incarnation, options
+                ),
                 timeout=self.timeout,
             ),
         )
@@ -138,6 +152,7 @@ class ShardLink:
         step: int,
         pieces: Mapping[str, np.ndarray | RowSparse],
         into: Mapping[str, np.ndarray] | None = None,
+        options: StepOptions | None = None,
     ) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
         """One step as one message each way on the open step stream: the push, then the
         weights for the step after it (decoded into ``into``'s arrays where given).
@@ -145,11 +160,11 @@ class ShardLink:
         Raises:
             PSError: the call failed (after retries through UNAVAILABLE).
         """
-        self.note_push(step, pieces)
+        self.note_push(step, pieces, options)
 
         def run(_: ParameterServerStub) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
             # Built per attempt: a retry after a restart carries the new incarnation.
-            fused = push_pull_request(self.worker_id, step, pieces, self.incarnation)
+            fused = push_pull_request(self.worker_id, step, pieces, self.incarnation, options)
             reply = self.steps.step(fused, self.timeout)
             assembler = ChunkAssembler(into=into)
             for chunk in reply.chunks:
@@ -170,8 +185,15 @@ class ShardLink:
         self.durable = reply.durable_step
         return reply
 
-    def note_push(self, step: int, pieces: Mapping[str, np.ndarray | RowSparse]) -> None:
+    def note_push(
+        self,
+        step: int,
+        pieces: Mapping[str, np.ndarray | RowSparse],
+        options: StepOptions | None = None,
+    ) -> None:
         """Keeps a copy of a push until a checkpoint covers it (only if the shard checkpoints)."""
+        if self.checkpointing and options is not None:
+            self.logged_options[step] = options
         if self.checkpointing:
             self.log[step] = {
                 k: RowSparse(v.ids.copy(), v.values.copy())
@@ -187,6 +209,7 @@ class ShardLink:
         self.durable = max(self.durable, durable_step)
         for step in [s for s in self.log if s < self.durable]:
             del self.log[step]
+            self.logged_options.pop(step, None)
 
     def _resync(self) -> None:
         """Re-registers; replays logged pushes if the shard restarted since we last saw it.
@@ -224,7 +247,12 @@ class ShardLink:
         for step in steps:
             self.stub.Push(
                 push_stream(
-                    self.worker_id, step, self.log[step], self.chunk_bytes, reply.incarnation
+                    self.worker_id,
+                    step,
+                    self.log[step],
+                    self.chunk_bytes,
+                    reply.incarnation,
+                    self.logged_options.get(step),
                 ),
                 timeout=self.timeout,
             )
