@@ -3,6 +3,7 @@
 from pswire import __version__
 from pswire.errors import (
     CallCancelledError,
+    HyperParameterMismatchError,
     InvalidRequestError,
     ModelMismatchError,
     NotInitializedError,
@@ -15,7 +16,7 @@ from pswire.errors import (
     UnknownVariableError,
     WaitTimeoutError,
 )
-from pswire.optim import SGD, Adagrad, Adam, Optimizer
+from pswire.optim import SGD, Adagrad, Adam, AdamW, Optimizer, RMSprop, StepOptions
 from pswire.tables import RowSparse, Table
 from psworker.api import Client
 from psworker.client import PSClient
@@ -28,10 +29,12 @@ __all__ = [
     "SGD",
     "Adagrad",
     "Adam",
+    "AdamW",
     "AllReduceClient",
     "CallCancelledError",
     "Client",
     "DistributedOptimizer",
+    "HyperParameterMismatchError",
     "InvalidRequestError",
     "LocalClient",
     "ModelMismatchError",
@@ -39,9 +42,11 @@ __all__ = [
     "Optimizer",
     "PSClient",
     "PSError",
+    "RMSprop",
     "RowSparse",
     "ShapeMismatchError",
     "ShardRestartedError",
+    "StepOptions",
     "Table",
     "TooLargeError",
     "UnauthenticatedError",

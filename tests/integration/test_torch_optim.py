@@ -130,11 +130,8 @@ def train(opt, sched, model, rank: int, workers: int, steps: range) -> None:
         sched.step()
 
 
-def run_mode(mode: str, make_opt, shards) -> list[torch.nn.Module]:
-    """Trains STEPS steps in ``mode`` ("local", "sync1", "sync2", "allreduce"); the models of
-    every worker."""
-    workers = 1 if mode in ("local", "sync1") else 2
-    models = [make_model(0 if i == 0 else 100 + i) for i in range(workers)]  # worker 0's win
+def connector(mode: str, workers: int, shards) -> Callable:
+    """``connect(i)`` for worker i of a job in ``mode`` ("local", "sync*", "allreduce")."""
     if mode.startswith("sync"):
         addrs = [s.address for s in shards(2)]
         # split_bytes 64: the larger weight is cut across both shards, keeping its group.
@@ -151,6 +148,15 @@ def run_mode(mode: str, make_opt, shards) -> list[torch.nn.Module]:
         )
     else:
         connect = lambda i: psworker.connect(mode="local")  # noqa: E731
+    return connect
+
+
+def run_mode(mode: str, make_opt, shards) -> list[torch.nn.Module]:
+    """Trains STEPS steps in ``mode`` ("local", "sync1", "sync2", "allreduce"); the models of
+    every worker."""
+    workers = 1 if mode in ("local", "sync1") else 2
+    models = [make_model(0 if i == 0 else 100 + i) for i in range(workers)]  # worker 0's win
+    connect = connector(mode, workers, shards)
 
     def worker(i: int):
         def run():
@@ -260,7 +266,8 @@ def test_state_dict_continues_in_plain_torch_exactly(shards):
     assert_close(resumed, uninterrupted, "dist -> torch")
 
 
-def test_a_torch_state_dict_resumes_distributed_exactly(shards):
+@pytest.mark.parametrize("mode", ["sync2", "allreduce", "local"])
+def test_a_torch_state_dict_resumes_distributed_exactly(shards, mode):
     k = 12
     _, opt, sched = torch_run(adamw, steps=k)
     model_k, _, _ = torch_run(adamw, steps=k)
@@ -269,28 +276,27 @@ def test_a_torch_state_dict_resumes_distributed_exactly(shards):
         {"model": model_k.state_dict(), "optimizer": opt.state_dict(), "sched": sched.state_dict()},
         buf,
     )
-    addrs = [s.address for s in shards(2)]
-    models = [make_model(3), make_model(4)]
+    workers = 1 if mode == "local" else 2
+    connect = connector(mode, workers, shards)
+    models = [make_model(3), make_model(4)][:workers]
 
     def worker(i: int):
         def run():
             ckpt = torch.load(io.BytesIO(buf.getvalue()))
             if i == 1:  # worker 1 loads the model first; worker 0 after wrapping (either works)
                 models[i].load_state_dict(ckpt["model"])
-            with psworker.connect(
-                addrs, worker_id=i, num_workers=2, mode="sync", split_bytes=64
-            ) as client:
+            with connect(i) as client:
                 opt = DistributedOptimizer(models[i], client, adamw(models[i]))
                 if i == 0:
                     models[i].load_state_dict(ckpt["model"])
                 opt.load_state_dict(ckpt["optimizer"])
                 sched = schedule(opt)
                 sched.load_state_dict(ckpt["sched"])
-                train(opt, sched, models[i], i, 2, range(k, STEPS))
+                train(opt, sched, models[i], i, workers, range(k, STEPS))
 
         return run
 
-    run_workers([worker(0), worker(1)])
+    run_workers([worker(i) for i in range(workers)])
     uninterrupted, _, _ = torch_run(adamw)
     for i, model in enumerate(models):
         assert_close(model, uninterrupted, f"torch -> dist worker {i}")
@@ -379,3 +385,131 @@ def test_a_layout_change_mid_training_is_refused_before_the_push():
         with pytest.raises(ValueError, match=r"parameter group 1: invalid lr: -1\.0"):
             opt.step()
         assert client.step == 0
+
+
+class TableModel(torch.nn.Module):
+    def __init__(self, client) -> None:
+        super().__init__()
+        from psworker.torch import Embedding
+
+        torch.manual_seed(0)
+        self.emb = Embedding(20, 4, client, "emb", init_scale=0.1)
+        self.out = torch.nn.Linear(4, 3)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids).mean(1))
+
+
+def test_an_embedding_table_joins_the_group_holding_its_handle(shards):
+    servers = shards(2)
+    ids = torch.randint(0, 20, (8, 5), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(2))
+    with psworker.connect([s.address for s in servers], worker_id=0, num_workers=1) as client:
+        model = TableModel(client)
+        assert "emb.handle" not in model.state_dict()  # the rows live on the shards
+        decay = [model.out.weight]
+        rest = [model.out.bias, model.emb.handle]
+        opt = DistributedOptimizer(
+            model,
+            client,
+            torch.optim.AdamW(
+                [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                lr=0.05,
+            ),
+        )
+        before = client.pull_rows("emb", ids.unique().numpy())
+        for _ in range(3):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(ids), labels).backward()
+            opt.step()
+        assert (client.pull_rows("emb", ids.unique().numpy()) != before).all()
+    for server in servers:
+        specs = server.shard.status().job.specs
+        assert specs["emb"].group == 1
+        assert server.shard.status().job.optimizer_of("emb") == psworker.AdamW(
+            lr=0.05, weight_decay=0.0
+        )
+
+
+def test_a_table_in_a_weight_decay_group_is_refused():
+    with psworker.connect(mode="local") as client:
+        model = TableModel(client)
+        with pytest.raises(psworker.InvalidRequestError, match=r"table 'emb': weight_decay 0\.01"):
+            DistributedOptimizer(model, client, torch.optim.AdamW(model.parameters()))
+
+
+SCHEDULERS = {
+    # momentum cycling: OneCycleLR sets each group's momentum (SGD) or betas[0] (Adam) too
+    "onecycle-sgd": (
+        sgd,
+        lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.2, total_steps=STEPS),
+    ),
+    "onecycle-adamw": (
+        adamw,
+        lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.02, total_steps=STEPS),
+    ),
+    "cosine": (rmsprop, lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=STEPS)),
+    "warmup-cosine": (
+        adam,
+        lambda o: torch.optim.lr_scheduler.SequentialLR(
+            o,
+            [
+                torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=4),
+                torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=STEPS - 4),
+            ],
+            milestones=[4],
+        ),
+    ),
+    "plateau": (
+        adagrad,
+        lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, factor=0.5, patience=0),
+    ),
+}
+
+
+def scheduled(opt, sched, model, rank: int, workers: int) -> list[float]:
+    """Trains STEPS steps with ``sched``; each step's lr of group 0 (and momentum/betas)."""
+    x, y = data()
+    share = 2 * BATCH // workers
+    seen = []
+    for t in range(STEPS):
+        opt.zero_grad()
+        lo = 2 * BATCH * t + rank * share
+        loss_at(model, x, y, lo, lo + share).backward()
+        opt.step()
+        if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            # A metric every worker agrees on: the whole batch's loss on the (same) weights.
+            with torch.no_grad():
+                sched.step(loss_at(model, x, y, 2 * BATCH * t, 2 * BATCH * (t + 1)).item())
+        else:
+            sched.step()
+        group = opt.param_groups[0]
+        seen.append((group["lr"], group.get("momentum"), group.get("betas")))
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["local", "sync2"])
+@pytest.mark.parametrize("kind", sorted(SCHEDULERS))
+def test_every_scheduler_reaches_the_shards(shards, kind, mode):
+    make_opt, make_sched = SCHEDULERS[kind]
+    model = make_model(0)
+    opt = make_opt(model)
+    want = scheduled(opt, make_sched(opt), model, 0, 1)
+    assert len({lr for lr, _, _ in want}) > 2  # the schedule really changes lr
+    workers = 1 if mode == "local" else 2
+    connect = connector(mode, workers, shards)
+    models = [make_model(0) for _ in range(workers)]
+    seen: dict[int, list] = {}
+
+    def worker(i: int):
+        def run():
+            with connect(i) as client:
+                opt = DistributedOptimizer(models[i], client, make_opt(models[i]))
+                seen[i] = scheduled(opt, make_sched(opt), models[i], i, workers)
+
+        return run
+
+    run_workers([worker(i) for i in range(workers)])
+    for i in range(workers):
+        assert seen[i] == want
+        assert_close(models[i], model, f"{kind} {mode} worker {i}")
