@@ -36,7 +36,7 @@ def test_the_language_model_trains_as_two_workers(procs: Processes, mode: str) -
         assert [e for e, _, _ in run] == list(range(EPOCHS)), out
         first, last = run[0][1], run[-1][1]
         assert last < 1.0 < first, out  # it learned (ln 33 = 3.5 at the start)
-        # The schedule ran on the shards' copy: warm-up, then cosine down to eta_min.
+        # The schedule ran to its end: warm-up, then cosine down to eta_min.
         assert run[-1][2] == 0.001 and run[0][2] > 0.009, out
     if mode == "sync":
         # Both replicas hold the shards' weights after every step: identical losses.
