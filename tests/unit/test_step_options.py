@@ -118,13 +118,17 @@ def test_sync_pushes_of_one_step_that_disagree_are_refused_naming_workers_group_
     np.testing.assert_allclose(shard.snapshot()["b"], 0.9)
 
 
-def test_in_sync_a_skip_by_one_worker_skips_the_step_but_buffers_still_average():
+@pytest.mark.parametrize("skipper", [0, 1], ids=["first-push-skips", "last-push-skips"])
+def test_in_sync_a_skip_by_one_worker_skips_the_step_but_buffers_still_average(skipper):
     shard = shard_for(job("sync", workers=2))
-    shard.push(0, 0, {"bn": np.full(3, 2.0, np.float32)}, options=StepOptions(skip=True))
-    assert not shard.step_skipped(0)  # not closed yet
-    shard.push(1, 0, grads(bn=4.0))
+    for worker in (0, 1):  # in this order: the skip opens or closes the step
+        if worker == skipper:
+            bn = {"bn": np.full(3, 2.0, np.float32)}
+            shard.push(worker, 0, bn, options=StepOptions(skip=True))
+        else:
+            shard.push(worker, 0, grads(bn=4.0))
+        assert shard.step_skipped(0) == (worker == 1)  # known once the step closed
     assert shard.status().clock == 1
-    assert shard.step_skipped(0)
     snap = shard.snapshot()
     np.testing.assert_array_equal(snap["w"], 1.0)
     np.testing.assert_array_equal(snap["bn"], 3.0)
