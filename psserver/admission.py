@@ -19,9 +19,11 @@ from pswire.errors import TooLargeError
 log = logging.getLogger(__name__)
 
 # Calls that may hold a server thread for long: they wait on the consistency rule or stream.
-LONG_CALLS = frozenset({"Init", "Pull", "Push", "PushPull", "PushPullStream"})
+LONG_CALLS = frozenset(
+    {"Init", "Pull", "Push", "PushPull", "PushPullStream", "PullState", "LoadState"}
+)
 # Calls whose requests stream in, and may stop arriving.
-REQUEST_STREAMS = frozenset({"Init", "Push", "PushPullStream"})
+REQUEST_STREAMS = frozenset({"Init", "Push", "PushPullStream", "LoadState"})
 # Threads kept for short calls (status, health, registration, heartbeats, checkpoints).
 RESERVED_THREADS = 8
 DEFAULT_STREAM_IDLE_S = 120.0

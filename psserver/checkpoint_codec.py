@@ -16,7 +16,7 @@ from psserver.consistency import make_policy
 from psserver.records import ShardState
 from pswire.codec import check_dtype, check_tensor
 from pswire.job import Job, VarSpec
-from pswire.optim import Optimizer, optimizer_from_spec
+from pswire.optim import optimizer_from_spec
 from pswire.rowstore import TableState
 from pswire.tables import TableSlice
 
@@ -89,7 +89,7 @@ def _encode_tables(
 
 def _decode_tables(
     specs: Mapping[str, TableSlice],
-    optimizer: Optimizer,
+    job: Job,
     doc: Mapping[str, Any],
     tensors: Mapping[str, np.ndarray],
     expected: set[str],
@@ -114,7 +114,7 @@ def _decode_tables(
         if ids is not None and (ids.dtype != np.int64 or ids.shape != (len(values),)):
             raise ValueError(f"table '{key}': ids {ids.dtype} {ids.shape} for {len(values)} rows")
         slots = dict(entry["slots"])
-        template = optimizer.make_state(np.zeros((0, spec.dim), dtype=spec.dtype))
+        template = job.optimizer_of(key).make_state(np.zeros((0, spec.dim), dtype=spec.dtype))
         for slot in entry["slot_arrays"]:
             array = tensors[_table_tensor(key, f"slot/{slot}")]
             check_tensor(f"{key}:{slot}", values.shape, spec.dtype, array, "checkpoint")
@@ -154,6 +154,7 @@ def encode_state(state: ShardState, incarnation: str) -> tuple[dict[str, np.ndar
             "model_digest": job.model_digest,
             "job_id": job.job_id,
             "optimizer": {"name": job.optimizer.name, "params": job.optimizer.params()},
+            "groups": [{"name": g.name, "params": g.params()} for g in job.groups],
             "variables": [
                 {
                     "key": v.key,
@@ -161,6 +162,7 @@ def encode_state(state: ShardState, incarnation: str) -> tuple[dict[str, np.ndar
                     "dtype": v.dtype,
                     "average": v.average,
                     "table": None if v.table is None else asdict(v.table),
+                    "group": v.group,
                 }
                 for v in job.variables
             ],
@@ -193,7 +195,8 @@ def decode_state(text: str, tensors: Mapping[str, np.ndarray]) -> ShardState:
         check_dtype(v["dtype"], v["key"])
         table = TableSlice(**v["table"]) if v.get("table") else None
         shape = tuple(int(d) for d in v["shape"])
-        variables.append(VarSpec(v["key"], shape, v["dtype"], bool(v["average"]), table))
+        group = int(v.get("group", 0))  # absent before parameter groups
+        variables.append(VarSpec(v["key"], shape, v["dtype"], bool(v["average"]), table, group))
     job = Job(
         mode=spec["mode"],
         staleness=int(spec["staleness"]),
@@ -203,7 +206,9 @@ def decode_state(text: str, tensors: Mapping[str, np.ndarray]) -> ShardState:
         model_digest=spec["model_digest"],
         quorum=int(spec["quorum"]),
         job_id=str(spec.get("job_id", "")),  # checkpoints older than job ids have none
+        groups=tuple(optimizer_from_spec(g["name"], g["params"]) for g in spec.get("groups", [])),
     )
+    job.check(max(job.num_workers, 1), len(job.variables))  # groups, tables, names
     make_policy(job.mode, job.staleness, job.quorum)  # raises on a mode this build lacks
     dense = [v for v in variables if v.table is None]
     expected = {_var_tensor(v.key) for v in dense}
@@ -221,7 +226,7 @@ def decode_state(text: str, tensors: Mapping[str, np.ndarray]) -> ShardState:
         )
     slots: dict[str, dict] = {}
     for key in sorted(trained):
-        template = job.optimizer.make_state(values[key])
+        template = job.optimizer_of(key).make_state(values[key])
         state = {**slot_values[key]}
         for slot in slot_arrays[key]:
             name = _slot_tensor(key, slot)
@@ -230,7 +235,7 @@ def decode_state(text: str, tensors: Mapping[str, np.ndarray]) -> ShardState:
         _check_slots(key, values[key], template, state)
         slots[key] = state
     table_specs = {v.key: v.table for v in variables if v.table is not None}
-    tables = _decode_tables(table_specs, job.optimizer, doc.get("tables", {}), tensors, expected)
+    tables = _decode_tables(table_specs, job, doc.get("tables", {}), tensors, expected)
     extra = sorted(set(tensors) - expected)
     if extra:
         raise ValueError(f"tensors the metadata does not describe: {extra[:10]}")

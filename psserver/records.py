@@ -39,6 +39,7 @@ class PushResult:
     next_step: int  # the step the worker reads at and pushes next
     absent: tuple[int, ...] = ()  # the job's workers out of the quorum now (sync/ssp)
     job_id: str = ""
+    skipped: bool = False  # the step had no optimizer update (sync: known after its pull)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from psserver.consistency import ConsistencyPolicy, make_policy
 from psserver.membership import Membership
 from psserver.records import ShardState, ShardStatus
 from psserver.variables import Variables
+from pswire.job import Job
 
 
 class Reports:
@@ -33,6 +34,7 @@ class Reports:
     _checkpoint_step: int
     _checkpoint_time: float | None
     _failure: str
+    _start_optimizer_side: Callable[[Job | None], None]  # OptimizerSide's
 
     def status(self) -> ShardStatus:
         """What the shard holds and who it counts, read without changing anything."""
@@ -115,6 +117,7 @@ class Reports:
             self._agreement.restore(state.job)
             self._policy = make_policy(state.job.mode, state.job.staleness, state.job.quorum)
             self._members.start(state.job.num_workers, self._now())
+            self._start_optimizer_side(state.job)
             self._state = restored
             self._updates = state.updates
             self._finished = dict(state.finished)

@@ -18,8 +18,9 @@ from psserver.shard import Shard
 from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler, tensor_to_proto
 from pswire.errors import InvalidRequestError, NotInitializedError
 from pswire.job import job_from_proto, job_to_proto
+from pswire.optstate import split_state, state_arrays
 from pswire.proto import ps_pb2, ps_pb2_grpc
-from pswire.push import assembled_grads, push_pull_grads, read_stream
+from pswire.push import assembled_grads, header_options, push_pull_grads, read_stream
 from pswire.rpc_errors import rpc_errors
 from pswire.wiremsg import encode_chunk_messages, varint_field
 
@@ -188,6 +189,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 cancelled=cancelled,
             )
         yield from messages
+        if request.worker_id >= 0 and self.shard.step_skipped(request.step - 1):
+            yield ps_pb2.PullResponse(skipped=True)  # sync: the step just pushed was skipped
 
     @rpc_errors
     def Push(self, request_iterator, context):
@@ -203,6 +206,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 take=True,  # the assembler's arrays belong to this call alone
                 session=header.session,
                 cancelled=cancelled,
+                options=header_options(header),
             )
         return self._push_response(result)
 
@@ -250,6 +254,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             encode=_whole_chunks,
             session=header.session,
             cancelled=cancelled,
+            options=header_options(header),
         )
         pushed = self._push_response(result)
         return ps_pb2.PushPullResponse(push=pushed, chunks=chunks, clock=clock)
@@ -264,7 +269,32 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             next_step=result.next_step,
             absent_workers=result.absent,
             job_id=result.job_id,
+            skipped=result.skipped,
         )
+
+    @rpc_errors
+    def PullState(self, request, context):
+        arrays = state_arrays(self.shard.optimizer_state(_timeout(context)))
+        for name, array in arrays.items():
+            yield from encode_chunk_messages(name, array, 1, self.chunk_bytes)
+
+    @rpc_errors
+    def LoadState(self, request_iterator, context):
+        assembler = ChunkAssembler(self.shard.limits.max_request_bytes)
+        header = read_stream(request_iterator, assembler, "LoadState")
+        values, slots = split_state(assembler.finish())
+        if (values or slots) and not header.has_values:
+            raise InvalidRequestError(
+                "LoadState carries values but its header says has_values=false"
+            )
+        self.shard.load_state(
+            header.worker_id,
+            header.digest,
+            values if header.has_values else None,
+            slots,
+            timeout=_timeout(context),
+        )
+        return ps_pb2.LoadStateResponse()
 
     @rpc_errors
     def Status(self, request, context):

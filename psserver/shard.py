@@ -23,6 +23,7 @@ from psserver.observer import Observer, observed
 from psserver.records import Limits, PushResult
 from psserver.reports import Reports
 from psserver.roster import Roster
+from psserver.shard_optim import NO_OPTIONS, OptimizerSide, StepOptions
 from psserver.variables import Variables
 from pswire.errors import (
     CallCancelledError,
@@ -40,7 +41,7 @@ from pswire.tables import RowSparse
 MAX_STEP = 1 << 62
 
 
-class Shard(Roster, Reports):
+class Shard(Roster, Reports, OptimizerSide):
     """One parameter-server shard; thread-safe, every wait bounded.
 
     ``clock`` (seconds, monotonic) is what membership reads: tests inject one and call
@@ -67,6 +68,7 @@ class Shard(Roster, Reports):
         self._checkpoint_time: float | None = None
         self._failure = ""  # a refused sync step: every later step fails with it
         self._closed = False
+        self._start_optimizer_side(None)
 
     @property
     def _job(self) -> Job | None:
@@ -88,8 +90,6 @@ class Shard(Roster, Reports):
         """Wakes every wait to look again (a call was cancelled)."""
         with self._cond:
             self._cond.notify_all()
-
-    # -- init -------------------------------------------------------------------------------
 
     def init(
         self,
@@ -129,6 +129,7 @@ class Shard(Roster, Reports):
             if self._agreement.declare(worker_id, job):
                 self._set_job(job)
             self._touch(worker_id)
+            self._forget_load(worker_id)
             if values is None or self._ready:
                 return False
             self._state = state
@@ -139,8 +140,7 @@ class Shard(Roster, Reports):
     def _set_job(self, job: Job) -> None:
         self._policy = make_policy(job.mode, job.staleness, job.quorum)
         self._members.start(job.num_workers, self._now())
-
-    # -- pull / push ------------------------------------------------------------------------
+        self._start_optimizer_side(job)
 
     def pull(
         self,
@@ -211,8 +211,9 @@ class Shard(Roster, Reports):
         take: bool = False,
         session: str = "",
         cancelled: threading.Event | None = None,
+        options: StepOptions = NO_OPTIONS,
     ) -> PushResult:
-        """Takes one worker's gradients for one step, applying them as the rule says.
+        """Takes one worker's gradients (and ``options``) for one step, as the rule says.
 
         ``take``: the arrays were decoded for this call alone and may be changed (the
         servicer's); sync mode then sums a step's pushes into one of them instead of a copy.
@@ -229,8 +230,10 @@ class Shard(Roster, Reports):
 
         Raises:
             NotInitializedError: no job yet.
-            UnknownVariableError, ShapeMismatchError, InvalidRequestError: bad gradients or step.
+            UnknownVariableError, ShapeMismatchError, InvalidRequestError: bad gradients, step
+                or options.
             ModelMismatchError: this worker declared another job than worker 0's.
+            HyperParameterMismatchError: sync, and another push of the step had other values.
             DuplicateWorkerError: another process holds this worker id now.
             WaitTimeoutError: the rule did not let the push in within the deadline.
             StepRefusedError: the step's result would not be finite (nothing applied).
@@ -239,6 +242,7 @@ class Shard(Roster, Reports):
         with observed(self.observer, "Push", grads):
             job = self._check_call(worker_id, step, incarnation, "push")
             grads = job.checked_grads(grads)
+            optimizers = job.step_optimizers(options)
             with self._cond:
                 self._members.check(worker_id, session)
                 self._touch(worker_id)
@@ -261,6 +265,7 @@ class Shard(Roster, Reports):
                 skipped = self._skip(policy, worker_id, step)
                 if skipped is not None:
                     return skipped
+                self._steps.take(worker_id, step, optimizers, options.skip)
                 update = policy.submit(self._clocks(), worker_id, step, grads, owned=take)
                 if update is not None:
                     self._apply(update, sync_round=policy.name == "sync")
@@ -280,6 +285,7 @@ class Shard(Roster, Reports):
         take: bool = False,
         session: str = "",
         cancelled: threading.Event | None = None,
+        options: StepOptions = NO_OPTIONS,
     ) -> tuple[PushResult, Any, int]:
         """``push``, then ``pull`` of every variable that is not a table at the step the
         worker goes on to (``PushResult.next_step``): (the push's result, ``encode``'s
@@ -288,7 +294,9 @@ class Shard(Roster, Reports):
         Raises:
             as ``push`` and ``pull``.
         """
-        result = self.push(worker_id, step, grads, timeout, incarnation, take, session, cancelled)
+        result = self.push(
+            worker_id, step, grads, timeout, incarnation, take, session, cancelled, options
+        )
         snapshot, clock = self.pull(
             worker_id,
             result.next_step,
@@ -297,6 +305,7 @@ class Shard(Roster, Reports):
             incarnation=incarnation,
             cancelled=cancelled,
         )
+        result.skipped = options.skip or self.step_skipped(step)
         return result, snapshot, clock
 
     def _check_call(
@@ -362,8 +371,9 @@ class Shard(Roster, Reports):
         Raises:
             StepRefusedError: the update's result would not be finite; nothing applied.
         """
+        optimizers, skip = self._steps.pop(self._updates)
         try:
-            self._state.apply(self._require_job(), update)
+            self._state.apply(self._require_job(), update, optimizers, skip)
         except StepRefusedError as exc:
             if sync_round:
                 self._failure = (
@@ -385,8 +395,6 @@ class Shard(Roster, Reports):
             with contextlib.suppress(StepRefusedError):
                 self._apply(update, sync_round=True)
         self._cond.notify_all()
-
-    # -- internals --------------------------------------------------------------------------
 
     def _clocks(self) -> Clocks:
         # The live dict, not a copy: policies only read it, under the lock, and keep nothing.

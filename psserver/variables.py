@@ -11,9 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from pswire.codec import all_finite
-from pswire.errors import InvalidRequestError, StepRefusedError
+from pswire.codec import all_finite, check_tensor
+from pswire.errors import InvalidRequestError, StepRefusedError, UnknownVariableError
 from pswire.job import Job
+from pswire.optim import Optimizer
 from pswire.rowstore import RowStore, TableState
 from pswire.tables import RowSparse
 
@@ -47,29 +48,43 @@ class Variables:
             if spec.table is None
         }
         self.slots = {
-            k: job.optimizer.make_state(v) for k, v in self.values.items() if not specs[k].average
+            k: job.optimizer_of(k).make_state(v)
+            for k, v in self.values.items()
+            if not specs[k].average
         }
         self.tables = {
-            key: RowStore(spec.table, job.optimizer)
+            key: RowStore(spec.table, job.optimizer_of(key))
             for key, spec in specs.items()
             if spec.table is not None
         }
         for key in self.slots:
             self._measure(key)
 
-    def apply(self, job: Job, update: Mapping[str, Any]) -> None:
+    def apply(
+        self,
+        job: Job,
+        update: Mapping[str, Any],
+        optimizers: tuple[Optimizer, ...] | None = None,
+        skip: bool = False,
+    ) -> None:
         """One optimizer step with ``update`` (gradients by key; rows for tables).
 
-        A buffer (e.g. BatchNorm running stats) takes the pushed values (averaged over the
-        round in sync mode) with no optimizer. Nothing non-finite is ever stored: an update
-        whose gradient is not finite (a sum that overflowed) is refused before anything
-        changes; one whose inputs are large enough that the optimizer could overflow is
-        computed with the old values kept, and undone when any result is not finite.
+        ``optimizers``: each parameter group's for this update (``Job.step_optimizers``);
+        None: as the job started. ``skip``: no optimizer step (a GradScaler found inf/NaN);
+        buffers still take their values. A buffer (e.g. BatchNorm running stats) takes the
+        pushed values (averaged over the round in sync mode) with no optimizer.
+
+        Nothing non-finite is ever stored: an update whose gradient is not finite (a sum that
+        overflowed) is refused before anything changes; one whose inputs are large enough that
+        the optimizer could overflow is computed with the old values kept, and undone when any
+        result is not finite.
 
         Raises:
             StepRefusedError: a gradient or a result is not finite; nothing changed (but for
                 a table, whose touched rows are then named as changed).
         """
+        groups = optimizers or job.optimizers
+        specs = job.specs
         for key, grad in update.items():
             values = grad.values if isinstance(grad, RowSparse) else grad
             if values.dtype.kind == "f" and not all_finite(values):
@@ -77,23 +92,30 @@ class Variables:
                     f"the gradient to apply to '{key}' is not finite (a sum or average of "
                     "finite gradients overflowed); nothing was applied"
                 )
-        dense = [k for k, g in update.items() if not isinstance(g, RowSparse)]
-        trained = [k for k in dense if not job.specs[k].average]
-        backup = self._backup(trained) if self._risky(job, update, trained) else None
-        opt = job.optimizer
+        trained = [
+            k
+            for k, g in update.items()
+            if not skip and not isinstance(g, RowSparse) and not specs[k].average
+        ]
+        backup = self._backup(trained) if self._risky(groups, update, trained) else None
         with np.errstate(over="ignore", invalid="ignore"):  # non-finite results: see below
             for key, grad in update.items():
-                if isinstance(grad, RowSparse):
-                    self.tables[key].apply(grad.ids, grad.values)
-                elif job.specs[key].average:
+                spec = specs[key]
+                if spec.average:
                     np.copyto(self.values[key], grad, casting="unsafe")
+                elif skip:
+                    continue
+                elif isinstance(grad, RowSparse):
+                    self.tables[key].apply(grad.ids, grad.values, groups[spec.group])
                 else:
-                    opt.apply_blocked(self.values[key], grad, self.slots[key])
+                    groups[spec.group].apply_blocked(self.values[key], grad, self.slots[key])
         bad = [k for k in trained if not self._measure(k)]
         bad += [
             k
             for k, g in update.items()
-            if isinstance(g, RowSparse) and not all_finite(self.tables[k].gather(g.ids))
+            if not skip
+            and isinstance(g, RowSparse)
+            and not all_finite(self.tables[k].gather(g.ids))
         ]
         if not bad:
             return
@@ -107,10 +129,12 @@ class Variables:
             f"{kept}"
         )
 
-    def _risky(self, job: Job, update: Mapping[str, Any], trained: list[str]) -> bool:
+    def _risky(
+        self, groups: tuple[Optimizer, ...], update: Mapping[str, Any], trained: list[str]
+    ) -> bool:
         """Whether any input is large enough (or a hyper-parameter extreme enough) that the
         optimizer could overflow: then the old values are kept until the results are checked."""
-        if any(abs(v) > HYPER_SAFE for v in job.optimizer.params().values()):
+        if any(abs(v) > HYPER_SAFE for g in groups for v in g.params().values()):
             return True
         for key in trained:
             if _sum_squares(update[key]) > SAFE_SUM_SQUARES:
@@ -129,6 +153,64 @@ class Variables:
         squares = max(_sum_squares(a) for a in arrays)
         self._squares[key] = squares
         return bool(np.isfinite(squares)) or all(all_finite(a) for a in arrays)
+
+    def optimizer_state(self) -> dict[str, dict[str, Any]]:
+        """Copies of every trained variable's optimizer slots (slots not made yet left out)."""
+        return {
+            k: {n: _copy(v) for n, v in s.items() if v is not None} for k, s in self.slots.items()
+        }
+
+    def load(
+        self, job: Job, values: Mapping[str, np.ndarray], slots: Mapping[str, Mapping[str, Any]]
+    ) -> None:
+        """Replaces the values given and every trained variable's slots: those in ``slots``
+        take the given arrays and numbers, the rest start afresh. All checked first: on an
+        error nothing changed.
+
+        Raises:
+            UnknownVariableError: a value or slot for a variable this shard lacks.
+            InvalidRequestError, ShapeMismatchError: a buffer given slots, an unknown slot, a
+                wrong shape or dtype, or NaN.
+        """
+        specs = {v.key: v for v in job.variables if v.table is None}
+        for key, value in values.items():
+            if key not in specs:
+                raise UnknownVariableError(job.unknown(key))
+            spec = specs[key]
+            check_tensor(key, spec.shape, spec.dtype, value, "loaded value")
+        fresh: dict[str, dict[str, Any]] = {}
+        for key in slots:
+            if key not in self.slots:
+                raise UnknownVariableError(
+                    f"optimizer state for '{key}', which is not a trained variable here"
+                )
+        for key in self.slots:
+            template = job.optimizer_of(key).make_state(self.values[key])
+            for slot, value in slots.get(key, {}).items():
+                if slot not in template:
+                    raise InvalidRequestError(
+                        f"optimizer state of '{key}' has slot '{slot}'; "
+                        f"{job.optimizer_of(key).name} keeps {sorted(template)}"
+                    )
+                fresh_value = template[slot]
+                if isinstance(fresh_value, int) and not isinstance(fresh_value, bool):
+                    array = np.asarray(value)
+                    if array.shape != () or array.dtype.kind not in "iu" or int(array) < 0:
+                        raise InvalidRequestError(
+                            f"slot '{slot}' of '{key}' must be a count (a 0-d integer >= 0), "
+                            f"got {array.dtype} {array.shape}"
+                        )
+                    template[slot] = int(array)
+                else:
+                    spec = specs[key]
+                    check_tensor(f"{key}:{slot}", spec.shape, spec.dtype, value, "loaded slot")
+                    template[slot] = np.array(value, dtype=spec.dtype, copy=True)
+            fresh[key] = template
+        for key, value in values.items():
+            np.copyto(self.values[key], value, casting="unsafe")
+        self.slots.update(fresh)
+        for key in self.slots:
+            self._measure(key)
 
     @property
     def nbytes(self) -> int:
@@ -164,7 +246,7 @@ class Variables:
             )
         out = Variables()
         out.tables = {
-            k: RowStore.restore(spec, job.optimizer, tables[k]) for k, spec in specs.items()
+            k: RowStore.restore(spec, job.optimizer_of(k), tables[k]) for k, spec in specs.items()
         }
         out.values = {k: np.array(v, copy=True) for k, v in values.items()}
         out.slots = {k: _copy_slots(s) for k, s in slots.items()}
@@ -194,6 +276,10 @@ def _owned(array: np.ndarray, dtype: str, take: bool) -> np.ndarray:
     if keep and array.dtype == np.dtype(dtype):
         return array
     return np.array(array, dtype=np.dtype(dtype), copy=True)
+
+
+def _copy(value: Any) -> Any:
+    return value.copy() if isinstance(value, np.ndarray) else value
 
 
 def _copy_slots(slots: dict) -> dict:

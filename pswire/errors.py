@@ -46,6 +46,12 @@ class ModelMismatchError(PSError):
     status = "FAILED_PRECONDITION"
 
 
+class HyperParameterMismatchError(ModelMismatchError):
+    """Raised when the pushes of one sync step carry different optimizer hyper-parameters
+    (workers on different learning-rate schedules); the message names the workers, the
+    parameter group and the values."""
+
+
 class NotInitializedError(PSError):
     """Raised when a call needs a job (or a checkpoint directory) the shard does not have yet."""
 

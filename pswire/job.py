@@ -10,7 +10,7 @@ import numpy as np
 
 from pswire.codec import check_dtype, check_tensor, tensor_nbytes
 from pswire.errors import InvalidRequestError, TooLargeError, UnknownVariableError
-from pswire.optim import Optimizer, optimizer_from_spec
+from pswire.optim import Optimizer, StepOptions, group_optimizers, optimizer_from_spec
 from pswire.proto import ps_pb2
 from pswire.tables import RowSparse, TableSlice, check_rows, table_from_proto, table_to_proto
 
@@ -44,23 +44,30 @@ def check_mode(mode: str, staleness: int = 0, quorum: int = 0) -> None:
 @dataclass(frozen=True)
 class VarSpec:
     """A variable (or slice) on this shard; ``average``: a buffer, not trained (see _apply);
-    ``table``: an embedding table's slice, read and written by rows."""
+    ``table``: an embedding table's slice, read and written by rows; ``group``: its
+    parameter group (index into ``Job.optimizers``)."""
 
     key: str
     shape: tuple[int, ...]
     dtype: str
     average: bool = False
     table: TableSlice | None = None
+    group: int = 0
 
     @classmethod
-    def of_table(cls, table: TableSlice) -> VarSpec:
+    def of_table(cls, table: TableSlice, group: int = 0) -> VarSpec:
         """The spec of one shard's slice of an embedding table."""
-        return cls(table.key, (table.local_rows, table.dim), table.dtype, table=table)
+        return cls(table.key, (table.local_rows, table.dim), table.dtype, table=table, group=group)
 
 
 @dataclass(frozen=True)
 class Job:
-    """What every worker of a job must agree on with this shard."""
+    """What every worker of a job must agree on with this shard.
+
+    ``optimizer`` is parameter group 0's; ``groups`` the groups after it (the same optimizer
+    class, other hyper-parameters). Pushes may replace hyper-parameters per update
+    (``StepOptions``); these are the values the job started with.
+    """
 
     mode: str
     staleness: int
@@ -72,6 +79,29 @@ class Job:
     # The job's identity, fixed at its first init (worker 0's proposal) and kept in
     # checkpoints; not part of what workers must agree on (``differences`` ignores it).
     job_id: str = ""
+    groups: tuple[Optimizer, ...] = ()
+
+    @functools.cached_property
+    def optimizers(self) -> tuple[Optimizer, ...]:
+        """Every parameter group's optimizer, group 0 first."""
+        return (self.optimizer, *self.groups)
+
+    def optimizer_of(self, key: str) -> Optimizer:
+        """The optimizer (as the job started) of variable or table ``key``'s group."""
+        return self.optimizers[self.specs[key].group]
+
+    def step_optimizers(self, options: StepOptions | None) -> tuple[Optimizer, ...]:
+        """Each group's optimizer for an update pushed with ``options``.
+
+        Raises:
+            InvalidRequestError: a bad group or value (e.g. weight decay for a table's group).
+        """
+        out = group_optimizers(self.optimizers, options)
+        if options is not None and options.values:
+            for v in self.variables:
+                if v.table is not None and out[v.group] is not self.optimizers[v.group]:
+                    v.table.check(out[v.group])
+        return out
 
     def check(self, max_workers: int, max_variables: int, max_state_bytes: int = 0) -> None:
         """Validates the job against a shard's limits (``max_state_bytes`` 0: none).
@@ -86,6 +116,9 @@ class Job:
                 f"num_workers must be in [1, {max_workers}], got {self.num_workers}"
             )
         check_mode(self.mode, self.staleness, self.quorum)
+        names = sorted({o.name for o in self.optimizers})
+        if len(names) > 1:
+            raise InvalidRequestError(f"parameter groups use different optimizers: {names}")
         if len(self.variables) > max_variables:
             raise TooLargeError(
                 f"job declares {len(self.variables)} variables on this shard, over the limit "
@@ -95,6 +128,11 @@ class Job:
         if len(set(keys)) != len(keys):
             raise InvalidRequestError(f"job declares a variable twice: {keys}")
         for v in self.variables:
+            if not 0 <= v.group < len(self.optimizers):
+                raise InvalidRequestError(
+                    f"variable '{v.key}' is in parameter group {v.group}; the job has groups "
+                    f"0..{len(self.optimizers) - 1}"
+                )
             if v.table is None and not v.average and v.dtype not in TRAINABLE_DTYPES:
                 raise InvalidRequestError(
                     f"variable '{v.key}' is {v.dtype}: only {', '.join(TRAINABLE_DTYPES)} "
@@ -108,7 +146,7 @@ class Job:
             )
         for v in self.variables:
             if v.table is not None:
-                v.table.check(self.optimizer)
+                v.table.check(self.optimizers[v.group])
                 if v.shape != (v.table.local_rows, v.table.dim) or v.dtype != v.table.dtype:
                     raise InvalidRequestError(
                         f"table '{v.key}' declares shape {v.shape} {v.dtype}, but its slice "
@@ -245,8 +283,11 @@ class Job:
             mine, theirs = getattr(self, attr), getattr(other, attr)
             if mine != theirs:
                 out.append(f"{attr}: shard has {theirs!r}, worker sent {mine!r}")
-        if self.optimizer != other.optimizer:
-            out.append(f"optimizer: shard has {other.optimizer}, worker sent {self.optimizer}")
+        if self.optimizers != other.optimizers:
+            out.append(
+                f"optimizer (parameter groups): shard has {list(other.optimizers)}, worker sent "
+                f"{list(self.optimizers)}"
+            )
         if self.variables != other.variables:
             theirs_by = {v.key: v for v in other.variables}
             mine_by = {v.key: v for v in self.variables}
@@ -262,7 +303,7 @@ class Job:
 def _describe(v: VarSpec | None) -> str:
     if v is None:
         return "nothing"
-    text = f"{v.shape} {v.dtype}"
+    text = f"{v.shape} {v.dtype}" + (f", group {v.group}" if v.group else "")
     return text if v.table is None else f"{text}, table {v.table}"
 
 
@@ -285,7 +326,7 @@ def job_from_proto(spec: ps_pb2.JobSpec) -> Job:
         tensor_nbytes(v.name, v.dtype, v.shape)
         table = table_from_proto(v) if v.HasField("table") else None
         shape = tuple(int(d) for d in v.shape)
-        variables.append(VarSpec(v.name, shape, v.dtype, v.average, table))
+        variables.append(VarSpec(v.name, shape, v.dtype, v.average, table, int(v.group)))
     return Job(
         mode=spec.mode,
         staleness=int(spec.staleness),
@@ -295,6 +336,7 @@ def job_from_proto(spec: ps_pb2.JobSpec) -> Job:
         model_digest=spec.model_digest,
         quorum=int(spec.quorum),
         job_id=spec.job_id,
+        groups=tuple(optimizer_from_spec(g.name, dict(g.params)) for g in spec.groups),
     )
 
 
@@ -309,10 +351,15 @@ def job_to_proto(job: Job) -> ps_pb2.JobSpec:
         model_digest=job.model_digest,
         quorum=job.quorum,
         job_id=job.job_id,
+        groups=[ps_pb2.OptimizerSpec(name=g.name, params=g.params()) for g in job.groups],
     )
 
 
 def variable_to_proto(v: VarSpec) -> ps_pb2.VariableSpec:
     if v.table is not None:
-        return table_to_proto(v.table)
-    return ps_pb2.VariableSpec(name=v.key, dtype=v.dtype, shape=v.shape, average=v.average)
+        spec = table_to_proto(v.table)
+        spec.group = v.group
+        return spec
+    return ps_pb2.VariableSpec(
+        name=v.key, dtype=v.dtype, shape=v.shape, average=v.average, group=v.group
+    )

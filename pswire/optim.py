@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -33,6 +34,11 @@ class Optimizer:
 
     def make_state(self, param: np.ndarray) -> dict[str, Any]:
         return {}
+
+    def layout(self) -> tuple:
+        """What decides the slots ``make_state`` makes (e.g. momentum on or off): fixed for a
+        job's life, as torch's state is made once (a later change is refused)."""
+        return ()
 
     def apply(self, param: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> None:
         """Updates ``param`` in place from ``grad``; ``state`` is this variable's slot dict."""
@@ -102,6 +108,9 @@ class SGD(Optimizer):
     def make_state(self, param: np.ndarray) -> dict[str, Any]:
         return {"momentum_buffer": None} if self.momentum else {}
 
+    def layout(self) -> tuple:
+        return (self.momentum != 0,)
+
     def apply(self, param: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> None:
         d_p = grad
         if self.weight_decay:
@@ -122,14 +131,16 @@ class SGD(Optimizer):
 
 @dataclass(frozen=True)
 class Adam(Optimizer):
-    """torch.optim.Adam (without amsgrad); weight decay added to the gradient, L2 style."""
+    """torch.optim.Adam, amsgrad included; weight decay added to the gradient, L2 style."""
 
     name: ClassVar[str] = "adam"
+    decoupled: ClassVar[bool] = False  # AdamW: decay the weights, not the gradient
     lr: float = 0.001
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0
+    amsgrad: bool = False
 
     def __post_init__(self) -> None:
         self._check_ranges(
@@ -140,11 +151,19 @@ class Adam(Optimizer):
         )
 
     def make_state(self, param: np.ndarray) -> dict[str, Any]:
-        return {"step": 0, "exp_avg": np.zeros_like(param), "exp_avg_sq": np.zeros_like(param)}
+        state = {"step": 0, "exp_avg": np.zeros_like(param), "exp_avg_sq": np.zeros_like(param)}
+        if self.amsgrad:
+            state["max_exp_avg_sq"] = np.zeros_like(param)
+        return state
+
+    def layout(self) -> tuple:
+        return (self.amsgrad,)
 
     def apply(self, param: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> None:
         t = param.dtype.type
-        if self.weight_decay:
+        if self.weight_decay and self.decoupled:
+            param *= t(1 - self.lr * self.weight_decay)
+        elif self.weight_decay:
             grad = grad + param * t(self.weight_decay)
         state["step"] += 1
         step = state["step"]
@@ -159,6 +178,9 @@ class Adam(Optimizer):
         tmp *= t(1 - self.beta2)
         v *= t(self.beta2)
         v += tmp
+        if self.amsgrad:
+            v = state["max_exp_avg_sq"]
+            np.maximum(v, state["exp_avg_sq"], out=v)
         bias1 = 1 - self.beta1**step
         bias2_sqrt = (1 - self.beta2**step) ** 0.5
         np.sqrt(v, out=tmp)
@@ -167,6 +189,16 @@ class Adam(Optimizer):
         np.divide(m, tmp, out=tmp)
         tmp *= t(self.lr / bias1)
         param -= tmp
+
+
+@dataclass(frozen=True)
+class AdamW(Adam):
+    """torch.optim.AdamW: Adam with decoupled weight decay (the weights shrink by
+    ``lr * weight_decay`` before the step; the gradient is left alone)."""
+
+    name: ClassVar[str] = "adamw"
+    decoupled: ClassVar[bool] = True
+    weight_decay: float = 0.01
 
 
 @dataclass(frozen=True)
@@ -205,10 +237,85 @@ class Adagrad(Optimizer):
         param -= (grad / std) * t(clr)
 
 
-OPTIMIZERS: dict[str, type[Optimizer]] = {cls.name: cls for cls in (SGD, Adam, Adagrad)}
+@dataclass(frozen=True)
+class RMSprop(Optimizer):
+    """torch.optim.RMSprop: smoothing ``alpha``, momentum, centered, weight decay."""
+
+    name: ClassVar[str] = "rmsprop"
+    lr: float = 0.01
+    alpha: float = 0.99
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    centered: bool = False
+
+    def __post_init__(self) -> None:
+        inf = float("inf")
+        self._check_ranges(
+            alpha=(0.0, inf), eps=(0.0, inf), weight_decay=(0.0, inf), momentum=(0.0, inf)
+        )
+
+    def make_state(self, param: np.ndarray) -> dict[str, Any]:
+        state: dict[str, Any] = {"step": 0, "square_avg": np.zeros_like(param)}
+        if self.momentum > 0:
+            state["momentum_buffer"] = np.zeros_like(param)
+        if self.centered:
+            state["grad_avg"] = np.zeros_like(param)
+        return state
+
+    def layout(self) -> tuple:
+        return (self.momentum > 0, self.centered)
+
+    def apply(self, param: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> None:
+        t = param.dtype.type
+        if self.weight_decay:
+            grad = grad + param * t(self.weight_decay)
+        state["step"] += 1
+        square_avg = state["square_avg"]
+        tmp = np.empty_like(param)
+        square_avg *= t(self.alpha)
+        np.multiply(grad, t(1 - self.alpha), out=tmp)  # addcmul: value * grad * grad
+        tmp *= grad
+        square_avg += tmp
+        avg = np.empty_like(param)
+        if self.centered:
+            grad_avg = state["grad_avg"]
+            _lerp(grad_avg, grad, t(1 - self.alpha), tmp)
+            np.multiply(grad_avg, grad_avg, out=tmp)
+            np.subtract(square_avg, tmp, out=avg)
+            np.sqrt(avg, out=avg)
+        else:
+            np.sqrt(square_avg, out=avg)
+        avg += t(self.eps)
+        if self.momentum > 0:
+            buf = state["momentum_buffer"]
+            buf *= t(self.momentum)
+            np.divide(grad, avg, out=tmp)
+            buf += tmp
+            np.multiply(buf, t(self.lr), out=tmp)
+        else:
+            np.divide(grad, avg, out=tmp)
+            tmp *= t(self.lr)
+        param -= tmp
 
 
-def optimizer_from_spec(name: str, params: dict[str, float]) -> Optimizer:
+def _lerp(value: np.ndarray, end: np.ndarray, weight: Any, tmp: np.ndarray) -> None:
+    """``value.lerp_(end, weight)`` as torch computes it, in place (``tmp``: scratch)."""
+    np.subtract(end, value, out=tmp)
+    if weight < 0.5:
+        tmp *= weight
+        value += tmp
+    else:
+        tmp *= type(weight)(1) - weight
+        np.subtract(end, tmp, out=value)
+
+
+OPTIMIZERS: dict[str, type[Optimizer]] = {
+    cls.name: cls for cls in (SGD, Adam, AdamW, Adagrad, RMSprop)
+}
+
+
+def optimizer_from_spec(name: str, params: Mapping[str, float]) -> Optimizer:
     """Builds an optimizer from its wire form.
 
     Raises:
@@ -219,6 +326,42 @@ def optimizer_from_spec(name: str, params: dict[str, float]) -> Optimizer:
         raise InvalidRequestError(
             f"unknown optimizer {name!r}; expected one of {sorted(OPTIMIZERS)}"
         )
+    try:
+        return cls(**_kwargs(cls, params))
+    except ValueError as exc:
+        raise InvalidRequestError(f"optimizer {name!r}: {exc}") from exc
+
+
+def with_values(base: Optimizer, values: Mapping[str, float], where: str = "") -> Optimizer:
+    """``base`` with some hyper-parameters replaced (an lr a scheduler changed, ...).
+
+    Raises:
+        InvalidRequestError: an unknown or invalid value, or one that would change which
+            optimizer slots exist (``layout``: e.g. momentum switched on), naming ``where``.
+    """
+    if not values:
+        return base
+    prefix = f"{where}: " if where else ""
+    try:
+        changed = replace(base, **_kwargs(type(base), values))
+    except (ValueError, InvalidRequestError) as exc:
+        raise InvalidRequestError(f"{prefix}optimizer {base.name!r}: {exc}") from exc
+    if changed.layout() != base.layout():
+        diff = {k: v for k, v in changed.params().items() if base.params()[k] != v}
+        raise InvalidRequestError(
+            f"{prefix}optimizer {base.name!r}: {diff} would change which optimizer state "
+            f"exists (was {base.params()}); that is fixed when the job starts"
+        )
+    return changed
+
+
+def _kwargs(cls: type[Optimizer], params: Mapping[str, float]) -> dict[str, Any]:
+    """Constructor arguments from wire values (doubles), checked.
+
+    Raises:
+        InvalidRequestError: unknown name, non-finite value, a flag that is not 0 or 1.
+    """
+    name = cls.name
     known = {f.name: f.type for f in fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in params.items():
@@ -237,7 +380,74 @@ def optimizer_from_spec(name: str, params: dict[str, float]) -> Optimizer:
             kwargs[key] = bool(value)
         else:
             kwargs[key] = float(value)
-    try:
-        return cls(**kwargs)
-    except ValueError as exc:
-        raise InvalidRequestError(f"optimizer {name!r}: {exc}") from exc
+    return kwargs
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """What a push says beside its gradients.
+
+    ``values``: per parameter group (index), hyper-parameters that replace the job's for this
+    update (an lr a scheduler set, ...); groups and names left out keep the job's values.
+    ``skip``: this worker's step is skipped (a GradScaler found inf/NaN in its gradients):
+    the push carries no gradients (buffers only), and no optimizer step is taken with it (in
+    ``sync``, none for that step at all).
+    """
+
+    values: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
+    skip: bool = False
+
+
+NO_OPTIONS = StepOptions()
+
+
+def group_optimizers(
+    groups: Sequence[Optimizer], options: StepOptions | None
+) -> tuple[Optimizer, ...]:
+    """Each parameter group's optimizer for one update: ``groups`` with ``options.values``.
+
+    Raises:
+        InvalidRequestError: a group index out of range, or a bad value (naming the group).
+    """
+    out = tuple(groups)
+    if options is None or not options.values:
+        return out
+    changed = list(out)
+    for index, values in options.values.items():
+        if not 0 <= index < len(out):
+            raise InvalidRequestError(
+                f"hyper-parameters for parameter group {index}; the job has groups "
+                f"0..{len(out) - 1}"
+            )
+        changed[index] = with_values(out[index], values, f"parameter group {index}")
+    return tuple(changed)
+
+
+def resolve_groups(
+    optimizer: Optimizer | Sequence[Optimizer],
+    groups: Mapping[str, int] | None,
+    names: Sequence[str],
+) -> tuple[tuple[Optimizer, ...], dict[str, int]]:
+    """(every group's optimizer, each of ``names``' group) from what a worker's ``init`` got:
+    one optimizer, or one per parameter group, and the groups of some names (others: 0).
+
+    Raises:
+        InvalidRequestError: no optimizer, different optimizer classes, a group for a name
+            the model lacks or out of range.
+    """
+    optimizers = (optimizer,) if isinstance(optimizer, Optimizer) else tuple(optimizer)
+    if not optimizers:
+        raise InvalidRequestError("no optimizer: give one, or one per parameter group")
+    kinds = sorted({o.name for o in optimizers})
+    if len(kinds) > 1:
+        raise InvalidRequestError(f"parameter groups use different optimizers: {kinds}")
+    given = dict(groups or {})
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise InvalidRequestError(f"parameter groups name {unknown}, which the model lacks")
+    bad = {n: g for n, g in given.items() if not 0 <= g < len(optimizers)}
+    if bad:
+        raise InvalidRequestError(
+            f"parameter groups {bad} out of range: there are {len(optimizers)} optimizers"
+        )
+    return optimizers, {n: given.get(n, 0) for n in names}

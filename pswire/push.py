@@ -1,7 +1,8 @@
 """A push on the wire: the worker's encoders and the shard's decoders, side by side.
 
-A push is a header ``(worker_id, step, incarnation)`` and one tensor per piece; a table's
-gradient carries its row ids beside its rows. ``Push`` streams them (header first, then
+A push is a header ``(worker_id, step, incarnation)`` with the step's ``StepOptions``
+(hyper-parameters that differ from the job's, a GradScaler's skip) and one tensor per piece;
+a table's gradient carries its row ids beside its rows. ``Push`` streams them (header first, then
 chunks); ``PushPull`` sends every tensor whole in one message.
 """
 
@@ -15,6 +16,7 @@ import numpy as np
 from pswire.codec import ChunkAssembler, tensor_to_proto
 from pswire.errors import InvalidRequestError
 from pswire.job import Grads
+from pswire.optim import NO_OPTIONS, StepOptions
 from pswire.proto import ps_pb2
 from pswire.tables import RowSparse
 from pswire.wiremsg import encode_chunk_messages
@@ -29,6 +31,7 @@ def push_stream(
     chunk_bytes: int,
     incarnation: str | None = None,
     session: str = "",
+    options: StepOptions | None = None,
 ) -> Iterator[bytes | ps_pb2.PushRequest]:
     """A Push request stream: the header, then every piece as chunks (a table's rows with
     their ids).
@@ -36,9 +39,7 @@ def push_stream(
     A uint16 piece is a gradient compressed to bfloat16 (no gradient is an integer).
     """
     # A protobuf message or bytes alike: stubs.as_bytes serializes whichever it gets.
-    header = ps_pb2.PushHeader(
-        worker_id=worker_id, step=step, incarnation=incarnation or "", session=session
-    )
+    header = push_header(worker_id, step, incarnation, options, session)
     yield ps_pb2.PushRequest(header=header)
     for key, piece in pieces.items():
         array, ids, bf16 = _wire_parts(piece)
@@ -51,16 +52,34 @@ def push_pull_request(
     pieces: Mapping[str, np.ndarray | RowSparse],
     incarnation: str | None = None,
     session: str = "",
+    options: StepOptions | None = None,
 ) -> ps_pb2.PushPullRequest:
     """A PushPullRequest: the header and every piece whole (a table's rows with their ids)."""
-    header = ps_pb2.PushHeader(
-        worker_id=worker_id, step=step, incarnation=incarnation or "", session=session
-    )
+    header = push_header(worker_id, step, incarnation, options, session)
     request = ps_pb2.PushPullRequest(header=header)
     for key, piece in pieces.items():
         array, ids, bf16 = _wire_parts(piece)
         request.chunks.append(tensor_to_proto(key, array, bfloat16=bf16, indices=ids))
     return request
+
+
+def push_header(
+    worker_id: int,
+    step: int,
+    incarnation: str | None,
+    options: StepOptions | None,
+    session: str = "",
+) -> ps_pb2.PushHeader:
+    """A PushHeader, with ``options`` (hyper-parameter values, skip) when given."""
+    header = ps_pb2.PushHeader(
+        worker_id=worker_id, step=step, incarnation=incarnation or "", session=session
+    )
+    if options is not None:
+        header.skip = options.skip
+        for group, params in sorted(options.values.items()):
+            if params:
+                header.values.add(group=group, params=dict(params))
+    return header
 
 
 def _wire_parts(piece: np.ndarray | RowSparse) -> tuple[np.ndarray, np.ndarray | None, bool]:
@@ -120,3 +139,22 @@ def push_pull_grads(request: ps_pb2.PushPullRequest, max_bytes: int) -> Grads:
     for chunk in request.chunks:
         assembler.add(chunk)
     return assembled_grads(assembler)
+
+
+def header_options(header: ps_pb2.PushHeader) -> StepOptions:
+    """The ``StepOptions`` a PushHeader carries.
+
+    Raises:
+        InvalidRequestError: one group given twice.
+    """
+    if not header.values and not header.skip:
+        return NO_OPTIONS
+    values: dict[int, dict[str, float]] = {}
+    for entry in header.values:
+        if entry.group in values:
+            raise InvalidRequestError(
+                f"push from worker {header.worker_id} gives parameter group {entry.group}'s "
+                "hyper-parameters twice"
+            )
+        values[entry.group] = dict(entry.params)
+    return StepOptions(values, header.skip)

@@ -69,12 +69,15 @@ class RowStore:
         rows = self._locate(ids)  # first: it may grow (replace) the arrays
         return self.values[rows]
 
-    def apply(self, ids: np.ndarray, grad: np.ndarray) -> None:
-        """One optimizer step on the touched rows (duplicates summed); others are untouched."""
+    def apply(self, ids: np.ndarray, grad: np.ndarray, optimizer: Optimizer | None = None) -> None:
+        """One optimizer step on the touched rows (duplicates summed); others are untouched.
+
+        ``optimizer``: this update's hyper-parameters (a scheduler's lr, ...), with the slots
+        of the one the store was made with; None: that one."""
         ids, grad = sum_duplicates(ids, grad)
         rows = self._locate(ids)
         if len(rows):
-            self.optimizer.apply_rows(self.values, rows, grad, self.slots)
+            (optimizer or self.optimizer).apply_rows(self.values, rows, grad, self.slots)
 
     def export(self) -> TableState:
         if not self.spec.dynamic and not self._made.all():

@@ -41,11 +41,12 @@ class StreamRequest:
 class PullReply:
     """A parsed PullResponse."""
 
-    __slots__ = ("chunk", "clock")
+    __slots__ = ("chunk", "clock", "skipped")
 
     def __init__(self) -> None:
-        self.chunk: WireChunk = WireChunk()
+        self.chunk: WireChunk = WireChunk()  # empty in the one ``skipped`` message
         self.clock = 0
+        self.skipped = False
 
 
 def stream_request_parser(header_type: Any) -> Callable[[bytes], StreamRequest]:
@@ -73,7 +74,7 @@ def stream_request_parser(header_type: Any) -> Callable[[bytes], StreamRequest]:
 
 
 def parse_pull_reply(data: bytes) -> PullReply:
-    """Parses a PullResponse ``{chunk = 1, clock = 2}``.
+    """Parses a PullResponse ``{chunk = 1, clock = 2, skipped = 3}``.
 
     Raises:
         ValueError: malformed bytes.
@@ -88,6 +89,8 @@ def parse_pull_reply(data: bytes) -> PullReply:
             if not isinstance(value, int):
                 raise ValueError(f"PullResponse.clock has wire type {wire}")
             reply.clock = value
+        elif field == 3:
+            reply.skipped = bool(value)
     return reply
 
 
@@ -117,6 +120,16 @@ class ParameterServerStub(ps_pb2_grpc.ParameterServerStub):
             request_serializer=ps_pb2.PullRequest.SerializeToString,
             response_deserializer=parse_pull_reply,
         )
+        self.PullState = channel.unary_stream(
+            f"/{SERVICE}/PullState",
+            request_serializer=ps_pb2.PullStateRequest.SerializeToString,
+            response_deserializer=parse_pull_reply,
+        )
+        self.LoadState = channel.stream_unary(
+            f"/{SERVICE}/LoadState",
+            request_serializer=as_bytes,
+            response_deserializer=ps_pb2.LoadStateResponse.FromString,
+        )
 
 
 def add_servicer(
@@ -128,7 +141,8 @@ def add_servicer(
 
     ``wrap(method path, handler)``, if given, replaces each method's handler once, here.
 
-    The servicer's ``Init``/``Push`` receive ``StreamRequest`` objects; its ``Pull`` may yield
+    The servicer's ``Init``/``Push``/``LoadState`` receive ``StreamRequest`` objects; its
+    ``Pull``/``PullState`` may yield
     bytes (pre-encoded PullResponses) or protobuf messages.
     The unary RPCs are as generated: ``XRequest`` in, ``XResponse`` out.
     """
@@ -159,6 +173,16 @@ def add_servicer(
         servicer.Pull,
         request_deserializer=ps_pb2.PullRequest.FromString,
         response_serializer=as_bytes,
+    )
+    handlers["PullState"] = grpc.unary_stream_rpc_method_handler(
+        servicer.PullState,
+        request_deserializer=ps_pb2.PullStateRequest.FromString,
+        response_serializer=as_bytes,
+    )
+    handlers["LoadState"] = grpc.stream_unary_rpc_method_handler(
+        servicer.LoadState,
+        request_deserializer=stream_request_parser(ps_pb2.LoadStateHeader),
+        response_serializer=ps_pb2.LoadStateResponse.SerializeToString,
     )
     if wrap is not None:
         handlers = {name: wrap(f"/{SERVICE}/{name}", h) for name, h in handlers.items()}

@@ -5,6 +5,7 @@ from pswire.errors import (
     CallCancelledError,
     ClientClosedError,
     ConfigError,
+    HyperParameterMismatchError,
     InvalidRequestError,
     ModelMismatchError,
     NotInitializedError,
@@ -17,7 +18,7 @@ from pswire.errors import (
     UnknownVariableError,
     WaitTimeoutError,
 )
-from pswire.optim import SGD, Adagrad, Adam, Optimizer
+from pswire.optim import SGD, Adagrad, Adam, AdamW, Optimizer, RMSprop, StepOptions
 from pswire.tables import RowSparse, Table
 from psworker.api import Client
 from psworker.client import PSClient
@@ -30,12 +31,14 @@ __all__ = [
     "SGD",
     "Adagrad",
     "Adam",
+    "AdamW",
     "AllReduceClient",
     "CallCancelledError",
     "Client",
     "ClientClosedError",
     "ConfigError",
     "DistributedOptimizer",
+    "HyperParameterMismatchError",
     "InvalidRequestError",
     "LocalClient",
     "ModelMismatchError",
@@ -43,9 +46,11 @@ __all__ = [
     "Optimizer",
     "PSClient",
     "PSError",
+    "RMSprop",
     "RowSparse",
     "ShapeMismatchError",
     "ShardRestartedError",
+    "StepOptions",
     "Table",
     "TooLargeError",
     "UnauthenticatedError",

@@ -7,11 +7,11 @@ Parameter-server (``PSClient``), single-process (``LocalClient``) and all-reduce
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol, Self, runtime_checkable
+from typing import Any, Protocol, Self, runtime_checkable
 
 import numpy as np
 
-from pswire.optim import Optimizer
+from pswire.optim import Optimizer, StepOptions
 from pswire.tables import RowSparse, Table
 
 
@@ -20,7 +20,9 @@ class Client(Protocol):
     """A worker's view of one training job.
 
     ``step`` is the step the next push is for; ``mode`` one of ``sync``, ``async``, ``ssp``,
-    ``allreduce``, ``local``. Every call has a deadline and raises a ``PSError`` subclass on
+    ``allreduce``, ``local``; ``last_skipped`` whether the step last pushed had no optimizer
+    update (a worker's GradScaler skipped it: in ``sync`` and ``allreduce`` any worker's, known
+    once ``push_pull`` returns). Every call has a deadline and raises a ``PSError`` subclass on
     failure.
     """
 
@@ -29,14 +31,22 @@ class Client(Protocol):
     num_workers: int
     step: int
 
+    @property
+    def last_skipped(self) -> bool:
+        """Whether the step last pushed had no optimizer update (see above)."""
+        ...
+
     def init(
         self,
         variables: Mapping[str, np.ndarray],
-        optimizer: Optimizer,
+        optimizer: Optimizer | Sequence[Optimizer],
         buffers: Sequence[str] = (),
         tables: Mapping[str, Table] | None = None,
+        groups: Mapping[str, int] | None = None,
     ) -> None:
-        """Agrees on the model with the job; worker 0's values become the starting weights."""
+        """Agrees on the model with the job; worker 0's values become the starting weights.
+        ``optimizer``: one, or one per parameter group (same class); ``groups``: the group
+        of each variable or table named (others: 0)."""
         ...
 
     def pull(
@@ -49,8 +59,14 @@ class Client(Protocol):
         """Rows ``ids`` of an embedding table, in the order asked."""
         ...
 
-    def push(self, grads: Mapping[str, np.ndarray | RowSparse], step: int | None = None) -> bool:
-        """This worker's gradients for one step; whether they were applied."""
+    def push(
+        self,
+        grads: Mapping[str, np.ndarray | RowSparse],
+        step: int | None = None,
+        options: StepOptions | None = None,
+    ) -> bool:
+        """This worker's gradients for one step, with ``options`` (hyper-parameters that
+        differ from the job's, a skip); whether they were applied."""
         ...
 
     def push_pull(
@@ -58,8 +74,24 @@ class Client(Protocol):
         grads: Mapping[str, np.ndarray | RowSparse],
         step: int | None = None,
         out: Mapping[str, np.ndarray] | None = None,
+        options: StepOptions | None = None,
     ) -> dict[str, np.ndarray]:
-        """``push(grads, step)`` then ``pull(out=out)``, in one round trip where it can."""
+        """``push(grads, step, options)`` then ``pull(out=out)``, in one round trip where it
+        can."""
+        ...
+
+    def optimizer_state(self) -> dict[str, dict[str, Any]]:
+        """Every trained variable's optimizer slots (arrays, counts as ints)."""
+        ...
+
+    def load_state(
+        self,
+        values: Mapping[str, np.ndarray] | None,
+        slots: Mapping[str, Mapping[str, Any]],
+        digest: str,
+    ) -> None:
+        """Worker 0's ``values`` and ``slots`` become the job's; the other workers check they
+        loaded the same (``digest``)."""
         ...
 
     def close(self) -> None:
@@ -75,7 +107,12 @@ class PushThenPull:
     """``push_pull`` as a ``push``, then a ``pull``: for clients whose weights are local, so
     there is no round trip to fuse (``LocalClient``, ``AllReduceClient``)."""
 
-    def push(self, grads: Mapping[str, np.ndarray | RowSparse], step: int | None = None) -> bool:
+    def push(
+        self,
+        grads: Mapping[str, np.ndarray | RowSparse],
+        step: int | None = None,
+        options: StepOptions | None = None,
+    ) -> bool:
         raise NotImplementedError
 
     def pull(
@@ -88,11 +125,12 @@ class PushThenPull:
         grads: Mapping[str, np.ndarray | RowSparse],
         step: int | None = None,
         out: Mapping[str, np.ndarray] | None = None,
+        options: StepOptions | None = None,
     ) -> dict[str, np.ndarray]:
-        """``push(grads, step)``, then ``pull(out=out)``.
+        """``push(grads, step, options)``, then ``pull(out=out)``.
 
         Raises:
             as ``push`` and ``pull``.
         """
-        self.push(grads, step)
+        self.push(grads, step, options)
         return self.pull(out=out)

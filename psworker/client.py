@@ -17,25 +17,18 @@ from pswire.errors import (
     ConfigError,
     InvalidRequestError,
     NotInitializedError,
-    PSError,
     WorkerDroppedError,
     not_in_model,
 )
 from pswire.job import MODES, Job, job_to_proto
-from pswire.optim import Optimizer
+from pswire.optim import Optimizer, StepOptions, resolve_groups
 from pswire.proto import ps_pb2
 from pswire.security import ClientSecurity
 from pswire.tables import RowSparse, Table, as_ids
 from pswire.wiremsg import encode_chunk_messages
-from psworker.fanout import FanOut
-from psworker.link import (
-    DEFAULT_REPLAY_BYTES,
-    Heartbeats,
-    JobIdentity,
-    LinkConfig,
-    ShardLink,
-    shard_status,
-)
+from psworker.client_state import ClientState
+from psworker.fanout import FanOut, partial_failure
+from psworker.link import ShardLink, shard_status
 from psworker.outgoing import check_shards_agree, shard_jobs, split_push
 from psworker.placement import (
     DEFAULT_SPLIT_BYTES,
@@ -45,6 +38,13 @@ from psworker.placement import (
     plan,
     tables_digest,
 )
+from psworker.session import (
+    DEFAULT_REPLAY_BYTES,
+    AbsentWorkers,
+    Heartbeats,
+    JobIdentity,
+    LinkConfig,
+)
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 120.0
@@ -53,7 +53,7 @@ DEFAULT_HEARTBEAT_S = 2.0
 log = logging.getLogger(__name__)
 
 
-class PSClient:
+class PSClient(ClientState):
     """A worker's connection to the parameter-server shards of one job.
 
     Every call fans out to all shards in parallel and has a deadline (``timeout`` seconds);
@@ -99,6 +99,7 @@ class PSClient:
         self.chunk_bytes = chunk_bytes
         self.split_bytes = split_bytes
         self.step = 0
+        self.last_skipped = False  # the step last pushed had no optimizer update
         self.shard_map: ShardMap | None = None
         self.quorum = quorum
         self.compression = compression
@@ -124,7 +125,7 @@ class PSClient:
             ShardLink(i, a, channel, config, self.identity, self.security)
             for i, (a, channel) in enumerate(zip(self.addresses, channels, strict=True))
         ]
-        self.absent: frozenset[int] = frozenset()  # workers the shards say are out of the quorum
+        self._absent = AbsentWorkers(worker_id)
         self._fan = FanOut(len(self.addresses))
         self._beats = Heartbeats(self.links, heartbeat_s, worker_id, self.session)
         self._closed = False
@@ -157,11 +158,15 @@ class PSClient:
     def init(
         self,
         variables: Mapping[str, np.ndarray],
-        optimizer: Optimizer,
+        optimizer: Optimizer | Sequence[Optimizer],
         buffers: Sequence[str] = (),
         tables: Mapping[str, Table] | None = None,
+        groups: Mapping[str, int] | None = None,
     ) -> None:
         """Agrees on the job with every shard; worker 0 sends the initial values.
+
+        ``optimizer``: one, or one per parameter group (the same class); ``groups`` gives a
+        variable's or table's group (index into them; 0 when absent).
 
         Every worker passes the same model (names, shapes, dtypes); worker 0's values become
         the starting weights, other workers' are not sent. A worker that restarts resumes at
@@ -192,6 +197,7 @@ class PSClient:
         send_values = self.worker_id == 0
         pieces = shard_map.split(arrays)
         self._buffers = set(buffers)
+        optimizers, group = resolve_groups(optimizer, groups, [*arrays, *tables])
 
         def register(shard: int) -> ps_pb2.RegisterWorkerResponse:
             link = self.links[shard]
@@ -204,13 +210,17 @@ class PSClient:
             check_shards_agree(registered, self.addresses)
         # Worker 0 proposes the job's identity; a shard that already holds a job keeps its own.
         proposed = self.identity.value or (uuid.uuid4().hex[:16] if send_values else "")
-        jobs = shard_jobs(
-            shard_map,
-            layouts,
-            self._buffers,
-            Job(self.mode, self.staleness, self.num_workers, optimizer, (), digest, self.quorum),
-            proposed,
+        job = Job(
+            self.mode,
+            self.staleness,
+            self.num_workers,
+            optimizers[0],
+            (),
+            digest,
+            self.quorum,
+            groups=tuple(optimizers[1:]),
         )
+        jobs = shard_jobs(shard_map, layouts, self._buffers, group, job, proposed)
 
         def init_one(shard: int) -> None:
             link = self.links[shard]
@@ -298,8 +308,14 @@ class PSClient:
                 out[owner == shard] = rows
         return out[inverse.reshape(-1)]
 
-    def push(self, grads: Mapping[str, np.ndarray | RowSparse], step: int | None = None) -> bool:
-        """Sends this worker's gradients for one step to the shards that own them.
+    def push(
+        self,
+        grads: Mapping[str, np.ndarray | RowSparse],
+        step: int | None = None,
+        options: StepOptions | None = None,
+    ) -> bool:
+        """Sends this worker's gradients for one step to the shards that own them, with
+        ``options`` (hyper-parameters that differ from the job's; a GradScaler's skip).
 
         A table's gradient is a ``RowSparse`` (row ids and their gradient rows; repeated ids
         are summed); each shard gets the rows it holds. Every shard hears from every push, even
@@ -314,7 +330,8 @@ class PSClient:
         """
         step = self.step if step is None else step
         pieces = self._pieces(grads)
-        replies = self._push_all(step, lambda shard: self.links[shard].push(step, pieces[shard]))
+        replies = self._push_all(step, lambda s: self.links[s].push(step, pieces[s], options))
+        self.last_skipped = bool(options and options.skip)
         return self._pushed(step, replies)
 
     def push_pull(
@@ -322,11 +339,12 @@ class PSClient:
         grads: Mapping[str, np.ndarray | RowSparse],
         step: int | None = None,
         out: Mapping[str, np.ndarray] | None = None,
+        options: StepOptions | None = None,
     ) -> dict[str, np.ndarray]:
-        """``push(grads, step)`` then ``pull(out=out)``: one message each way per shard on a call
-        kept open across steps when the shard's part of each fits in ``chunk_bytes``, else a
-        streamed push, then a streamed pull. The weights are what ``pull()`` would return at
-        the next step.
+        """``push(grads, step, options)`` then ``pull(out=out)``: one message each way per shard
+        on a call kept open across steps when the shard's part of each fits in ``chunk_bytes``,
+        else a streamed push, then a streamed pull. The weights are what ``pull()`` would
+        return at the next step.
 
         Raises:
             as ``push`` and ``pull``.
@@ -343,15 +361,18 @@ class PSClient:
             link = self.links[shard]
             push_bytes = sum(p.nbytes for p in pieces[shard].values())
             if max(push_bytes, pull_bytes[shard]) <= self.chunk_bytes:
-                return link.push_pull(step, pieces[shard], into)
+                return link.push_pull(step, pieces[shard], into, options)
             # Too big for one message each way: stream the push, then the pull.
-            pushed = link.push(step, pieces[shard])
+            pushed = link.push(step, pieces[shard], options)
             after = max(self.step, int(pushed.next_step))
             request = ps_pb2.PullRequest(worker_id=self.worker_id, step=after)
-            return pushed, link.pull(request, into)
+            arrays = link.pull(request, into)
+            pushed.skipped = pushed.skipped or link.pull_skipped
+            return pushed, arrays
 
         results = self._push_all(step, one)
         self._pushed(step, [r for r, _ in results])
+        self.last_skipped = any(r.skipped for r, _ in results) or bool(options and options.skip)
         merged: dict[str, np.ndarray] = {}
         for _, arrays in results:
             merged.update(arrays)
@@ -398,7 +419,7 @@ class PSClient:
                 worker had been dropped from the quorum, and its gradient was not applied.
         """
         self.step = max(self.step, step + 1)
-        self._note_absent(replies)
+        self._absent.update(replies)
         late = [(i, int(r.next_step)) for i, r in enumerate(replies) if r.reason == "late"]
         if late:
             # A backup-worker step closed without us: move on to the step the shards are in.
@@ -421,20 +442,10 @@ class PSClient:
             )
         return all(r.applied for r in replies)
 
-    def _note_absent(self, replies: Sequence[ps_pb2.PushResponse]) -> None:
-        """Warns when the shards' quorum loses (or regains) workers."""
-        absent = frozenset(w for r in replies for w in r.absent_workers)
-        if absent == self.absent:
-            return
-        if absent - self.absent:
-            log.warning(
-                "workers %s are out of the quorum (silent past the shards' heartbeat timeout, "
-                "or left the job): steps now go on without them",
-                sorted(absent - self.absent),
-            )
-        if self.absent - absent:
-            log.info("workers %s are back in the quorum", sorted(self.absent - absent))
-        self.absent = absent
+    @property
+    def absent(self) -> frozenset[int]:
+        """The workers the shards last said are out of the quorum (sync, ssp)."""
+        return self._absent.current
 
     def heartbeat(self) -> None:
         """Tells every shard this worker is alive (a background thread does this every
@@ -466,9 +477,7 @@ class PSClient:
         return self.shard_map
 
     def _push_all(self, step: int, fn: Callable[[int], T]) -> list[T]:
-        """``fn`` on every shard, all run to the end. When some shards took the push and
-        another refused it, the step is used up (those shards hold it), so the client moves
-        past it and the error names who applied it.
+        """``fn`` on every shard, all run to the end; see ``fanout.partial_failure``.
 
         Raises:
             PSError: the first shard's error.
@@ -476,16 +485,11 @@ class PSClient:
         done, failed = self._fan.settle(fn)
         if not failed:
             return done
-        first = failed[0][1]
-        if len(failed) < len(self.links) and isinstance(first, PSError):
-            self.step = max(self.step, step + 1)
-            took = sorted(set(range(len(self.links))) - {s for s, _ in failed})
-            raise type(first)(
-                f"{first} [step {step} was taken by shards {took} and refused by shards "
-                f"{[s for s, _ in failed]}: the step is used up, the next push is step "
-                f"{self.step}]"
-            ) from first
-        raise first
+        partial = partial_failure(step, failed, len(self.links))
+        if partial is None:
+            raise failed[0][1]
+        self.step = max(self.step, step + 1)
+        raise partial from failed[0][1]
 
     def _require_open(self) -> None:
         if self._closed:

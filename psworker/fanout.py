@@ -6,7 +6,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
-from pswire.errors import ClientClosedError
+from pswire.errors import ClientClosedError, PSError
 
 T = TypeVar("T")
 
@@ -44,3 +44,17 @@ class FanOut:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def partial_failure(step: int, failed: list[tuple[int, Exception]], shards: int) -> PSError | None:
+    """When some shards took a push and another refused it, the step is used up (those
+    shards hold it): the error to raise, naming who applied it. None: every shard failed, or
+    the failure is not a PSError (nothing to add)."""
+    first = failed[0][1]
+    if len(failed) == shards or not isinstance(first, PSError):
+        return None
+    took = sorted(set(range(shards)) - {s for s, _ in failed})
+    return type(first)(
+        f"{first} [step {step} was taken by shards {took} and refused by shards "
+        f"{[s for s, _ in failed]}: the step is used up, the next push is step {step + 1}]"
+    )

@@ -7,7 +7,6 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
@@ -16,18 +15,19 @@ import numpy as np
 from pswire.codec import ChunkAssembler
 from pswire.errors import (
     ClientClosedError,
-    ModelMismatchError,
     PSError,
     TooLargeError,
     UnavailableError,
     WaitTimeoutError,
 )
+from pswire.optim import StepOptions
 from pswire.proto import ps_pb2
 from pswire.push import push_pull_request, push_stream
 from pswire.rpc_errors import from_rpc_error
 from pswire.security import ClientSecurity
 from pswire.stubs import ParameterServerStub
 from pswire.tables import RowSparse
+from psworker.session import JobIdentity, LinkConfig
 from psworker.stepstream import StepStream
 
 T = TypeVar("T")
@@ -40,54 +40,8 @@ WARN_EVERY_S = 5.0
 _RECOVERABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
 
 
-# A worker keeps its pushes since the shard's newest checkpoint, to replay them if the shard
-# restarts: at most this many bytes per shard (or four pushes, if more);
-# when full it asks the shard to checkpoint, then forgets what the checkpoint holds.
-DEFAULT_REPLAY_BYTES = 64 << 20
 # A restarted worker's new process waits this long at most for the old one's claim to lapse.
 CLAIM_WAIT_S = 15.0
-
-
-@dataclass(frozen=True)
-class LinkConfig:
-    """What every link of one client shares."""
-
-    worker_id: int
-    num_workers: int
-    timeout: float
-    retry_s: float
-    chunk_bytes: int
-    session: str = ""  # this client process's id (one process per worker id)
-    replay_bytes: int = DEFAULT_REPLAY_BYTES
-
-
-class JobIdentity:
-    """The job id this worker trains, as the shards report it (or as the user fixed it): a
-    shard that reports another is refused, so a model is never mixed from two runs."""
-
-    def __init__(self, fixed: str = "") -> None:
-        self.value = fixed
-        self._lock = threading.Lock()
-
-    def check(self, seen: str, where: str) -> None:
-        """Learns ``seen`` if no id is known yet; refuses a different one.
-
-        Raises:
-            ModelMismatchError: ``where`` holds another job.
-        """
-        if not seen:
-            return  # the shard has no job yet, or only a provisional one
-        with self._lock:
-            if not self.value:
-                self.value = seen
-                return
-            if seen != self.value:
-                raise ModelMismatchError(
-                    f"{where} holds job {seen}, but this worker trains job {self.value}: the "
-                    "shard was restored from another run's checkpoint (or restarted empty while "
-                    "the others kept theirs); refusing to mix two runs. Restore every shard from "
-                    "the same run, or clear the checkpoint folders to start anew"
-                )
 
 
 def backoff(attempt: int, rng: random.Random) -> float:
@@ -132,6 +86,8 @@ class ShardLink:
         self.durable = 0
         self.log: dict[int, dict[str, np.ndarray | RowSparse]] = {}  # step -> pushed, for replay
         self.log_bytes = 0
+        self.logged_options: dict[int, StepOptions] = {}  # step -> its options, for replay
+        self.pull_skipped = False  # the last pull said: the step before it was skipped (sync)
         self.recoveries = 0
         self._rng = random.Random(config.worker_id * 7919 + index)
         self._closed = threading.Event()
@@ -229,19 +185,28 @@ class ShardLink:
         def run(stub: ParameterServerStub) -> dict[str, np.ndarray]:
             request.incarnation = self.incarnation or ""  # per attempt: a retry after a restart
             assembler = ChunkAssembler(into=into)
+            self.pull_skipped = False
             for reply in stub.Pull(request, timeout=self.timeout):
+                if reply.skipped:  # one last message, without a chunk
+                    self.pull_skipped = True
+                    continue
                 assembler.add(reply.chunk)
             return assembler.finish()
 
         return self.call("Pull", run)
 
-    def push(self, step: int, pieces: Mapping[str, np.ndarray | RowSparse]) -> ps_pb2.PushResponse:
+    def push(
+        self,
+        step: int,
+        pieces: Mapping[str, np.ndarray | RowSparse],
+        options: StepOptions | None = None,
+    ) -> ps_pb2.PushResponse:
         """A streamed Push of this shard's pieces of one step (kept for replay first).
 
         Raises:
             PSError: the call failed (after retries through UNAVAILABLE).
         """
-        self.note_push(step, pieces)
+        self.note_push(step, pieces, options)
         reply = self.call(
             "Push",
             lambda stub: stub.Push(
@@ -252,6 +217,7 @@ class ShardLink:
                     self.chunk_bytes,
                     self.incarnation,
                     self.config.session,
+                    options,
                 ),
                 timeout=self.timeout,
             ),
@@ -264,6 +230,7 @@ class ShardLink:
         step: int,
         pieces: Mapping[str, np.ndarray | RowSparse],
         into: Mapping[str, np.ndarray] | None = None,
+        options: StepOptions | None = None,
     ) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
         """One step as one message each way on the open step stream: the push, then the
         weights for the step after it (decoded into ``into``'s arrays where given).
@@ -271,12 +238,12 @@ class ShardLink:
         Raises:
             PSError: the call failed (after retries through UNAVAILABLE).
         """
-        self.note_push(step, pieces)
+        self.note_push(step, pieces, options)
 
         def run(_: ParameterServerStub) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
             # Built per attempt: a retry after a restart carries the new incarnation.
             fused = push_pull_request(
-                self.worker_id, step, pieces, self.incarnation, self.config.session
+                self.worker_id, step, pieces, self.incarnation, self.config.session, options
             )
             reply = self.steps.step(fused, self.timeout)
             assembler = ChunkAssembler(into=into)
@@ -325,15 +292,23 @@ class ShardLink:
         except grpc.RpcError as exc:
             log.debug("%s failed: %s", self.where("Leave"), exc.code())
 
-    def note_push(self, step: int, pieces: Mapping[str, np.ndarray | RowSparse]) -> None:
-        """Keeps a copy of a push until a checkpoint covers it (only if the shard checkpoints).
-        A full log asks the shard to checkpoint first (see ``DEFAULT_REPLAY_BYTES``).
+    def note_push(
+        self,
+        step: int,
+        pieces: Mapping[str, np.ndarray | RowSparse],
+        options: StepOptions | None = None,
+    ) -> None:
+        """Keeps a copy of a push (and its options) until a checkpoint covers it (only if the
+        shard checkpoints). A full log asks the shard to checkpoint first (see
+        ``DEFAULT_REPLAY_BYTES``).
 
         Raises:
             TooLargeError: the log is full and the shard could not checkpoint.
         """
         if not self.checkpointing:
             return
+        if options is not None:
+            self.logged_options[step] = options
         nbytes = sum(
             v.ids.nbytes + v.values.nbytes if isinstance(v, RowSparse) else v.nbytes
             for v in pieces.values()
@@ -386,6 +361,7 @@ class ShardLink:
                 v.ids.nbytes + v.values.nbytes if isinstance(v, RowSparse) else v.nbytes
                 for v in pushed.values()
             )
+            self.logged_options.pop(step, None)
 
     def _resync(self) -> None:
         """Re-registers; replays logged pushes if the shard restarted since we last saw it.
@@ -429,42 +405,12 @@ class ShardLink:
                     self.chunk_bytes,
                     reply.incarnation,
                     self.config.session,
+                    self.logged_options.get(step),
                 ),
                 timeout=self.timeout,
             )
         self.incarnation = reply.incarnation
         self.recoveries += 1
-
-
-class Heartbeats:
-    """A background thread telling every shard, every ``interval`` seconds, that this worker
-    is alive (0: none)."""
-
-    def __init__(self, links: Sequence[ShardLink], interval: float, worker: int, session: str):
-        self._links = links
-        self._interval = interval
-        self._request = ps_pb2.HeartbeatRequest(worker_id=worker, session=session)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._name = f"ps-heartbeat-{worker}"
-
-    def start(self) -> None:
-        if self._interval > 0 and self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2.0)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            for link in self._links:
-                try:
-                    link.stub.Heartbeat(self._request, timeout=max(1.0, self._interval))
-                except grpc.RpcError as exc:  # the training calls report and recover
-                    log.debug("heartbeat to shard %d failed: %s", link.index, exc.code())
 
 
 def shard_status(

@@ -66,16 +66,18 @@ def shard_jobs(
     shard_map: ShardMap,
     tables: Mapping[str, TableLayout],
     buffers: Set[str],
+    group: Mapping[str, int],
     job: Job,
     job_id: str,
 ) -> list[Job]:
-    """Each shard's part of ``job`` (its variables and table slices), with ``job_id``."""
+    """Each shard's part of ``job`` (its variables and table slices, each in its parameter
+    group), with ``job_id``."""
     out = []
     for shard in range(shard_map.num_shards):
         variables = [
-            VarSpec(p.key, p.shape, p.dtype, average=p.var in buffers)
+            VarSpec(p.key, p.shape, p.dtype, p.var in buffers, group=group[p.var])
             for p in shard_map.on_shard(shard)
-        ] + [VarSpec.of_table(layout.slice_for(shard)) for layout in tables.values()]
+        ] + [VarSpec.of_table(t.slice_for(shard), group[n]) for n, t in tables.items()]
         out.append(dataclasses.replace(job, variables=tuple(variables), job_id=job_id))
     return out
 

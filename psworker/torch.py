@@ -1,19 +1,39 @@
-"""PyTorch integration: a DistributedOptimizer that trains a module through any client mode."""
+"""PyTorch integration: ``DistributedOptimizer``, a ``torch.optim.Optimizer`` that trains a
+module through any client mode, wrapping the user's own torch optimizer."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
 from pswire.errors import ConfigError
-from pswire.optim import Optimizer
-from pswire.tables import RowSparse, Table
+from pswire.optim import Optimizer, StepOptions
 from psworker.api import Client
+from psworker.torch_optim import (
+    changed_values,
+    check_supported,
+    group_spec,
+    slots_from_torch,
+    slots_to_torch,
+    spec_class,
+    state_digest,
+    torch_optimizer_for,
+)
+from psworker.torch_tables import Embedding, EmbeddingBag, _tables_of
+
+__all__ = ["BUFFER_PREFIX", "DistributedOptimizer", "Embedding", "EmbeddingBag"]
 
 BUFFER_PREFIX = "buffer:"
+# GradScaler hands itself to an optimizer whose step takes ``grad_scaler`` (the contract for
+# optimizers that handle scaling themselves), with this FutureWarning each time; we need the
+# scaler to tell it about a step another worker skipped.
+warnings.filterwarnings(
+    "ignore", message="GradScaler is going to stop passing itself", category=FutureWarning
+)
 
 
 class _HostStaging:
@@ -82,115 +102,27 @@ class _HostStaging:
         self._landed.record()
 
 
-class _RemoteTable(torch.nn.Module):
-    """An embedding table that lives on the shards: a forward pulls only the batch's rows."""
-
-    def __init__(
-        self,
-        num_embeddings: int | None,
-        embedding_dim: int,
-        client: Client,
-        name: str,
-        *,
-        init: str = "normal",
-        init_scale: float = 1.0,
-        seed: int = 0,
-        capacity: int = 0,
-        device: torch.device | str | None = None,
-    ) -> None:
-        super().__init__()
-        self.table = Table(
-            num_embeddings, embedding_dim, "float32", init, init_scale, seed, capacity
-        )
-        self.client = client
-        self.name = name
-        self.device = torch.device(device or "cpu")
-        self._pending: list[tuple[np.ndarray, torch.Tensor]] = []
-
-    def extra_repr(self) -> str:
-        t = self.table
-        rows = "dynamic" if t.num_rows is None else t.num_rows
-        return f"'{self.name}', {rows}, {t.dim}" + (
-            f", capacity={t.capacity}" if t.capacity else ""
-        )
-
-    def _rows(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the batch's distinct rows, pulled; each input position's index into them)."""
-        if input.dtype.is_floating_point or input.dtype.is_complex:
-            raise TypeError(f"table '{self.name}' takes integer ids, got {input.dtype}")
-        ids = input.detach().cpu().numpy().astype(np.int64, copy=False).reshape(-1)
-        unique, inverse = np.unique(ids, return_inverse=True)
-        rows = torch.from_numpy(self.client.pull_rows(self.name, unique)).to(self.device)
-        if torch.is_grad_enabled():
-            rows.requires_grad_(True)
-            self._pending.append((unique, rows))
-        index = torch.from_numpy(inverse.reshape(input.shape)).to(self.device)
-        return rows, index
-
-    def take_grads(self) -> RowSparse | None:
-        """The row-sparse gradient of every forward since the last call (None: no rows got
-        a gradient); forgets those forwards."""
-        parts = [(ids, rows.grad) for ids, rows in self._pending if rows.grad is not None]
-        self._pending = []
-        if not parts:
-            return None
-        ids = np.concatenate([p[0] for p in parts])
-        values = np.concatenate([g.detach().cpu().numpy() for _, g in parts])
-        return RowSparse(ids, values)
-
-    def forget(self) -> None:
-        self._pending = []
-
-
-class Embedding(_RemoteTable):
-    """``torch.nn.Embedding`` whose table lives on the parameter-server shards.
-
-    ``num_embeddings`` None makes a dynamic table (any int64 id, such as a feature hash; rows
-    are created on first touch, ``capacity`` bounds each shard's rows with LRU eviction).
-    Each forward pulls only the distinct ids of its batch; backward gives those rows'
-    gradient, which ``DistributedOptimizer.step()`` pushes as a ``RowSparse``: no worker ever
-    holds the table. Rows start as N(0, init_scale**2) (``init="normal"``, scale 1 as in
-    torch), ``"uniform"`` or ``"zeros"``, drawn from ``(seed, id)``.
-    """
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        rows, index = self._rows(input)
-        return torch.nn.functional.embedding(index, rows)
-
-
-class EmbeddingBag(_RemoteTable):
-    """``torch.nn.EmbeddingBag`` (``mode`` "sum" or "mean") over a table on the shards: a 2-d
-    input is one bag per row; a 1-d input needs ``offsets``, as in torch."""
-
-    def __init__(self, *args: Any, mode: str = "mean", **kwargs: Any) -> None:
-        if mode not in ("sum", "mean"):
-            raise ConfigError(f"mode must be 'sum' or 'mean', got {mode!r}")
-        super().__init__(*args, **kwargs)
-        self.mode = mode
-
-    def forward(
-        self,
-        input: torch.Tensor,
-        offsets: torch.Tensor | None = None,
-        per_sample_weights: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        rows, index = self._rows(input)
-        return torch.nn.functional.embedding_bag(
-            index,
-            rows,
-            offsets.to(self.device) if offsets is not None else None,
-            mode=self.mode,
-            per_sample_weights=per_sample_weights,
-        )
-
-
-class DistributedOptimizer:
+class DistributedOptimizer(torch.optim.Optimizer):
     """Trains ``model`` through ``client``: ``step()`` pushes gradients and loads fresh weights.
 
-    On construction it registers ``model.named_parameters()`` with the client; worker 0's
-    weights become every worker's starting point, and are loaded into the model, so replicas
-    start identical. ``optimizer`` (``psworker.SGD``/``Adam``/``Adagrad``) runs on the shards
-    in parameter-server modes and in this process in ``local`` mode, with the same math.
+    ``optimizer`` is the script's own torch optimizer (``torch.optim.SGD``, ``Adam``,
+    ``AdamW``, ``Adagrad`` or ``RMSprop``, constructed on the model's parameters, any number
+    of parameter groups), or a ``psworker.SGD``-style spec. The same math runs on the shards in
+    parameter-server modes and in this process in ``local`` and ``allreduce``. This object is
+    a ``torch.optim.Optimizer`` whose ``param_groups`` are the wrapped optimizer's: whatever a
+    scheduler or the script sets there (``lr``, ``weight_decay``, ``momentum``, ``betas``...)
+    travels with the next ``step()`` (only values that differ from the ones at construction).
+    Options that only pick a torch kernel (``foreach``, ``fused``) are ignored; ``maximize``,
+    ``capturable``, ``differentiable`` and other classes are refused before anything is sent.
+
+    On construction it registers every parameter of the optimizer's groups (a parameter in
+    no group is not trained, as in torch) with the client; worker 0's weights become every
+    worker's starting point, and are loaded into the model, so replicas start identical.
+
+    With ``torch.amp.GradScaler``, ``scaler.step(opt)`` hands the scaler to ``step()``, which
+    unscales the gradients; a step whose gradients hold inf/NaN is skipped as torch skips it:
+    in ``sync`` and ``allreduce`` a skip by any worker skips the step for all (and each
+    worker's scaler backs off), in ``async``/``ssp`` only that worker's push is dropped.
 
     Gradients that are ``None`` (parameters unused this step) are not sent: the shards do not
     update those parameters from this worker (in ``sync`` the step's average counts them as
@@ -199,108 +131,243 @@ class DistributedOptimizer:
     the mean over workers and otherwise the latest pushed, so replicas stay consistent.
 
     Raises (constructor):
-        ConfigError: a parameter that is not floating point.
+        ValueError: an unsupported optimizer class or option, a parameter that is not
+            floating point or not the model's (nothing was sent).
         PSError: the shards reject the model (e.g. ModelMismatchError).
     """
+
+    _step_supports_amp_scaling = True  # GradScaler.step hands itself to step() (see above)
 
     def __init__(
         self,
         model: torch.nn.Module,
         client: Client,
-        optimizer: Optimizer,
+        optimizer: torch.optim.Optimizer | Optimizer,
     ) -> None:
         self.model = model
         self.client = client
-        self.optimizer = optimizer
-        self._params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        for name, p in self._params.items():
-            if not p.dtype.is_floating_point:
-                raise ConfigError(
-                    f"parameter '{name}' has dtype {p.dtype}; expected floating point"
-                )
+        if isinstance(optimizer, Optimizer):
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            optimizer = torch_optimizer_for(optimizer, trainable)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"optimizer must be a torch.optim optimizer or a psworker spec, got "
+                f"{type(optimizer).__name__}"
+            )
+        self._base = check_supported(optimizer)  # each group's values at construction
+        self._cls = spec_class(optimizer)
+        self._inner = optimizer
+        tables = _tables_of(model, client)
+        handles = {id(t.handle): name for name, t in tables.items()}
+        names = {id(p): n for n, p in model.named_parameters()}
+        self._params: dict[str, torch.nn.Parameter] = {}
+        groups: dict[str, int] = {}
+        for index, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if id(p) in handles:
+                    groups[handles[id(p)]] = index
+                    continue
+                name = names.get(id(p))
+                if name is None:
+                    raise ConfigError(
+                        f"parameter group {index} of {type(optimizer).__name__} holds a tensor "
+                        f"of shape {tuple(p.shape)} that is not a parameter of the model"
+                    )
+                if not p.dtype.is_floating_point:
+                    raise ConfigError(
+                        f"parameter '{name}' has dtype {p.dtype}; expected floating point"
+                    )
+                self._params[name] = p
+                groups[name] = index
+        self._groups = groups
         self._buffers = {BUFFER_PREFIX + n: b for n, b in model.named_buffers() if b is not None}
-        self._tables = _tables_of(model, client)
+        self._tables = tables
         everything = {**self._params, **self._buffers}
         on_gpu = any(t.is_cuda for t in everything.values())
         self._staging = _HostStaging(everything, pin=on_gpu)
         with torch.no_grad():
             initial = self._staging.to_host(everything)
             values = {n: np.array(a, copy=True) for n, a in initial.items()}
-            tables = {name: m.table for name, m in self._tables.items()}
-            client.init(values, optimizer, buffers=list(self._buffers), tables=tables)
+            client.init(
+                values,
+                self._base,
+                buffers=list(self._buffers),
+                tables={name: m.table for name, m in tables.items()},
+                groups=groups,
+            )
             self._staging.to_device(client.pull(), everything)
+        # A torch.optim.Optimizer over the same groups: isinstance checks, hooks, schedulers
+        # and GradScaler see one; its state lives on the shards, not here.
+        super().__init__([{"params": g["params"]} for g in optimizer.param_groups], {})
+        self.param_groups = optimizer.param_groups
+        self.defaults = optimizer.defaults
+        optimizer.state.clear()  # e.g. Adagrad's sums, made at construction; ours are remote
+
+    # -- the training step -------------------------------------------------------------------
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears the parameters' gradients, as ``torch.optim.Optimizer.zero_grad`` does."""
+        """Clears the parameters' gradients, as ``torch.optim.Optimizer.zero_grad`` does, and
+        the rows embedding tables gathered since the last step."""
         for table in self._tables.values():
             table.forget()
-        for p in self._params.values():
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                p.grad.detach_()
-                p.grad.zero_()
+        super().zero_grad(set_to_none)
 
-    def step(self) -> None:
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], Any] | None = None, grad_scaler: Any = None
+    ) -> Any:
         """Pushes this worker's gradients (and buffers), then loads the weights the mode allows.
 
         ``sync`` waits until every worker's gradient for this step is applied; ``ssp`` waits
         only while a worker is more than ``staleness`` steps behind; ``async`` never waits.
+        The push carries the groups' hyper-parameters that differ from construction.
+        ``grad_scaler``: given by ``torch.amp.GradScaler.step``.
 
         Raises:
+            ValueError: a group's hyper-parameter out of range, a refused option, or a change
+                to what makes optimizer state (momentum on/off, amsgrad...): nothing sent.
             PSError: the push or pull failed (e.g. WaitTimeoutError naming the late workers).
         """
-        grads = {n: p.grad for n, p in self._params.items() if p.grad is not None}
-        outgoing = self._staging.to_host({**grads, **self._buffers})
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        values = self._changed_values()
         # A table untouched this step is left out: it counts as zero, like a None grad.
         rows = {n: g for n, t in self._tables.items() if (g := t.take_grads()) is not None}
-        targets = {**self._params, **self._buffers}
-        # One round trip per shard per step, decoded straight into the model (or its pinned
-        # staging): no second copy.
-        out = self._staging.receivers(targets)
-        weights = self.client.push_pull({**outgoing, **rows}, out=out)
-        self._staging.to_device(weights, targets)
+        skip = grad_scaler is not None and _unscale(grad_scaler, self, rows)
+        grads = {} if skip else {n: p.grad for n, p in self._params.items() if p.grad is not None}
+        with torch.no_grad():
+            outgoing = self._staging.to_host({**grads, **self._buffers})
+            targets = {**self._params, **self._buffers}
+            # One round trip per shard per step, decoded straight into the model (or its
+            # pinned staging): no second copy.
+            out = self._staging.receivers(targets)
+            weights = self.client.push_pull(
+                {**outgoing, **({} if skip else rows)},
+                out=out,
+                options=StepOptions(values, skip),
+            )
+            self._staging.to_device(weights, targets)
+        if grad_scaler is not None and self.client.last_skipped and not skip:
+            _found_inf(grad_scaler, self)  # another worker skipped: back off as it does
+        self._inner._opt_called = True  # type: ignore[attr-defined]  # for its schedulers
+        return loss
 
-    def state_dict(self) -> dict[str, Any]:
-        """The worker-side state: step, mode and hyper-parameters (optimizer slots live on the
-        shards in parameter-server modes and are checkpointed there)."""
-        return {
-            "step": self.client.step,
-            "mode": self.client.mode,
-            "optimizer": {"name": self.optimizer.name, **self.optimizer.params()},
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores the step counter saved by ``state_dict``.
+    def _changed_values(self) -> dict[int, dict[str, float]]:
+        """Each group's hyper-parameters that differ from construction (checked).
 
         Raises:
-            ConfigError: the saved optimizer differs from this one.
+            ValueError: as ``step``.
         """
-        saved = state.get("optimizer", {})
-        mine = {"name": self.optimizer.name, **self.optimizer.params()}
-        if saved and saved != mine:
-            raise ConfigError(f"state_dict is for optimizer {saved}, this one is {mine}")
-        self.client.step = int(state["step"])
+        if len(self.param_groups) != len(self._base):
+            raise ConfigError(
+                f"the optimizer has {len(self.param_groups)} parameter groups; it had "
+                f"{len(self._base)} when wrapped (add_param_group is not supported)"
+            )
+        kind = type(self._inner).__name__
+        out = {}
+        for index, (group, base) in enumerate(zip(self.param_groups, self._base, strict=True)):
+            now = group_spec(self._cls, group, kind, index, self.defaults)
+            if now.layout() != base.layout():
+                raise ConfigError(
+                    f"torch.optim.{kind} parameter group {index}: {changed_values(base, now)} "
+                    "changes which optimizer state exists; that is fixed at construction"
+                )
+            changed = changed_values(base, now)
+            if changed:
+                out[index] = changed
+        return out
+
+    # -- state_dict ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's format (``state`` and ``param_groups``), the optimizer slots fetched from the
+        shards (or this process): ``load_state_dict`` of the plain torch optimizer of the same
+        class accepts it. (Embedding tables' rows and slots are in the shards' checkpoints.)
+
+        Raises:
+            PSError: the shards did not answer.
+        """
+        slots = self.client.optimizer_state()
+        state = self._inner.state
+        try:
+            for name, p in self._params.items():
+                found = slots_to_torch(self._cls, slots.get(name, {}), p)
+                if found is not None:
+                    state[p] = found
+            return self._inner.state_dict()
+        finally:
+            state.clear()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state_dict in torch's format: ours, or the plain torch optimizer's of the
+        same class (a single-process checkpoint). The groups' hyper-parameters become the
+        current ones; worker 0's slots, and its model's current weights, become the job's (the
+        other workers check they loaded the same state, and wait for worker 0's). Call it on
+        every worker, before training, after loading the model's own state_dict.
+
+        Raises:
+            ValueError: a state_dict of another class, group layout or size.
+            ModelMismatchError: this worker loaded another state than worker 0.
+            PSError: the shards refused the state (nothing changed there).
+        """
+        kind = type(self._inner).__name__
+        saved = state_dict.get("param_groups", [])
+        for index, (group, base) in enumerate(zip(saved, self._base, strict=False)):
+            loaded = group_spec(self._cls, group, kind, index, self.defaults)
+            if loaded.layout() != base.layout():
+                raise ConfigError(
+                    f"the state_dict's parameter group {index} is for {loaded}; this optimizer "
+                    f"runs {base} (the state each keeps differs)"
+                )
+        self._inner.load_state_dict(state_dict)  # torch's checks; casts to the parameters
+        self.param_groups = self._inner.param_groups
+        try:
+            slots = {
+                name: slots_from_torch(self._inner.state[p])
+                for name, p in self._params.items()
+                if p in self._inner.state
+            }
+        finally:
+            self._inner.state.clear()
+        kind = type(self._inner).__name__
+        groups = [
+            group_spec(self._cls, g, kind, i, self.defaults)
+            for i, g in enumerate(self.param_groups)
+        ]
+        everything = {**self._params, **self._buffers}
+        with torch.no_grad():
+            values = {
+                n: np.array(a, copy=True) for n, a in self._staging.to_host(everything).items()
+            }
+            self.client.load_state(values, slots, state_digest(slots, groups))
+            self._staging.to_device(self.client.pull(), everything)
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         yield from self._params.values()
 
 
-def _tables_of(model: torch.nn.Module, client: Client) -> dict[str, _RemoteTable]:
-    """The model's shard-held tables by name.
+def _unscale(scaler: Any, opt: DistributedOptimizer, rows: dict[str, Any]) -> bool:
+    """Unscales this step's gradients for ``scaler`` as ``scaler.step`` would; whether any is
+    inf/NaN (then the step is skipped). Table rows, which the scaler does not see, are
+    unscaled here and count too."""
+    found = scaler._found_inf_per_device(opt)  # filled when the script called unscale_ itself
+    if not found:
+        scaler.unscale_(opt)
+        found = scaler._found_inf_per_device(opt)
+    skip = any(float(t.item()) > 0 for t in found.values())
+    if rows:
+        inv = np.float32(1.0 / np.float64(scaler.get_scale()))  # as torch: in float64
+        for grad in rows.values():
+            grad.values *= inv
+        if not all(np.isfinite(g.values).all() for g in rows.values()):
+            _found_inf(scaler, opt)
+            skip = True
+    return skip
 
-    Raises:
-        ConfigError: two tables share a name, or a table uses another client.
-    """
-    tables: dict[str, _RemoteTable] = {}
-    for module in model.modules():
-        if not isinstance(module, _RemoteTable):
-            continue
-        if module.name in tables and tables[module.name] is not module:
-            raise ConfigError(f"two embedding tables are named '{module.name}'")
-        if module.client is not client:
-            raise ConfigError(f"table '{module.name}' was made with another client")
-        tables[module.name] = module
-    return tables
+
+def _found_inf(scaler: Any, opt: DistributedOptimizer) -> None:
+    """Tells ``scaler`` this step was skipped, so its ``update()`` backs off (the scale
+    shrinks) exactly as after its own inf/NaN."""
+    for tensor in scaler._found_inf_per_device(opt).values():
+        tensor.fill_(1.0)

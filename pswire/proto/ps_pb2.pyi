@@ -82,11 +82,16 @@ class VariableSpec(_message.Message):
     SHAPE_FIELD_NUMBER: _builtins.int
     AVERAGE_FIELD_NUMBER: _builtins.int
     TABLE_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     dtype: _builtins.str
     average: _builtins.bool
     """A buffer (e.g. BatchNorm running statistics), not trained: pushes carry values, and the
     shard stores them (in sync mode their mean over the round) instead of applying the optimizer.
+    """
+    group: _builtins.int
+    """The variable's (or table's) parameter group: 0 is JobSpec.optimizer, i > 0 is
+    JobSpec.groups[i - 1]. Pieces of a split variable keep their variable's group.
     """
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -104,10 +109,11 @@ class VariableSpec(_message.Message):
         shape: _abc.Iterable[_builtins.int] | None = ...,
         average: _builtins.bool = ...,
         table: Global___TableSpec | None = ...,
+        group: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["table", b"table"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["average", b"average", "dtype", b"dtype", "name", b"name", "shape", b"shape", "table", b"table"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["average", b"average", "dtype", b"dtype", "group", b"group", "name", b"name", "shape", b"shape", "table", b"table"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -221,6 +227,7 @@ class JobSpec(_message.Message):
     MODEL_DIGEST_FIELD_NUMBER: _builtins.int
     QUORUM_FIELD_NUMBER: _builtins.int
     JOB_ID_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
     mode: _builtins.str
     """"sync", "async" or "ssp" """
     staleness: _builtins.int
@@ -240,6 +247,13 @@ class JobSpec(_message.Message):
     def variables(self) -> _containers.RepeatedCompositeFieldContainer[Global___VariableSpec]:
         """this shard's slice of the model, in plan order"""
 
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___OptimizerSpec]:
+        """checkpoints: a shard holding another job's id refuses workers
+        Parameter groups after the first (group 0 is `optimizer`), each with its own
+        hyper-parameters (e.g. no weight decay on biases); the same optimizer name throughout.
+        """
+
     def __init__(
         self,
         *,
@@ -251,14 +265,60 @@ class JobSpec(_message.Message):
         model_digest: _builtins.str = ...,
         quorum: _builtins.int = ...,
         job_id: _builtins.str = ...,
+        groups: _abc.Iterable[Global___OptimizerSpec] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["optimizer", b"optimizer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "mode", b"mode", "model_digest", b"model_digest", "num_workers", b"num_workers", "optimizer", b"optimizer", "quorum", b"quorum", "staleness", b"staleness", "variables", b"variables"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "job_id", b"job_id", "mode", b"mode", "model_digest", b"model_digest", "num_workers", b"num_workers", "optimizer", b"optimizer", "quorum", b"quorum", "staleness", b"staleness", "variables", b"variables"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___JobSpec: _TypeAlias = JobSpec  # noqa: Y015
+
+@_typing.final
+class GroupValues(_message.Message):
+    """Hyper-parameters of one parameter group that replace the job's for one update."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ParamsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    PARAMS_FIELD_NUMBER: _builtins.int
+    group: _builtins.int
+    @_builtins.property
+    def params(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        group: _builtins.int = ...,
+        params: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "params", b"params"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GroupValues: _TypeAlias = GroupValues  # noqa: Y015
 
 @_typing.final
 class RegisterWorkerRequest(_message.Message):
@@ -557,8 +617,13 @@ class PullResponse(_message.Message):
 
     CHUNK_FIELD_NUMBER: _builtins.int
     CLOCK_FIELD_NUMBER: _builtins.int
+    SKIPPED_FIELD_NUMBER: _builtins.int
     clock: _builtins.int
     """the shard's clock when the snapshot was taken"""
+    skipped: _builtins.bool
+    """sync: set on one last message without a chunk when the step before the one pulled
+    (PullRequest.step - 1) had no optimizer update because some worker skipped it.
+    """
     @_builtins.property
     def chunk(self) -> Global___TensorChunk: ...
     def __init__(
@@ -566,10 +631,11 @@ class PullResponse(_message.Message):
         *,
         chunk: Global___TensorChunk | None = ...,
         clock: _builtins.int = ...,
+        skipped: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "clock", b"clock"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "clock", b"clock", "skipped", b"skipped"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -611,6 +677,8 @@ class PushHeader(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     SESSION_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
+    SKIP_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.int
     step: _builtins.int
     """the step this gradient belongs to (0-based)"""
@@ -620,6 +688,18 @@ class PushHeader(_message.Message):
     """another (it restarted) refuses with ABORTED: re-register first
     as RegisterWorkerRequest.session
     """
+    skip: _builtins.bool
+    """This worker skips the step (a GradScaler found inf/NaN in its gradients): the push
+    carries buffers only. sync: the step's optimizer update is skipped for every worker;
+    async/ssp: only this push's.
+    """
+    @_builtins.property
+    def values(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupValues]:
+        """The worker's hyper-parameters where they differ from the job's (an lr a scheduler set,
+        ...): this update runs with them. sync: the pushes of one step must agree, else
+        FAILED_PRECONDITION. Only groups and names that differ travel.
+        """
+
     def __init__(
         self,
         *,
@@ -627,10 +707,12 @@ class PushHeader(_message.Message):
         step: _builtins.int = ...,
         incarnation: _builtins.str = ...,
         session: _builtins.str = ...,
+        values: _abc.Iterable[Global___GroupValues] | None = ...,
+        skip: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "session", b"session", "step", b"step", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "session", b"session", "skip", b"skip", "step", b"step", "values", b"values", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -648,6 +730,7 @@ class PushResponse(_message.Message):
     NEXT_STEP_FIELD_NUMBER: _builtins.int
     ABSENT_WORKERS_FIELD_NUMBER: _builtins.int
     JOB_ID_FIELD_NUMBER: _builtins.int
+    SKIPPED_FIELD_NUMBER: _builtins.int
     applied: _builtins.bool
     """false for a duplicate (already applied) or a dropped late push"""
     reason: _builtins.str
@@ -663,6 +746,8 @@ class PushResponse(_message.Message):
     """(silent past the heartbeat timeout, or left)
     the job the shard holds (JobSpec.job_id)
     """
+    skipped: _builtins.bool
+    """PushPull: the step had no optimizer update (sync: some"""
     @_builtins.property
     def absent_workers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """after a late sync push the step the shard is in
@@ -680,10 +765,11 @@ class PushResponse(_message.Message):
         next_step: _builtins.int = ...,
         absent_workers: _abc.Iterable[_builtins.int] | None = ...,
         job_id: _builtins.str = ...,
+        skipped: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["absent_workers", b"absent_workers", "applied", b"applied", "clock", b"clock", "durable_step", b"durable_step", "incarnation", b"incarnation", "job_id", b"job_id", "next_step", b"next_step", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["absent_workers", b"absent_workers", "applied", b"applied", "clock", b"clock", "durable_step", b"durable_step", "incarnation", b"incarnation", "job_id", b"job_id", "next_step", b"next_step", "reason", b"reason", "skipped", b"skipped"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -748,6 +834,103 @@ class PushPullResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PushPullResponse: _TypeAlias = PushPullResponse  # noqa: Y015
+
+@_typing.final
+class PullStateRequest(_message.Message):
+    """The optimizer state of this shard's trained variables (Adam's exp_avg, step, ...), streamed
+    as PullResponse chunks: one tensor per slot named "slot/<slot>/<variable key>"; a number
+    (a step count) is a 0-d int64 tensor.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.int
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullStateRequest: _TypeAlias = PullStateRequest  # noqa: Y015
+
+@_typing.final
+class LoadStateRequest(_message.Message):
+    """LoadState streams a header, then (from worker 0) values and slots as chunks: the variables
+    by key and slots named as PullState's. Worker 0's state replaces the shard's (every trained
+    variable's slots: those not sent start afresh); another worker sends only the digest of
+    the state it loaded, waits for worker 0's, and is refused if they differ.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def header(self) -> Global___LoadStateHeader: ...
+    @_builtins.property
+    def chunk(self) -> Global___TensorChunk: ...
+    def __init__(
+        self,
+        *,
+        header: Global___LoadStateHeader | None = ...,
+        chunk: Global___TensorChunk | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "chunk", b"chunk", "header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "chunk", b"chunk", "header", b"header"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["header", "chunk"]  # noqa: Y015
+    _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
+
+Global___LoadStateRequest: _TypeAlias = LoadStateRequest  # noqa: Y015
+
+@_typing.final
+class LoadStateHeader(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    HAS_VALUES_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.int
+    digest: _builtins.str
+    """of the whole loaded state, the same on every worker"""
+    has_values: _builtins.bool
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.int = ...,
+        digest: _builtins.str = ...,
+        has_values: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "has_values", b"has_values", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadStateHeader: _TypeAlias = LoadStateHeader  # noqa: Y015
+
+@_typing.final
+class LoadStateResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadStateResponse: _TypeAlias = LoadStateResponse  # noqa: Y015
 
 @_typing.final
 class StatusRequest(_message.Message):

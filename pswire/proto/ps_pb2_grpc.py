@@ -69,6 +69,16 @@ class ParameterServerStub:
                 request_serializer=pswire_dot_proto_dot_ps__pb2.PushPullRequest.SerializeToString,
                 response_deserializer=pswire_dot_proto_dot_ps__pb2.PushPullResponse.FromString,
                 _registered_method=True)
+        self.PullState = channel.unary_stream(
+                '/pswire.v1.ParameterServer/PullState',
+                request_serializer=pswire_dot_proto_dot_ps__pb2.PullStateRequest.SerializeToString,
+                response_deserializer=pswire_dot_proto_dot_ps__pb2.PullResponse.FromString,
+                _registered_method=True)
+        self.LoadState = channel.stream_unary(
+                '/pswire.v1.ParameterServer/LoadState',
+                request_serializer=pswire_dot_proto_dot_ps__pb2.LoadStateRequest.SerializeToString,
+                response_deserializer=pswire_dot_proto_dot_ps__pb2.LoadStateResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/pswire.v1.ParameterServer/Status',
                 request_serializer=pswire_dot_proto_dot_ps__pb2.StatusRequest.SerializeToString,
@@ -137,6 +147,18 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullState(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadState(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -192,6 +214,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.PushPullStream,
                     request_deserializer=pswire_dot_proto_dot_ps__pb2.PushPullRequest.FromString,
                     response_serializer=pswire_dot_proto_dot_ps__pb2.PushPullResponse.SerializeToString,
+            ),
+            'PullState': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullState,
+                    request_deserializer=pswire_dot_proto_dot_ps__pb2.PullStateRequest.FromString,
+                    response_serializer=pswire_dot_proto_dot_ps__pb2.PullResponse.SerializeToString,
+            ),
+            'LoadState': grpc.stream_unary_rpc_method_handler(
+                    servicer.LoadState,
+                    request_deserializer=pswire_dot_proto_dot_ps__pb2.LoadStateRequest.FromString,
+                    response_serializer=pswire_dot_proto_dot_ps__pb2.LoadStateResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -398,6 +430,60 @@ class ParameterServer:
             '/pswire.v1.ParameterServer/PushPullStream',
             pswire_dot_proto_dot_ps__pb2.PushPullRequest.SerializeToString,
             pswire_dot_proto_dot_ps__pb2.PushPullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pswire.v1.ParameterServer/PullState',
+            pswire_dot_proto_dot_ps__pb2.PullStateRequest.SerializeToString,
+            pswire_dot_proto_dot_ps__pb2.PullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadState(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/pswire.v1.ParameterServer/LoadState',
+            pswire_dot_proto_dot_ps__pb2.LoadStateRequest.SerializeToString,
+            pswire_dot_proto_dot_ps__pb2.LoadStateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -50,6 +50,8 @@ class ParameterServerStub:
     across its small steps, as a message on an open stream costs less than a new unary call.
     An error ends the call (the worker opens a new one).
     """
+    PullState: _grpc.UnaryStreamMultiCallable[_ps_pb2.PullStateRequest, _ps_pb2.PullResponse]
+    LoadState: _grpc.StreamUnaryMultiCallable[_ps_pb2.LoadStateRequest, _ps_pb2.LoadStateResponse]
     Status: _grpc.UnaryUnaryMultiCallable[_ps_pb2.StatusRequest, _ps_pb2.StatusResponse]
     Checkpoint: _grpc.UnaryUnaryMultiCallable[_ps_pb2.CheckpointRequest, _ps_pb2.CheckpointResponse]
     Leave: _grpc.UnaryUnaryMultiCallable[_ps_pb2.LeaveRequest, _ps_pb2.LeaveResponse]
@@ -72,6 +74,8 @@ class ParameterServerAsyncStub(ParameterServerStub):
     across its small steps, as a message on an open stream costs less than a new unary call.
     An error ends the call (the worker opens a new one).
     """
+    PullState: _aio.UnaryStreamMultiCallable[_ps_pb2.PullStateRequest, _ps_pb2.PullResponse]  # type: ignore[assignment]
+    LoadState: _aio.StreamUnaryMultiCallable[_ps_pb2.LoadStateRequest, _ps_pb2.LoadStateResponse]  # type: ignore[assignment]
     Status: _aio.UnaryUnaryMultiCallable[_ps_pb2.StatusRequest, _ps_pb2.StatusResponse]  # type: ignore[assignment]
     Checkpoint: _aio.UnaryUnaryMultiCallable[_ps_pb2.CheckpointRequest, _ps_pb2.CheckpointResponse]  # type: ignore[assignment]
     Leave: _aio.UnaryUnaryMultiCallable[_ps_pb2.LeaveRequest, _ps_pb2.LeaveResponse]  # type: ignore[assignment]
@@ -133,6 +137,20 @@ class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
         across its small steps, as a message on an open stream costs less than a new unary call.
         An error ends the call (the worker opens a new one).
         """
+
+    @_abc_1.abstractmethod
+    def PullState(
+        self,
+        request: _ps_pb2.PullStateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_ps_pb2.PullResponse], _abc.AsyncIterator[_ps_pb2.PullResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def LoadState(
+        self,
+        request_iterator: _MaybeAsyncIterator[_ps_pb2.LoadStateRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_ps_pb2.LoadStateResponse, _abc.Awaitable[_ps_pb2.LoadStateResponse]]: ...
 
     @_abc_1.abstractmethod
     def Status(

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from pswire.codec import COMPRESSIONS, bfloat16_to_float32, float32_to_bfloat16
-from pswire.errors import ConfigError, InvalidRequestError, not_in_model
-from pswire.optim import Optimizer
+from pswire.errors import ConfigError, InvalidRequestError, ModelMismatchError, not_in_model
+from pswire.optim import Optimizer, StepOptions
 from pswire.security import ClientSecurity
 from pswire.tables import RowSparse, Table
 from psworker.api import PushThenPull
@@ -17,6 +19,9 @@ from psworker.ring.algorithm import DEFAULT_TIMEOUT_S
 from psworker.ring.buckets import DEFAULT_BUCKET_BYTES, BucketPlan
 from psworker.ring.ring import Ring, RingServer
 
+# The skip flag travels in the gradients' all-reduce as one more tensor: a step any worker's
+# GradScaler skipped is skipped by all, with no extra round.
+SKIP_KEY = "\x00skip"
 _NO_TABLES = (
     "embedding tables {} live on parameter-server shards; mode 'allreduce' has none "
     "(use sync, async, ssp or local)"
@@ -68,6 +73,10 @@ class AllReduceClient(PushThenPull):
     def step(self, value: int) -> None:
         self._local.step = value
 
+    @property
+    def last_skipped(self) -> bool:
+        return self._local.last_skipped
+
     def __enter__(self) -> AllReduceClient:
         return self
 
@@ -82,11 +91,13 @@ class AllReduceClient(PushThenPull):
     def init(
         self,
         variables: Mapping[str, np.ndarray],
-        optimizer: Optimizer,
+        optimizer: Optimizer | Sequence[Optimizer],
         buffers: Sequence[str] = (),
         tables: Mapping[str, Table] | None = None,
+        groups: Mapping[str, int] | None = None,
     ) -> None:
-        """Starts every replica from worker 0's values.
+        """Starts every replica from worker 0's values (``optimizer`` and ``groups`` as
+        ``PSClient.init``).
 
         Raises:
             InvalidRequestError: embedding tables (they live on shards, and this mode has
@@ -100,7 +111,7 @@ class AllReduceClient(PushThenPull):
         buckets = plan.flatten(arrays)
         for bucket in buckets:
             self.ring.broadcast(bucket, root=0, inplace=True)
-        self._local.init(plan.unflatten(buckets), optimizer, buffers)
+        self._local.init(plan.unflatten(buckets), optimizer, buffers, groups=groups)
         self._specs = {k: (v.shape, v.dtype) for k, v in arrays.items()}
         self._buffers = set(buffers)
 
@@ -119,8 +130,15 @@ class AllReduceClient(PushThenPull):
         """
         raise InvalidRequestError(_NO_TABLES.format([table]))
 
-    def push(self, grads: Mapping[str, np.ndarray | RowSparse], step: int | None = None) -> bool:
-        """Averages this step's gradients over all workers and applies them locally.
+    def push(
+        self,
+        grads: Mapping[str, np.ndarray | RowSparse],
+        step: int | None = None,
+        options: StepOptions | None = None,
+    ) -> bool:
+        """Averages this step's gradients over all workers and applies them locally, with
+        this worker's ``options`` (every worker runs the same schedule); a skip by any
+        worker (``options.skip``: its gradients are not sent) skips the step on every worker.
 
         Every worker must push the same names each step; a parameter with no gradient on
         this worker counts as zeros (pass all of them).
@@ -135,12 +153,67 @@ class AllReduceClient(PushThenPull):
             if name not in self._specs:
                 raise not_in_model(name, self._specs)
         # Shapes from init, not a pull: a pull would copy the whole model every step.
+        skip = bool(options and options.skip)
         full = {
-            name: np.asarray(grads[name]) if name in grads else np.zeros(shape, dtype)
+            name: np.asarray(grads[name])
+            if name in grads and (not skip or name in self._buffers)
+            else np.zeros(shape, dtype)
             for name, (shape, dtype) in self._specs.items()
         }
+        full[SKIP_KEY] = np.array([1.0 if skip else 0.0], dtype=np.float32)
         mean = self._average(full)
-        return self._local.push(mean, step)
+        if mean.pop(SKIP_KEY)[0] > 0:
+            values = options.values if options is not None else {}
+            options = StepOptions(values, skip=True)
+            mean = {k: v for k, v in mean.items() if k in self._buffers}
+        return self._local.push(mean, step, options)
+
+    def optimizer_state(self) -> dict[str, dict[str, Any]]:
+        """This replica's optimizer slots (the same on every worker)."""
+        return self._local.optimizer_state()
+
+    def load_state(
+        self,
+        values: Mapping[str, np.ndarray] | None,
+        slots: Mapping[str, Mapping[str, Any]],
+        digest: str,
+    ) -> None:
+        """Every worker loads its own state; rank 0's then replaces the others' (values and
+        slots, bit for bit), once every rank checked it loaded the same (``digest``).
+
+        Raises:
+            ModelMismatchError: this rank loaded another state than rank 0.
+            UnknownVariableError, InvalidRequestError: a bad state.
+            WaitTimeoutError, UnavailableError: a peer is silent or gone (named).
+        """
+        mine = np.frombuffer(hashlib.sha256(digest.encode()).digest(), dtype=np.uint8)
+        theirs = self.ring.broadcast(mine, root=0)
+        if not np.array_equal(mine, theirs):
+            raise ModelMismatchError(
+                f"rank {self.worker_id} loaded another optimizer state than rank 0 (state "
+                f"digest {digest}): load the same checkpoint on every rank"
+            )
+        self._local.load_state(values, slots)
+        state = self._local.optimizer_state()
+        arrays = dict(self._local.pull())
+        arrays.update(
+            {
+                f"{k}\x00{n}": v
+                for k, s in state.items()
+                for n, v in s.items()
+                if isinstance(v, np.ndarray)
+            }
+        )
+        plan = BucketPlan.for_arrays(arrays, self.bucket_bytes)
+        buckets = plan.flatten(arrays)
+        for bucket in buckets:
+            self.ring.broadcast(bucket, root=0, inplace=True)
+        agreed = plan.unflatten(buckets)
+        for key, slot_state in state.items():
+            for name in slot_state:
+                if isinstance(slot_state[name], np.ndarray):
+                    slot_state[name] = agreed.pop(f"{key}\x00{name}")
+        self._local.load_state(agreed, state)
 
     def _average(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         wire = {name: self._encode(name, t) for name, t in tensors.items()}

@@ -339,7 +339,7 @@ class Fuzzer:
         job.num_workers = rng.choice([0, -1, -(2**31), LIMITS.max_workers + 1, 2**31 - 1])
         yield from both("bad-num-workers", job, INVALID)
         job = self.job_copy()
-        job.optimizer.name = rng.choice(["", "SGD", "lbfgs", "adamw", "sgd "])
+        job.optimizer.name = rng.choice(["", "SGD", "lbfgs", "lamb", "sgd "])
         yield from both("bad-optimizer", job, INVALID)
         job = self.job_copy()
         job.optimizer.params[rng.choice(["learning_rate", "betas", "", "lr "])] = 0.1

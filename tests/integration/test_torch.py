@@ -120,19 +120,9 @@ def test_unused_parameters_with_none_gradients_are_left_alone():
             model["used"](torch.ones(2, 3)).sum().backward()
             assert model["unused"].weight.grad is None
             opt.step()
-        assert opt.state_dict()["step"] == 3
+        assert client.step == 3
     assert torch.equal(model["unused"].weight, before)
     assert not torch.equal(model["used"].bias, torch.zeros(1))
-
-
-def test_state_dict_round_trips_the_step_and_rejects_another_optimizer():
-    model = torch.nn.Linear(2, 1)
-    with psworker.connect(mode="local") as client:
-        opt = DistributedOptimizer(model, client, psworker.SGD(lr=0.1))
-        opt.load_state_dict({**opt.state_dict(), "step": 5})
-        assert client.step == 5
-        with pytest.raises(ValueError, match="adam"):
-            opt.load_state_dict({"step": 1, "optimizer": {"name": "adam", "lr": 0.1}})
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; the CPU path runs above")

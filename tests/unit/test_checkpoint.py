@@ -272,7 +272,7 @@ def _set(path: list, value):
         (_set(["job", "variables", 0, "shape"], [4, 3]), None, "shape"),
         (_set(["job", "variables", 0, "dtype"], "complex64"), None, "unsupported dtype"),
         (_set(["job", "mode"], "gossip"), None, "unknown mode"),
-        (_set(["job", "optimizer", "name"], "rmsprop"), None, "unknown optimizer"),
+        (_set(["job", "optimizer", "name"], "lamb"), None, "unknown optimizer"),
         (_set(["slot_values", "w"], {}), None, "optimizer slots"),
         (None, lambda t: t.pop("slot/w/exp_avg"), "slot/w/exp_avg"),
         (None, lambda t: t.update(stray=np.zeros(1, np.float32)), "stray"),

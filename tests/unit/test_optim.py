@@ -10,7 +10,19 @@ import numpy as np
 import pytest
 
 from pswire.errors import InvalidRequestError
-from pswire.optim import OPTIMIZERS, SGD, Adagrad, Adam, Optimizer, optimizer_from_spec
+from pswire.optim import (
+    OPTIMIZERS,
+    SGD,
+    Adagrad,
+    Adam,
+    AdamW,
+    Optimizer,
+    RMSprop,
+    StepOptions,
+    group_optimizers,
+    optimizer_from_spec,
+    with_values,
+)
 
 STEPS = 50
 SHAPES = [(6, 5), (7,)]
@@ -25,6 +37,13 @@ CASES: list[tuple[type[Optimizer], dict[str, Any]]] = [
     (Adam, {"lr": 0.01}),
     (Adam, {"lr": 0.02, "beta1": 0.5, "beta2": 0.9, "eps": 1e-6}),
     (Adam, {"lr": 0.01, "weight_decay": 0.05}),
+    (Adam, {"lr": 0.01, "amsgrad": True, "weight_decay": 0.05}),
+    (AdamW, {"lr": 0.01}),
+    (AdamW, {"lr": 0.02, "beta1": 0.5, "weight_decay": 0.1, "amsgrad": True}),
+    (RMSprop, {"lr": 0.01}),
+    (RMSprop, {"lr": 0.01, "alpha": 0.9, "momentum": 0.8, "weight_decay": 0.05}),
+    (RMSprop, {"lr": 0.01, "alpha": 0.3, "centered": True, "eps": 1e-4}),
+    (RMSprop, {"lr": 0.005, "momentum": 0.5, "centered": True}),
     (Adagrad, {"lr": 0.1}),
     (Adagrad, {"lr": 0.1, "lr_decay": 0.05}),
     (Adagrad, {"lr": 0.1, "weight_decay": 0.1, "initial_accumulator_value": 0.5}),
@@ -53,10 +72,12 @@ def torch_optimizer(cls: type[Optimizer], hp: dict[str, Any], params: list) -> A
     torch = pytest.importorskip("torch")
     if cls is SGD:
         return torch.optim.SGD(params, **hp)
-    if cls is Adam:
+    if cls in (Adam, AdamW):
         kw = dict(hp)
         kw["betas"] = (kw.pop("beta1", 0.9), kw.pop("beta2", 0.999))
-        return torch.optim.Adam(params, **kw)
+        return (torch.optim.AdamW if cls is AdamW else torch.optim.Adam)(params, **kw)
+    if cls is RMSprop:
+        return torch.optim.RMSprop(params, **hp)
     return torch.optim.Adagrad(params, **hp)
 
 
@@ -107,16 +128,33 @@ def reference_run(
                 buf = d.copy() if buf is None else h["momentum"] * buf + (1 - h["dampening"]) * d
                 d = d + h["momentum"] * buf if h["nesterov"] else buf
             p = p - h["lr"] * d
-    elif cls is Adam:
+    elif cls in (Adam, AdamW):
         m = np.zeros_like(p)
         v = np.zeros_like(p)
+        v_max = np.zeros_like(p)
         for t, g in enumerate(grads, start=1):
-            g = g + h["weight_decay"] * p
+            if cls is AdamW:
+                p = p * (1 - h["lr"] * h["weight_decay"])
+            else:
+                g = g + h["weight_decay"] * p
             m = h["beta1"] * m + (1 - h["beta1"]) * g
             v = h["beta2"] * v + (1 - h["beta2"]) * g**2
+            v_max = np.maximum(v_max, v)
             m_hat = m / (1 - h["beta1"] ** t)
-            v_hat = v / (1 - h["beta2"] ** t)
+            v_hat = (v_max if h["amsgrad"] else v) / (1 - h["beta2"] ** t)
             p = p - h["lr"] * m_hat / (np.sqrt(v_hat) + h["eps"])
+    elif cls is RMSprop:
+        sq, mean, buf = np.zeros_like(p), np.zeros_like(p), np.zeros_like(p)
+        for g in grads:
+            g = g + h["weight_decay"] * p
+            sq = h["alpha"] * sq + (1 - h["alpha"]) * g**2
+            mean = h["alpha"] * mean + (1 - h["alpha"]) * g
+            avg = np.sqrt(sq - mean**2 if h["centered"] else sq) + h["eps"]
+            if h["momentum"]:
+                buf = h["momentum"] * buf + g / avg
+                p = p - h["lr"] * buf
+            else:
+                p = p - h["lr"] * g / avg
     else:
         acc = np.full_like(p, h["initial_accumulator_value"])
         for t, g in enumerate(grads, start=1):
@@ -171,6 +209,8 @@ ALL_OPTIMIZERS = [
     SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
     Adam(lr=0.1, weight_decay=0.01),
     Adagrad(lr=0.1, lr_decay=0.01, weight_decay=0.01),
+    AdamW(lr=0.1, amsgrad=True),
+    RMSprop(lr=0.1, momentum=0.9, centered=True, weight_decay=0.01),
 ]
 
 
@@ -223,7 +263,7 @@ def test_spec_round_trips(case: tuple[type[Optimizer], dict[str, Any]]) -> None:
 
 
 def test_spec_defaults_and_partial_params() -> None:
-    assert sorted(OPTIMIZERS) == ["adagrad", "adam", "sgd"]
+    assert sorted(OPTIMIZERS) == ["adagrad", "adam", "adamw", "rmsprop", "sgd"]
     for name, cls in OPTIMIZERS.items():
         assert optimizer_from_spec(name, {}) == cls()
     assert optimizer_from_spec("adam", {"lr": 0.5}) == Adam(lr=0.5)
@@ -232,8 +272,8 @@ def test_spec_defaults_and_partial_params() -> None:
 
 
 def test_spec_rejects_an_unknown_optimizer() -> None:
-    with pytest.raises(InvalidRequestError, match=r"'rmsprop'.*adagrad.*adam.*sgd"):
-        optimizer_from_spec("rmsprop", {})
+    with pytest.raises(InvalidRequestError, match=r"'lamb'.*adagrad.*adam.*sgd"):
+        optimizer_from_spec("lamb", {})
 
 
 @pytest.mark.parametrize(
@@ -292,8 +332,10 @@ def test_torch_rejects_the_same_ranges() -> None:
         SGD(lr=0.1, momentum=0.9, nesterov=True),
         Adam(lr=0.01, weight_decay=0.01),
         Adagrad(lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1),
+        AdamW(lr=0.01, amsgrad=True),
+        RMSprop(lr=0.01, momentum=0.9, centered=True),
     ],
-    ids=["sgd", "momentum-dampening-decay", "nesterov", "adam", "adagrad"],
+    ids=["sgd", "momentum-dampening-decay", "nesterov", "adam", "adagrad", "adamw", "rmsprop"],
 )
 def test_blocked_apply_is_bit_identical_to_whole_apply(optimizer) -> None:
     rng = np.random.default_rng(0)
@@ -312,3 +354,46 @@ def test_blocked_apply_is_bit_identical_to_whole_apply(optimizer) -> None:
             assert blocked_state[key].shape == value.shape
         else:
             assert value == blocked_state[key], key
+
+
+# --- hyper-parameters that change during training ----------------------------------------
+
+
+def test_with_values_replaces_values_and_keeps_the_rest() -> None:
+    base = AdamW(lr=0.01, weight_decay=0.1)
+    assert with_values(base, {}) is base
+    changed = with_values(base, {"lr": 0.5, "beta1": 0.8})
+    assert changed == AdamW(lr=0.5, beta1=0.8, weight_decay=0.1)
+    assert type(changed) is AdamW
+
+
+@pytest.mark.parametrize(
+    ("base", "values", "detail"),
+    [
+        (SGD(lr=0.1, momentum=0.9), {"momentum": 0.0}, "which optimizer state"),
+        (SGD(lr=0.1), {"momentum": 0.9}, "which optimizer state"),
+        (Adam(), {"amsgrad": 1.0}, "which optimizer state"),
+        (RMSprop(), {"centered": 1.0}, "which optimizer state"),
+        (RMSprop(momentum=0.5), {"momentum": 0.0}, "which optimizer state"),
+        (SGD(), {"lr": -1.0}, "invalid lr"),
+        (Adam(), {"beta2": 1.0}, "beta2"),
+        (Adam(), {"lr": math.nan}, "'lr' is nan"),
+        (Adam(), {"momentum": 0.9}, "no parameter 'momentum'"),
+        (SGD(momentum=0.9), {"nesterov": 0.5}, "is a flag"),
+    ],
+)
+def test_with_values_refuses_bad_or_layout_changing_values(base, values, detail) -> None:
+    with pytest.raises(InvalidRequestError, match=detail) as info:
+        with_values(base, values, "parameter group 3")
+    assert "parameter group 3" in str(info.value)
+
+
+def test_group_optimizers_applies_each_groups_values() -> None:
+    groups = (SGD(lr=0.1, momentum=0.9), SGD(lr=0.2))
+    assert group_optimizers(groups, None) == groups
+    assert group_optimizers(groups, StepOptions()) == groups
+    out = group_optimizers(groups, StepOptions({1: {"lr": 0.0}}))
+    assert out == (groups[0], SGD(lr=0.0))
+    assert out[0] is groups[0]
+    with pytest.raises(InvalidRequestError, match=r"parameter group 2; the job has groups 0\.\.1"):
+        group_optimizers(groups, StepOptions({2: {"lr": 0.1}}))

@@ -1,0 +1,125 @@
+"""``PSClient``'s optimizer state calls: read every trained variable's slots from the shards
+(joined across split variables) and load a state into them (a mixin of ``PSClient``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
+
+import numpy as np
+
+from pswire.codec import ChunkAssembler
+from pswire.errors import not_in_model
+from pswire.optstate import split_state, state_arrays
+from pswire.proto import ps_pb2
+from pswire.wiremsg import encode_chunk_messages
+from psworker.link import ShardLink
+from psworker.placement import ShardMap
+
+T = TypeVar("T")
+Slots = dict[str, dict[str, Any]]  # variable -> slot -> array or count
+
+
+class ClientState:
+    """Optimizer state over the shards; ``PSClient`` provides the links and the placement."""
+
+    links: list[ShardLink]
+    worker_id: int
+    chunk_bytes: int
+
+    def _require_map(self) -> ShardMap:
+        raise NotImplementedError
+
+    def _fan_out(self, fn: Callable[[int], T]) -> list[T]:
+        raise NotImplementedError
+
+    def optimizer_state(self) -> Slots:
+        """Every trained variable's optimizer slots (arrays; counts such as Adam's step as
+        ints), a split variable's pieces joined; slots not made yet are left out.
+
+        Raises:
+            PSError: a shard failed to answer.
+        """
+        shard_map = self._require_map()
+
+        def one(shard: int) -> dict[str, np.ndarray]:
+            link = self.links[shard]
+            request = ps_pb2.PullStateRequest(worker_id=self.worker_id)
+
+            def run(stub: Any) -> dict[str, np.ndarray]:
+                assembler = ChunkAssembler()
+                for reply in stub.PullState(request, timeout=link.timeout):
+                    assembler.add(reply.chunk)
+                return assembler.finish()
+
+            return link.call("PullState", run)
+
+        merged: dict[str, np.ndarray] = {}
+        for part in self._fan_out(one):
+            merged.update(part)
+        _, by_piece = split_state(merged)
+        out: Slots = {}
+        for var in shard_map.variables:
+            parts = shard_map.pieces_of(var.name)
+            if parts[0].key not in by_piece:
+                continue  # a buffer: no optimizer state
+            state: dict[str, Any] = {}
+            for slot, first in by_piece[parts[0].key].items():
+                found = [by_piece.get(p.key, {}).get(slot) for p in parts]
+                pieces = [p for p in found if p is not None]
+                if len(pieces) < len(parts):
+                    continue  # made on some pieces only (never happens: pieces step together)
+                if first.dtype.kind in "iu" and first.ndim == 0:
+                    state[slot] = int(first)  # a count: the same on every piece
+                else:
+                    state[slot] = first if len(parts) == 1 else np.concatenate(pieces, axis=0)
+            out[var.name] = state
+        return out
+
+    def load_state(
+        self,
+        values: Mapping[str, np.ndarray] | None,
+        slots: Mapping[str, Mapping[str, Any]],
+        digest: str,
+    ) -> None:
+        """Worker 0: its ``values`` and optimizer ``slots`` replace the shards' (a trained
+        variable left out of ``slots`` starts its optimizer state afresh). Other workers send
+        nothing but ``digest``: they wait until worker 0 has loaded, and check it loaded the
+        same state.
+
+        Raises:
+            ModelMismatchError: this worker loaded another state than worker 0.
+            UnknownVariableError, InvalidRequestError: a bad state (the shards changed nothing).
+            WaitTimeoutError: worker 0 did not load in time.
+        """
+        shard_map = self._require_map()
+        send = self.worker_id == 0
+        value_pieces = shard_map.split(dict(values or {})) if send else []
+        slot_pieces: list[Slots] = [{} for _ in self.links]
+        for name, state in slots.items() if send else ():
+            parts = shard_map.pieces_of(name)
+            if not parts:
+                raise not_in_model(name, (v.name for v in shard_map.variables))
+            for piece in parts:
+                slot_pieces[piece.shard][piece.key] = {
+                    slot: v[piece.start : piece.stop]
+                    if len(parts) > 1 and isinstance(v, np.ndarray)
+                    else v
+                    for slot, v in state.items()
+                }
+
+        def one(shard: int) -> None:
+            link = self.links[shard]
+            header = ps_pb2.LoadStateHeader(worker_id=self.worker_id, digest=digest)
+            header.has_values = send
+
+            def stream() -> Iterator[bytes | ps_pb2.LoadStateRequest]:
+                yield ps_pb2.LoadStateRequest(header=header)
+                if send:
+                    arrays = {**value_pieces[shard], **state_arrays(slot_pieces[shard])}
+                    for key, array in arrays.items():
+                        yield from encode_chunk_messages(key, array, 2, self.chunk_bytes)
+
+            link.call("LoadState", lambda stub: stub.LoadState(stream(), timeout=link.timeout))
+
+        self._fan_out(one)

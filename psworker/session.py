@@ -1,0 +1,120 @@
+"""This worker process's part in a job: its settings for every shard, the job id it trains,
+its heartbeats, and which workers the shards say are absent."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+
+from pswire.errors import ModelMismatchError
+from pswire.proto import ps_pb2
+
+log = logging.getLogger(__name__)
+# A worker keeps its pushes since the shard's newest checkpoint, to replay them if the shard
+# restarts: at most this many bytes per shard (or four pushes, if more); when full it asks the
+# shard to checkpoint, then forgets what the checkpoint holds.
+DEFAULT_REPLAY_BYTES = 64 << 20
+
+if TYPE_CHECKING:
+    from psworker.link import ShardLink
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    """What every link of one client shares."""
+
+    worker_id: int
+    num_workers: int
+    timeout: float
+    retry_s: float
+    chunk_bytes: int
+    session: str = ""  # this client process's id (one process per worker id)
+    replay_bytes: int = DEFAULT_REPLAY_BYTES
+
+
+class JobIdentity:
+    """The job id this worker trains, as the shards report it (or as the user fixed it): a
+    shard that reports another is refused, so a model is never mixed from two runs."""
+
+    def __init__(self, fixed: str = "") -> None:
+        self.value = fixed
+        self._lock = threading.Lock()
+
+    def check(self, seen: str, where: str) -> None:
+        """Learns ``seen`` if no id is known yet; refuses a different one.
+
+        Raises:
+            ModelMismatchError: ``where`` holds another job.
+        """
+        if not seen:
+            return  # the shard has no job yet, or only a provisional one
+        with self._lock:
+            if not self.value:
+                self.value = seen
+                return
+            if seen != self.value:
+                raise ModelMismatchError(
+                    f"{where} holds job {seen}, but this worker trains job {self.value}: the "
+                    "shard was restored from another run's checkpoint (or restarted empty while "
+                    "the others kept theirs); refusing to mix two runs. Restore every shard from "
+                    "the same run, or clear the checkpoint folders to start anew"
+                )
+
+
+class Heartbeats:
+    """A background thread telling every shard, every ``interval`` seconds, that this worker
+    is alive (0: none)."""
+
+    def __init__(self, links: Sequence[ShardLink], interval: float, worker: int, session: str):
+        self._links = links
+        self._interval = interval
+        self._request = ps_pb2.HeartbeatRequest(worker_id=worker, session=session)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._name = f"ps-heartbeat-{worker}"
+
+    def start(self) -> None:
+        if self._interval > 0 and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            for link in self._links:
+                try:
+                    link.stub.Heartbeat(self._request, timeout=max(1.0, self._interval))
+                except grpc.RpcError as exc:  # the training calls report and recover
+                    log.debug("heartbeat to shard %d failed: %s", link.index, exc.code())
+
+
+class AbsentWorkers:
+    """The workers the shards report out of the quorum; a change is logged (a warning when
+    workers drop out: steps go on without them)."""
+
+    def __init__(self, worker: int) -> None:
+        self.worker = worker
+        self.current: frozenset[int] = frozenset()
+
+    def update(self, replies: Iterable[ps_pb2.PushResponse]) -> None:
+        absent = frozenset(w for r in replies for w in r.absent_workers)
+        if absent == self.current:
+            return
+        if absent - self.current:
+            log.warning(
+                "workers %s are out of the quorum (silent past the shards' heartbeat timeout, "
+                "or left the job): steps now go on without them",
+                sorted(absent - self.current),
+            )
+        if self.current - absent:
+            log.info("workers %s are back in the quorum", sorted(self.current - absent))
+        self.current = absent

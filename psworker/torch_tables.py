@@ -1,0 +1,153 @@
+"""Embedding tables that live on the parameter-server shards: ``Embedding``, ``EmbeddingBag``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from pswire.errors import ConfigError
+from pswire.tables import RowSparse, Table
+from psworker.api import Client
+
+# The zero-element parameter standing for a table in model.parameters(): whichever parameter
+# group of a torch optimizer holds it is the table's group (e.g. one without weight decay).
+HANDLE = "handle"
+
+
+class _RemoteTable(torch.nn.Module):
+    """An embedding table that lives on the shards: a forward pulls only the batch's rows."""
+
+    def __init__(
+        self,
+        num_embeddings: int | None,
+        embedding_dim: int,
+        client: Client,
+        name: str,
+        *,
+        init: str = "normal",
+        init_scale: float = 1.0,
+        seed: int = 0,
+        capacity: int = 0,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.table = Table(
+            num_embeddings, embedding_dim, "float32", init, init_scale, seed, capacity
+        )
+        self.client = client
+        self.name = name
+        self.device = torch.device(device or "cpu")
+        self._pending: list[tuple[np.ndarray, torch.Tensor]] = []
+        # Stands for the table in parameter groups; never trained, never in state_dict.
+        self.handle = torch.nn.Parameter(torch.zeros(0, device=self.device))
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        pass  # the rows live on the shards (psctl checkpoint); the handle holds nothing
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Any,
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        state_dict.pop(prefix + HANDLE, None)  # saved by an earlier build: nothing to load
+
+    def extra_repr(self) -> str:
+        t = self.table
+        rows = "dynamic" if t.num_rows is None else t.num_rows
+        return f"'{self.name}', {rows}, {t.dim}" + (
+            f", capacity={t.capacity}" if t.capacity else ""
+        )
+
+    def _rows(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the batch's distinct rows, pulled; each input position's index into them)."""
+        if input.dtype.is_floating_point or input.dtype.is_complex:
+            raise TypeError(f"table '{self.name}' takes integer ids, got {input.dtype}")
+        ids = input.detach().cpu().numpy().astype(np.int64, copy=False).reshape(-1)
+        unique, inverse = np.unique(ids, return_inverse=True)
+        rows = torch.from_numpy(self.client.pull_rows(self.name, unique)).to(self.device)
+        if torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            self._pending.append((unique, rows))
+        index = torch.from_numpy(inverse.reshape(input.shape)).to(self.device)
+        return rows, index
+
+    def take_grads(self) -> RowSparse | None:
+        """The row-sparse gradient of every forward since the last call (None: no rows got
+        a gradient); forgets those forwards."""
+        parts = [(ids, rows.grad) for ids, rows in self._pending if rows.grad is not None]
+        self._pending = []
+        if not parts:
+            return None
+        ids = np.concatenate([p[0] for p in parts])
+        values = np.concatenate([g.detach().cpu().numpy() for _, g in parts])
+        return RowSparse(ids, values)
+
+    def forget(self) -> None:
+        self._pending = []
+
+
+class Embedding(_RemoteTable):
+    """``torch.nn.Embedding`` whose table lives on the parameter-server shards.
+
+    ``num_embeddings`` None makes a dynamic table (any int64 id, such as a feature hash; rows
+    are created on first touch, ``capacity`` bounds each shard's rows with LRU eviction).
+    Each forward pulls only the distinct ids of its batch; backward gives those rows'
+    gradient, which ``DistributedOptimizer.step()`` pushes as a ``RowSparse``: no worker ever
+    holds the table. Rows start as N(0, init_scale**2) (``init="normal"``, scale 1 as in
+    torch), ``"uniform"`` or ``"zeros"``, drawn from ``(seed, id)``.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        rows, index = self._rows(input)
+        return torch.nn.functional.embedding(index, rows)
+
+
+class EmbeddingBag(_RemoteTable):
+    """``torch.nn.EmbeddingBag`` (``mode`` "sum" or "mean") over a table on the shards: a 2-d
+    input is one bag per row; a 1-d input needs ``offsets``, as in torch."""
+
+    def __init__(self, *args: Any, mode: str = "mean", **kwargs: Any) -> None:
+        if mode not in ("sum", "mean"):
+            raise ConfigError(f"mode must be 'sum' or 'mean', got {mode!r}")
+        super().__init__(*args, **kwargs)
+        self.mode = mode
+
+    def forward(
+        self,
+        input: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        rows, index = self._rows(input)
+        return torch.nn.functional.embedding_bag(
+            index,
+            rows,
+            offsets.to(self.device) if offsets is not None else None,
+            mode=self.mode,
+            per_sample_weights=per_sample_weights,
+        )
+
+
+def _tables_of(model: torch.nn.Module, client: Client) -> dict[str, _RemoteTable]:
+    """The model's shard-held tables by name.
+
+    Raises:
+        ValueError: two tables share a name, or a table uses another client.
+    """
+    tables: dict[str, _RemoteTable] = {}
+    for module in model.modules():
+        if not isinstance(module, _RemoteTable):
+            continue
+        if module.name in tables and tables[module.name] is not module:
+            raise ConfigError(f"two embedding tables are named '{module.name}'")
+        if module.client is not client:
+            raise ConfigError(f"table '{module.name}' was made with another client")
+        tables[module.name] = module
+    return tables
