@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 import psworker
-from bench import flight_proto, flight_ring, memory, peers, torchps
+from bench import flight_proto, flight_ring, flight_service, memory, peers, torchps
 from bench.latency import STREAM_ECHO, echo_steps
 from bench.report import Ratio, Table, check, median, print_table
 from bench.throughput import FULL_SHAPES, RAW_GRPC, RAW_TCP, nbytes_of, raw_steps
@@ -35,6 +35,7 @@ MID: dict[str, tuple[int, ...]] = {  # 1,001,152 params
 OURS = "ours today (push_pull, out=)"
 FLIGHT_CALL = "Flight DoExchange, new call per step"
 FLIGHT_OPEN = "Flight DoExchange, exchange kept open"
+FLIGHT_BUILT = "Flight data port as built (docs/flight.md)"
 TORCH_TCP = "torch RPC PS, TCP only"
 TORCH_DEFAULT = "torch RPC PS, default transport"
 # (label, shapes, shards, rounds, quick rounds, the goals for Flight against the peers)
@@ -78,6 +79,7 @@ def measure_group(
         steps: dict[str, Step] = {OURS: st.enter_context(ours_step(shapes, shards, Path(tmp)))}
         for name, keep in ((FLIGHT_CALL, False), (FLIGHT_OPEN, True)):
             steps[name] = st.enter_context(flight_proto.flight_step(shapes, shards, keep, piece))
+        steps[FLIGHT_BUILT] = st.enter_context(flight_service.service_step(shapes, shards))
         steps[TORCH_TCP] = st.enter_context(torchps.torch_ps(shapes, shards, torchps.TCP))
         steps[TORCH_DEFAULT] = st.enter_context(torchps.torch_ps(shapes, shards, torchps.DEFAULT))
         steps.update(st.enter_context(raw_steps(nbytes, tcp=True)))
@@ -127,7 +129,7 @@ def measure(quick: bool, piece: int = flight_proto.PIECE_BYTES, ring: bool = Tru
                     med[name] / med[best],
                 ]
             )
-        for ours in (OURS, FLIGHT_CALL, FLIGHT_OPEN):
+        for ours in (OURS, FLIGHT_CALL, FLIGHT_OPEN, FLIGHT_BUILT):
             for peer in (TORCH_TCP, TORCH_DEFAULT, RAW_GRPC, RAW_TCP):
                 r = med[peer] / med[ours]
                 goal = goals.get(peer, "") if ours == best else ""
@@ -189,7 +191,9 @@ def measure(quick: bool, piece: int = flight_proto.PIECE_BYTES, ring: bool = Tru
             "'x ours'/'x Flight best': this system's median time over theirs (>1: slower).",
             "ours: psworker.connect + push_pull(grads, out=model) against `python -m psserver`. "
             "Flight: bench/flight_proto.py, a record batch per piece of <= "
-            f"{piece >> 20} MiB, zero-copy both ways, replies copied into the model's arrays.",
+            f"{piece >> 20} MiB, zero-copy both ways, replies copied into the model's arrays. "
+            "As built: psserver/flight_service.py + psworker/flight_link.py (exchange kept "
+            "open, whole step received, then one Shard.push_pull, reply from a snapshot copy).",
             "torch RPC PS as bench/throughput.py; raw peers: 1 server process moving the same "
             "bytes (gRPC: 4 MiB chunks streamed each way; TCP: sendall/recv_into).",
             "ring: median slowest-rank time, the three systems alternating in the same "
