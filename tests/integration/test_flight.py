@@ -188,8 +188,8 @@ BAD_STEPS = [
     ({"ghost": np.ones(3, np.float32)}, UnknownVariableError, "NOT_FOUND", "ghost"),
     ({"w": np.ones((3, 4), np.float32)}, ShapeMismatchError, "INVALID_ARGUMENT", r"\(4, 3\)"),
     ({"w": np.ones((4, 3), np.float64)}, InvalidRequestError, "INVALID_ARGUMENT", "float64"),
-    (
-        {"b": np.array([1.0, np.nan, 2.0], np.float32), "w": GRAD["w"]},
+    (  # a valid tensor first: a shard applying tensor by tensor would change "w"
+        {"w": GRAD["w"], "b": np.array([1.0, np.nan, 2.0], np.float32)},
         InvalidRequestError,
         "INVALID_ARGUMENT",
         "non-finite",
@@ -333,7 +333,8 @@ def test_mutual_tls_with_the_token(pair, certs: CertPaths) -> None:
 
 
 def test_a_step_the_rule_holds_back_ends_within_its_deadline(pair) -> None:
-    p = pair(mode="sync", workers=2)  # worker 1 never pushes: step 0 never closes
+    # Worker 1 never pushes: step 0 never closes. The shard would wait 30 s on its own.
+    p = pair(mode="sync", workers=2, limits=Limits(max_wait_s=30.0))
     link = link_to(p, timeout=1.5)
     started = time.monotonic()
     with pytest.raises(WaitTimeoutError) as info:
