@@ -91,29 +91,25 @@ class FlightShardService(flight.FlightServerBase):
                     return  # the worker closed the exchange: done
                 if context.is_cancelled():
                     raise CallCancelledError(f"{op.decode()}: the worker cancelled the call")
-                if first.data is not None:
-                    raise InvalidRequestError(
-                        f"{op.decode()}: a step starts with its header, not a record batch"
-                    )
-                step(first.app_metadata, reader, writer)
+                step(first, reader, writer)
         except Exception as exc:
             raise fw.to_flight_error(exc, f"DoExchange {op!r}") from None
 
     def _ops(self) -> dict[bytes, Any]:
         return {fw.PUSH_PULL: self._push_pull, fw.PUSH: self._push, fw.PULL: self._pull}
 
-    def _read_push(self, header: Any, reader: Any, where: str) -> tuple[Any, dict[str, Any]]:
+    def _read_push(self, first: Any, reader: Any, where: str) -> tuple[Any, dict[str, Any]]:
         """(the request, its gradients), every tensor checked against the manifest and the
         shard's byte limit before its bytes are read."""
-        request = fw.parse(ps_pb2.PushPullRequest, header, where)
+        request = fw.parse(ps_pb2.PushPullRequest, first.app_metadata, where)
         limit = self.shard.limits.max_request_bytes
         fw.check_manifest(request.chunks, limit, where)
         assembler = ChunkAssembler(limit)
-        fw.read_tensors(reader, request.chunks, assembler, where)
+        fw.read_step(reader, first.data, request.chunks, assembler, where)
         return request, assembled_grads(assembler)
 
-    def _push_pull(self, header: Any, reader: Any, writer: Any) -> None:
-        request, grads = self._read_push(header, reader, "push_pull")
+    def _push_pull(self, first: Any, reader: Any, writer: Any) -> None:
+        request, grads = self._read_push(first, reader, "push_pull")
         h = request.header
         result, snapshot, clock = self.shard.push_pull(
             h.worker_id,
@@ -126,8 +122,8 @@ class FlightShardService(flight.FlightServerBase):
         )
         self._reply(writer, _push_response(result, self.shard.incarnation), snapshot, clock)
 
-    def _push(self, header: Any, reader: Any, writer: Any) -> None:
-        request, grads = self._read_push(header, reader, "push")
+    def _push(self, first: Any, reader: Any, writer: Any) -> None:
+        request, grads = self._read_push(first, reader, "push")
         h = request.header
         result = self.shard.push(
             h.worker_id,
@@ -139,8 +135,10 @@ class FlightShardService(flight.FlightServerBase):
         )
         self._reply(writer, _push_response(result, self.shard.incarnation), {}, result.clock)
 
-    def _pull(self, header: Any, reader: Any, writer: Any) -> None:
-        request = fw.parse(ps_pb2.PullRequest, header, "pull")
+    def _pull(self, first: Any, reader: Any, writer: Any) -> None:
+        if first.data is not None:
+            raise InvalidRequestError("pull: a pull request carries no tensor bytes")
+        request = fw.parse(ps_pb2.PullRequest, first.app_metadata, "pull")
         rows = [(q.table, _row_ids(q)) for q in request.rows]
         snapshot, clock = self.shard.pull(
             request.worker_id,
@@ -166,8 +164,7 @@ class FlightShardService(flight.FlightServerBase):
         reply = ps_pb2.PushPullResponse(chunks=entries, clock=clock)
         if pushed is not None:
             reply.push.CopyFrom(pushed)
-        writer.write_metadata(reply.SerializeToString())
-        fw.write_tensors(writer, raws, self.piece_bytes)
+        fw.write_step(writer, reply.SerializeToString(), list(raws.values()), self.piece_bytes)
 
 
 def _snapshot(arrays: Mapping[str, np.ndarray], clock: int) -> dict[str, np.ndarray]:

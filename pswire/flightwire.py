@@ -1,20 +1,21 @@
 """Tensor bytes on Arrow Flight: the DoExchange framing both ends share, and errors both ways.
 
 A data call is one Flight ``DoExchange`` whose descriptor command names the operation
-(``PUSH_PULL``, ``PUSH``, ``PULL``) and that carries any number of steps in turn. A step is:
+(``PUSH_PULL``, ``PUSH``, ``PULL``) and that carries any number of steps in turn. A step is a
+header and a byte stream:
 
-- from the worker, a metadata-only message holding the request's protobuf (``PushPullRequest``
-  for a push, whose ``chunks`` are the tensors' manifest: name, dtype, shape, total_bytes and a
-  table's row ids, with no data; ``PullRequest`` for a pull), then, for each manifest entry in
-  order, one or more record batches of the tensor's bytes;
-- from the shard, a metadata-only ``PushPullResponse`` (the push's result, the clock, the
-  manifest of the weights sent back), then the weights' record batches the same way.
+- the header is the request's protobuf, as app metadata of the step's first message:
+  ``PushPullRequest`` for a push, whose ``chunks`` are the tensors' manifest (name, dtype,
+  shape, total_bytes and a table's row ids, no data), ``PullRequest`` for a pull; the shard's
+  reply is a ``PushPullResponse`` (the push's result, the clock, the manifest of the weights);
+- the byte stream is every manifest tensor's raw little-endian bytes, in manifest order, cut
+  into record batches of one non-null ``uint8`` column: the first rides with the header, the
+  rest carry no metadata. A large tensor travels in batches over its own memory (no copy,
+  ``pa.py_buffer``); small tensors share one batch, so a small step is one message each way.
 
-A record batch has one column of ``uint8``: a tensor's raw little-endian bytes, whatever its
-dtype, built over the array's memory without a copy (``pa.py_buffer``); its app metadata is a
-``TensorChunk`` holding the tensor's name and the byte offset of the batch. A received batch
-is read as a view of the buffer gRPC received into; the shared ``ChunkAssembler`` checks and
-assembles the pieces exactly as it does for the grpcio messages.
+A received batch is read as a view of the buffer gRPC received into; the shared
+``ChunkAssembler`` checks and assembles each tensor's bytes exactly as it does for the grpcio
+messages.
 
 Errors: a ``PSError`` travels as the Flight error of its status where Flight has one
 (UNAUTHENTICATED, DEADLINE_EXCEEDED, CANCELLED, UNAVAILABLE, INTERNAL), else as a
@@ -25,7 +26,7 @@ the class and the message, so the worker raises the very class the shard raised.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -48,6 +49,9 @@ COMMANDS = (PUSH_PULL, PUSH, PULL)
 # A record batch's largest body: the bench's sweep (bench/flight.py --piece-mib) found 1-4 MiB
 # alike and 16 MiB slower (less overlap, larger buffers to fault in).
 PIECE_BYTES = 4 << 20
+# Tensors under this size share record batches (copied together): a message costs far more
+# than copying a few KiB, and a small model's step is then one message each way.
+PACK_BYTES = 64 << 10
 _SEP = b"\x00"
 
 
@@ -153,56 +157,99 @@ def check_manifest(entries: Any, max_bytes: int | None, where: str) -> int:
 # -- a step's tensors, both ways ----------------------------------------------------------------
 
 
-def write_tensors(writer: Any, tensors: Mapping[str, np.ndarray], piece_bytes: int) -> None:
-    """Writes each tensor's bytes (``encode_tensor``'s uint8 arrays) as record batches of at
-    most ``piece_bytes`` each, at least one per tensor."""
-    step = max(1, piece_bytes)
-    for name, raw in tensors.items():
-        for offset in range(0, max(1, raw.nbytes), step):
-            meta = ps_pb2.TensorChunk(name=name, offset=offset).SerializeToString()
-            writer.write_with_metadata(as_batch(raw[offset : offset + step]), meta)
+def write_step(writer: Any, header: bytes, raws: Sequence[np.ndarray], piece_bytes: int) -> None:
+    """Writes one step: ``header`` (a serialized request or reply) riding on the first record
+    batch, the tensors' bytes (``encode_tensor``'s uint8 arrays) as one stream in order.
+
+    A tensor of at least ``PACK_BYTES`` goes out in batches of at most ``piece_bytes`` over its
+    own memory (no copy); runs of smaller tensors are packed into one batch (one small copy),
+    so a small model's step is a single message. A step without bytes is the header alone.
+    """
+    piece = max(1, piece_bytes)
+    pending: list[np.ndarray] = []  # small tensors waiting to be packed
+    size = 0
+    meta: bytes | None = header
+
+    def send(data: np.ndarray) -> None:
+        nonlocal meta
+        if meta is None:
+            writer.write_batch(as_batch(data))
+        else:
+            writer.write_with_metadata(as_batch(data), meta)
+            meta = None
+
+    def flush() -> None:
+        nonlocal pending, size
+        if pending:
+            send(pending[0] if len(pending) == 1 else np.concatenate(pending))
+        pending, size = [], 0
+
+    for raw in raws:
+        if not raw.nbytes:
+            continue
+        if raw.nbytes < PACK_BYTES:
+            if size + raw.nbytes > piece:
+                flush()
+            pending.append(raw)
+            size += raw.nbytes
+            continue
+        flush()
+        for offset in range(0, raw.nbytes, piece):
+            send(raw[offset : offset + piece])
+    flush()
+    if meta is not None:
+        writer.write_metadata(meta)
 
 
-def read_tensors(
-    reader: Any, entries: Any, assembler: ChunkAssembler, where: str
+def read_step(
+    reader: Any, first: Any, entries: Any, assembler: ChunkAssembler, where: str
 ) -> dict[str, np.ndarray]:
-    """Reads the record batches of every manifest entry into ``assembler``; returns its arrays.
+    """Reads a step's tensors, in manifest order, from the stream of record batches that
+    began with ``first`` (the batch the header rode on, or None), into ``assembler``.
 
     Raises:
-        InvalidRequestError: a batch of another tensor or offset, too many or too few bytes,
-            or the stream ended mid-step.
+        InvalidRequestError: the stream ended mid-step, bytes left over after the last
+            tensor, or a later batch carrying metadata.
     """
+    data = batch_bytes(first, where) if first is not None else memoryview(b"")
     for e in entries:
         received = 0
         while True:
-            try:
-                chunk = reader.read_chunk()
-            except StopIteration:
-                raise InvalidRequestError(
-                    f"{where}: stream ended in variable '{e.name}' after {received} of "
-                    f"{e.total_bytes} bytes"
-                ) from None
-            meta = parse(ps_pb2.TensorChunk, chunk.app_metadata, where)
-            if meta.name != e.name:
-                raise InvalidRequestError(
-                    f"{where}: a batch of '{meta.name}' where '{e.name}' was due"
-                )
-            data = batch_bytes(chunk.data, where)
-            first = received == 0
+            need = e.total_bytes - received
+            if need and not data:
+                try:
+                    chunk = reader.read_chunk()
+                except StopIteration:
+                    raise InvalidRequestError(
+                        f"{where}: stream ended in variable '{e.name}' after {received} of "
+                        f"{e.total_bytes} bytes"
+                    ) from None
+                if chunk.app_metadata is not None and chunk.app_metadata.size:
+                    raise InvalidRequestError(
+                        f"{where}: a header arrived in '{e.name}' after {received} of "
+                        f"{e.total_bytes} bytes"
+                    )
+                data = batch_bytes(chunk.data, where)
+            take = data[:need]
+            data = data[len(take) :]
             # A Piece reads as a TensorChunk to the assembler (duck-typed, as WireChunk).
             piece: Any = Piece(
                 e.name,
                 e.dtype,
                 e.shape,
                 e.total_bytes,
-                meta.offset,
-                data,
-                e.indices if first else b"",
+                received,
+                take,
+                e.indices if received == 0 else b"",
             )
             assembler.add(piece)
-            received += len(data)
+            received += len(take)
             if received >= e.total_bytes:
                 break
+    if data:
+        raise InvalidRequestError(
+            f"{where}: {len(data)} bytes left over after the step's last tensor"
+        )
     return assembler.finish()
 
 

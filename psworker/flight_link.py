@@ -25,7 +25,7 @@ import pyarrow.flight as flight
 
 from pswire import flightwire as fw
 from pswire.codec import ChunkAssembler
-from pswire.errors import InvalidRequestError, PSError, UnavailableError, WaitTimeoutError
+from pswire.errors import PSError, UnavailableError, WaitTimeoutError
 from pswire.proto import ps_pb2
 from pswire.security import TOKEN_HEADER, TOKEN_SCHEME, ClientSecurity
 from pswire.tables import RowSparse
@@ -177,8 +177,7 @@ class FlightLink:
         entries, raws = fw.encode_tensors(pieces)
         del request.chunks[:]
         request.chunks.extend(entries)
-        writer.write_metadata(request.SerializeToString())
-        fw.write_tensors(writer, raws, self.piece_bytes)
+        fw.write_step(writer, request.SerializeToString(), list(raws.values()), self.piece_bytes)
 
     def _exchange(self, command: bytes, timeout: float | None, where: str) -> tuple[Any, Any]:
         options = flight.FlightCallOptions(timeout=timeout, headers=self._headers)
@@ -230,10 +229,8 @@ def _read_reply(
         first = reader.read_chunk()
     except StopIteration:
         raise UnavailableError(f"{where}: the shard ended the exchange without a reply") from None
-    if first.data is not None:
-        raise InvalidRequestError(f"{where}: a reply starts with its header, not a record batch")
     reply = fw.parse(ps_pb2.PushPullResponse, first.app_metadata, where)
-    arrays = fw.read_tensors(reader, reply.chunks, ChunkAssembler(into=into), where)
+    arrays = fw.read_step(reader, first.data, reply.chunks, ChunkAssembler(into=into), where)
     return reply, arrays
 
 
@@ -259,12 +256,17 @@ def _read(path: Path) -> bytes:
 
 
 class _Watchdog:
-    """A thread that runs an action when a step's deadline passes before it is disarmed."""
+    """A thread that runs an action when a step's deadline passes before it is disarmed.
+
+    Arming wakes the thread only when it must wait less than it already does: steps in a row
+    (each deadline later than the last) cost no thread wake-up each.
+    """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._due: tuple[float, Callable[[], None]] | None = None
         self._thread: threading.Thread | None = None
+        self._until: float | None = None  # when the thread's current wait ends; None: idle
         self._stopped = False
 
     def arm(self, deadline: float, action: Callable[[], None]) -> None:
@@ -274,7 +276,8 @@ class _Watchdog:
                 self._thread = threading.Thread(target=self._run, name="ps-flight-watch")
                 self._thread.daemon = True
                 self._thread.start()
-            self._cond.notify()
+            if self._until is None or deadline < self._until:
+                self._cond.notify()
 
     def disarm(self) -> None:
         with self._cond:
@@ -292,11 +295,13 @@ class _Watchdog:
                 if self._stopped:
                     return
                 if self._due is None:
+                    self._until = None
                     self._cond.wait()
                     continue
                 deadline, action = self._due
                 wait = deadline - time.monotonic()
                 if wait > 0:
+                    self._until = deadline
                     self._cond.wait(wait)
                     continue
                 self._due = None

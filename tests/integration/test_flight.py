@@ -223,15 +223,22 @@ def test_an_oversized_step_is_resource_exhausted_and_changes_nothing(pair) -> No
     link.close()
 
 
-def raw_step(p: Pair, header: bytes, batches: list[tuple[np.ndarray, bytes]]) -> Exception:
-    """Sends a hand-made step on a raw Flight client; returns the error the shard answers."""
+def raw_step(p: Pair, header: bytes, batches: list[tuple[np.ndarray, bytes | None]]) -> Exception:
+    """Sends a hand-made step on a raw Flight client (``header`` on the first batch, or alone);
+    returns the error the shard answers."""
     client = flight.FlightClient(f"grpc+tcp://{p.data.address}")
     writer, reader = client.do_exchange(flight.FlightDescriptor.for_command(fw.PUSH_PULL))
     writer.begin(fw.SCHEMA)
     try:
-        writer.write_metadata(header)
-        for data, meta in batches:
-            writer.write_with_metadata(fw.as_batch(data), meta)
+        if not batches:
+            writer.write_metadata(header)
+        for i, (data, meta) in enumerate(batches):
+            meta = header if i == 0 else meta
+            raw = data.view(np.uint8)
+            if meta is None:
+                writer.write_batch(fw.as_batch(raw))
+            else:
+                writer.write_with_metadata(fw.as_batch(raw), meta)
         writer.done_writing()
         reader.read_chunk()
     except Exception as exc:
@@ -251,19 +258,15 @@ def header_of(*entries: Any) -> bytes:
     return ps_pb2.PushPullRequest(header=head, chunks=entries).SerializeToString()
 
 
-def meta(name: str = "b", offset: int = 0) -> bytes:
-    return ps_pb2.TensorChunk(name=name, offset=offset).SerializeToString()
-
-
 ONES = np.ones(3, np.float32)
 MALFORMED = [
-    (header_of(manifest(total_bytes=16)), [(ONES, meta())], "declares 16 bytes"),
-    (header_of(manifest(dtype="complex64")), [(ONES, meta())], "unsupported dtype"),
-    (header_of(manifest(), manifest()), [(ONES, meta())], "appears twice"),
-    (header_of(manifest()), [(ONES, meta("w"))], "a batch of 'w' where 'b' was due"),
-    (header_of(manifest()), [(ONES[:2], meta())], "stream ended in variable 'b'"),
-    (header_of(manifest()), [(ONES[:1], meta()), (ONES[:2], meta(offset=8))], "offset 8"),
-    (header_of(manifest()), [(np.ones(4, np.float32), meta())], "more than its 12 bytes"),
+    (header_of(manifest(total_bytes=16)), [(ONES, None)], "declares 16 bytes"),
+    (header_of(manifest(dtype="complex64")), [(ONES, None)], "unsupported dtype"),
+    (header_of(manifest(), manifest()), [(ONES, None)], "appears twice"),
+    (header_of(manifest()), [(ONES[:2], None)], "stream ended in variable 'b' after 8 of 12"),
+    (header_of(manifest()), [(np.ones(4, np.float32), None)], "4 bytes left over"),
+    (header_of(manifest()), [(ONES[:1], None), (ONES[:2], b"x")], "a header arrived in 'b'"),
+    (header_of(manifest(name="w")), [(ONES, None)], "has shape (4, 3) on the server"),
     (b"\xff\xff\xff", [], "undecodable PushPullRequest"),
 ]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
@@ -23,7 +24,13 @@ class Loopback:
         self.items: list[SimpleNamespace] = []
 
     def write_with_metadata(self, batch, meta: bytes) -> None:
-        self.items.append(SimpleNamespace(data=batch, app_metadata=meta))
+        self.items.append(SimpleNamespace(data=batch, app_metadata=pa.py_buffer(meta)))
+
+    def write_batch(self, batch) -> None:
+        self.items.append(SimpleNamespace(data=batch, app_metadata=None))
+
+    def write_metadata(self, meta: bytes) -> None:
+        self.items.append(SimpleNamespace(data=None, app_metadata=pa.py_buffer(meta)))
 
     def read_chunk(self) -> SimpleNamespace:
         if not self.items:
@@ -40,40 +47,56 @@ TENSORS = {
     "scalar": np.array(2.5, np.float32),
     "strided": np.arange(20, dtype=np.float32).reshape(4, 5)[:, ::2],
     "big_endian": np.arange(3, dtype=">f4"),
+    "large": np.arange(17_000, dtype=np.float32),  # over PACK_BYTES: batches of its own
 }
 
 
-@pytest.mark.parametrize("piece_bytes", [1, 7, 16, fw.PIECE_BYTES])
-def test_tensors_survive_batches_of_any_size(piece_bytes: int) -> None:
-    entries, raws = fw.encode_tensors(TENSORS)
+def round_trip(tensors, piece_bytes: int, assembler: ChunkAssembler | None = None):
+    """(the tensors back, how many messages the step took)."""
+    entries, raws = fw.encode_tensors(tensors)
     pipe = Loopback()
-    fw.write_tensors(pipe, raws, piece_bytes)
-    got = fw.read_tensors(pipe, entries, ChunkAssembler(), "test")
+    fw.write_step(pipe, b"header", list(raws.values()), piece_bytes)
+    sent = len(pipe.items)
+    first = pipe.read_chunk()
+    assert first.app_metadata.to_pybytes() == b"header"
+    got = fw.read_step(pipe, first.data, entries, assembler or ChunkAssembler(), "test")
     assert not pipe.items  # every batch consumed, none left over
+    return got, sent
+
+
+@pytest.mark.parametrize("piece_bytes", [13, 4096, 50_000, fw.PIECE_BYTES])
+def test_tensors_survive_batches_of_any_size(piece_bytes: int) -> None:
+    got, _ = round_trip(TENSORS, piece_bytes)
     for name, want in TENSORS.items():
         assert got[name].dtype == want.dtype.newbyteorder("<")
         np.testing.assert_array_equal(got[name], want)
 
 
-def test_a_single_batch_tensor_is_a_view_of_the_received_buffer() -> None:
-    entries, raws = fw.encode_tensors({"w": np.ones(1000, np.float32)})
+def test_a_small_step_is_one_message_and_a_step_without_bytes_is_its_header() -> None:
+    small = {k: v for k, v in TENSORS.items() if k != "large"}
+    assert round_trip(small, fw.PIECE_BYTES)[1] == 1
+    got, sent = round_trip({"empty": np.zeros(0, np.float32)}, fw.PIECE_BYTES)
+    assert sent == 1 and got["empty"].shape == (0,)
+
+
+def test_a_large_tensor_is_a_view_of_the_received_buffer() -> None:
+    entries, raws = fw.encode_tensors({"w": np.ones(100_000, np.float32)})
     pipe = Loopback()
-    fw.write_tensors(pipe, raws, fw.PIECE_BYTES)
-    batch = pipe.items[0].data
-    got = fw.read_tensors(pipe, entries, ChunkAssembler(), "test")["w"]
-    assert got.ctypes.data == batch.column(0).buffers()[1].address  # no copy on receipt
+    fw.write_step(pipe, b"h", list(raws.values()), fw.PIECE_BYTES)
+    first = pipe.read_chunk()
+    got = fw.read_step(pipe, first.data, entries, ChunkAssembler(), "test")["w"]
+    assert got.ctypes.data == first.data.column(0).buffers()[1].address  # no copy on receipt
+    assert raws["w"].ctypes.data == first.data.column(0).buffers()[1].address  # nor on sending
 
 
 def test_rows_and_bfloat16_keep_their_labels() -> None:
     ids = np.array([3, 1], np.int64)
     values = np.ones((2, 4), np.float32)
     bits = float32_to_bfloat16(np.full(5, 0.5, np.float32))
-    entries, raws = fw.encode_tensors({"t": RowSparse(ids, values), "g": bits})
+    entries, _ = fw.encode_tensors({"t": RowSparse(ids, values), "g": bits})
     assert [e.dtype for e in entries] == ["float32", "bfloat16"]
-    pipe = Loopback()
-    fw.write_tensors(pipe, raws, 8)
     assembler = ChunkAssembler()
-    got = fw.read_tensors(pipe, entries, assembler, "test")
+    got, _ = round_trip({"t": RowSparse(ids, values), "g": bits}, 8, assembler)
     np.testing.assert_array_equal(assembler.indices["t"], ids)
     np.testing.assert_array_equal(got["g"], np.full(5, 0.5, np.float32))  # widened
 
@@ -99,8 +122,6 @@ def test_the_manifest_is_checked_before_any_byte(entries, error, message) -> Non
 
 
 def test_a_batch_that_is_not_one_uint8_column_is_refused() -> None:
-    import pyarrow as pa
-
     floats = pa.RecordBatch.from_arrays([pa.array([1.0, 2.0])], names=["x"])
     with pytest.raises(InvalidRequestError, match="one uint8 column"):
         fw.batch_bytes(floats, "test")
