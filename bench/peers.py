@@ -93,6 +93,7 @@ def recv_into(sock: socket.socket, view: memoryview) -> int:
 
 def _echo_connection(listener: socket.socket) -> None:
     sock, _ = listener.accept()
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # see pushpull.open_tcp
     with sock:
         buf = bytearray()
         header = memoryview(bytearray(8))

@@ -216,6 +216,8 @@ def open_tcp(m: Measurement, address: str, blob: bytes, stack: contextlib.ExitSt
     header = m.model_bytes.to_bytes(8, "little")
     inbox = memoryview(bytearray(m.model_bytes))
     sock = stack.enter_context(socket.create_connection((host, int(port)), RPC_TIMEOUT_S))
+    # Small messages: Nagle would hold the payload behind the header until a delayed ACK.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def push() -> None:
         sock.sendall(header)

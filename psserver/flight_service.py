@@ -1,0 +1,277 @@
+"""A shard's data port on Arrow Flight: decode a step's record batches, call ``Shard``, encode.
+
+The control service (register, heartbeat, init, status, checkpoint, health) stays on grpcio
+(psserver/server.py); this serves the tensor bytes of push, pull and push_pull as Flight
+``DoExchange`` calls framed as pswire/flightwire.py describes. Like the grpcio servicer it is
+thin: each step is one call into ``Shard``, whose rules (consistency, exactly-once per
+``(worker_id, step)``, incarnation, validation before any change) are the same whatever the
+transport. TLS, mutual TLS and the token are Flight's own options and a server middleware.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.flight as flight
+
+from psserver.records import PushResult
+from psserver.servicer import DEADLINE_MARGIN_S
+from psserver.shard import Shard
+from pswire import flightwire as fw
+from pswire.codec import ChunkAssembler
+from pswire.errors import CallCancelledError, InvalidRequestError, UnauthenticatedError
+from pswire.proto import ps_pb2
+from pswire.push import assembled_grads
+from pswire.security import TOKEN_HEADER, TOKEN_SCHEME, ServerSecurity, check_token
+
+log = logging.getLogger(__name__)
+DEFAULT_PIECE_BYTES = fw.PIECE_BYTES
+
+
+class TokenMiddlewareFactory(flight.ServerMiddlewareFactory):
+    """Refuses every call whose ``authorization: Bearer <token>`` header is missing or wrong,
+    before the handler reads a byte (UNAUTHENTICATED). Compared in constant time."""
+
+    def __init__(self, token: str) -> None:
+        super().__init__()
+        self._expected = (TOKEN_SCHEME + check_token(token)).encode("ascii")
+
+    def start_call(self, info: Any, headers: Mapping[str, list[Any]]) -> None:
+        values = headers.get(TOKEN_HEADER, [])
+        given = values[0] if values else b""
+        given = given.encode("utf-8", "replace") if isinstance(given, str) else bytes(given)
+        # compare_digest whatever the length: timing must not leak the token.
+        if not hmac.compare_digest(given, self._expected) or len(values) != 1:
+            problem = (
+                "this server requires a token: pass token=... to psworker.connect, or set "
+                "$PS_TOKEN / $PS_TOKEN_FILE"
+                if not values
+                else "the token this call carries is not this server's token"
+            )
+            log.warning("refused Flight %s: %s", info.method, problem)
+            raise fw.to_flight_error(UnauthenticatedError(problem), "DoExchange")
+        return None
+
+
+class FlightShardService(flight.FlightServerBase):
+    """Thin adapter from Flight DoExchange onto one ``Shard``: per step, decode the request
+    and its batches, make one call into the shard, encode the reply's batches."""
+
+    def __init__(
+        self,
+        shard: Shard,
+        location: str,
+        piece_bytes: int = DEFAULT_PIECE_BYTES,
+        **options: Any,
+    ) -> None:
+        super().__init__(location, **options)
+        self.shard = shard
+        self.piece_bytes = piece_bytes
+
+    def do_exchange(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+        op = descriptor.command
+        try:
+            step = self._ops().get(op)
+            if step is None:
+                raise InvalidRequestError(
+                    f"unknown data command {op!r}; expected one of {list(fw.COMMANDS)}"
+                )
+            writer.begin(fw.SCHEMA)
+            while True:
+                try:
+                    first = reader.read_chunk()
+                except StopIteration:
+                    return  # the worker closed the exchange: done
+                if context.is_cancelled():
+                    raise CallCancelledError(f"{op.decode()}: the worker cancelled the call")
+                step(first, reader, writer)
+        except Exception as exc:
+            raise fw.to_flight_error(exc, f"DoExchange {op!r}") from None
+
+    def _ops(self) -> dict[bytes, Any]:
+        return {fw.PUSH_PULL: self._push_pull, fw.PUSH: self._push, fw.PULL: self._pull}
+
+    def _read_push(self, first: Any, reader: Any, where: str) -> tuple[Any, dict[str, Any]]:
+        """(the request, its gradients), every tensor checked against the manifest and the
+        shard's byte limit before its bytes are read."""
+        request = fw.parse(ps_pb2.PushPullRequest, first.app_metadata, where)
+        limit = self.shard.limits.max_request_bytes
+        fw.check_manifest(request.chunks, limit, where)
+        assembler = ChunkAssembler(limit)
+        fw.read_step(reader, first.data, request.chunks, assembler, where)
+        return request, assembled_grads(assembler)
+
+    def _push_pull(self, first: Any, reader: Any, writer: Any) -> None:
+        request, grads = self._read_push(first, reader, "push_pull")
+        h = request.header
+        result, snapshot, clock = self.shard.push_pull(
+            h.worker_id,
+            h.step,
+            grads,
+            encode=_snapshot,
+            timeout=fw.request_timeout(request.timeout_ms, DEADLINE_MARGIN_S),
+            incarnation=h.incarnation,
+            take=True,  # the arrays were decoded for this call alone
+        )
+        self._reply(writer, _push_response(result, self.shard.incarnation), snapshot, clock)
+
+    def _push(self, first: Any, reader: Any, writer: Any) -> None:
+        request, grads = self._read_push(first, reader, "push")
+        h = request.header
+        result = self.shard.push(
+            h.worker_id,
+            h.step,
+            grads,
+            timeout=fw.request_timeout(request.timeout_ms, DEADLINE_MARGIN_S),
+            incarnation=h.incarnation,
+            take=True,
+        )
+        self._reply(writer, _push_response(result, self.shard.incarnation), {}, result.clock)
+
+    def _pull(self, first: Any, reader: Any, writer: Any) -> None:
+        if first.data is not None:
+            raise InvalidRequestError("pull: a pull request carries no tensor bytes")
+        request = fw.parse(ps_pb2.PullRequest, first.app_metadata, "pull")
+        rows = [(q.table, _row_ids(q)) for q in request.rows]
+        snapshot, clock = self.shard.pull(
+            request.worker_id,
+            request.step,
+            list(request.names),
+            # A pull's deadline is the call's (FlightCallOptions.timeout), not sent in the
+            # request: bounded here by the shard's own longest wait.
+            timeout=None,
+            encode=_snapshot,
+            rows=rows,
+            incarnation=request.incarnation,
+        )
+        self._reply(writer, None, snapshot, clock)
+
+    def _reply(
+        self,
+        writer: Any,
+        pushed: ps_pb2.PushResponse | None,
+        snapshot: Mapping[str, np.ndarray],
+        clock: int,
+    ) -> None:
+        entries, raws = fw.encode_tensors(snapshot)
+        reply = ps_pb2.PushPullResponse(chunks=entries, clock=clock)
+        if pushed is not None:
+            reply.push.CopyFrom(pushed)
+        fw.write_step(writer, reply.SerializeToString(), list(raws.values()), self.piece_bytes)
+
+
+def _snapshot(arrays: Mapping[str, np.ndarray], clock: int) -> dict[str, np.ndarray]:
+    """Copies of the variables, taken under the shard's lock: the consistent snapshot a reply
+    sends after the lock is released (one copy, as the grpcio path's encode)."""
+    return {k: np.array(a, copy=True) for k, a in arrays.items()}
+
+
+def _row_ids(query: ps_pb2.RowQuery) -> np.ndarray:
+    """A row query's int64 ids, decoded without a copy.
+
+    Raises:
+        InvalidRequestError: not a whole number of int64s.
+    """
+    if len(query.ids) % 8:
+        raise InvalidRequestError(
+            f"table '{query.table}': row ids are {len(query.ids)} bytes, not a whole number "
+            "of int64s"
+        )
+    return np.frombuffer(query.ids, dtype="<i8")
+
+
+def _push_response(result: PushResult, incarnation: str) -> ps_pb2.PushResponse:
+    return ps_pb2.PushResponse(
+        applied=result.applied,
+        reason=result.reason,
+        clock=result.clock,
+        incarnation=incarnation,
+        durable_step=result.durable_step,
+        next_step=result.next_step,
+    )
+
+
+@dataclass
+class RunningFlightService:
+    """A started data port: its service and where workers reach it."""
+
+    service: FlightShardService
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        host = "127.0.0.1" if self.host in ("", "0.0.0.0", "::", "[::]") else self.host
+        return f"{host}:{self.port}"
+
+    def stop(self, grace: float = 2.0) -> bool:
+        """Stops serving; whether every call ended within ``grace`` seconds.
+
+        Flight's shutdown waits for the calls in progress, and a worker's exchange kept open
+        across steps lasts until the worker closes it: past ``grace`` the shutdown goes on in
+        the background (the process's exit ends it) instead of blocking the caller.
+        """
+        done = threading.Thread(target=self.service.shutdown, name="ps-flight-stop", daemon=True)
+        done.start()
+        done.join(grace)
+        if done.is_alive():
+            log.warning("Flight data port %s: calls still open after %.1fs", self.address, grace)
+            return False
+        return True
+
+
+def _pem(path: Path | None, what: str) -> bytes | None:
+    """A PEM file's bytes (None for no path).
+
+    Raises:
+        ValueError: unreadable, or not PEM.
+    """
+    if path is None:
+        return None
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} {str(path)!r}: {exc}") from exc
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{what} {str(path)!r} is not a PEM file")
+    return data
+
+
+def start_flight_service(
+    shard: Shard,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    security: ServerSecurity | None = None,
+    piece_bytes: int = DEFAULT_PIECE_BYTES,
+) -> RunningFlightService:
+    """Starts the data port for ``shard`` on ``host:port`` (0: a free port), serving at once.
+
+    ``security``: TLS with its certificate and key, client certificates verified against its
+    CA (mutual TLS), the token required on every call; the same settings as the control port.
+
+    Raises:
+        ValueError: a TLS file cannot be read.
+        OSError, pyarrow.ArrowException: the address could not be bound.
+    """
+    security = security or ServerSecurity()
+    options: dict[str, Any] = {}
+    scheme = "grpc+tcp"
+    if security.tls:
+        scheme = "grpc+tls"
+        cert = _pem(security.cert, "TLS certificate")
+        key = _pem(security.key, "TLS key")
+        options["tls_certificates"] = [flight.CertKeyPair(cert=cert, key=key)]
+        if security.mutual:
+            options["verify_client"] = True
+            options["root_certificates"] = _pem(security.ca, "TLS CA certificate")
+    if security.token:
+        options["middleware"] = {"token": TokenMiddlewareFactory(security.token)}
+    service = FlightShardService(shard, f"{scheme}://{host}:{port}", piece_bytes, **options)
+    return RunningFlightService(service, host, service.port)

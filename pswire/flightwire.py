@@ -1,0 +1,320 @@
+"""Tensor bytes on Arrow Flight: the DoExchange framing both ends share, and errors both ways.
+
+A data call is one Flight ``DoExchange`` whose descriptor command names the operation
+(``PUSH_PULL``, ``PUSH``, ``PULL``) and that carries any number of steps in turn. A step is a
+header and a byte stream:
+
+- the header is the request's protobuf, as app metadata of the step's first message:
+  ``PushPullRequest`` for a push, whose ``chunks`` are the tensors' manifest (name, dtype,
+  shape, total_bytes and a table's row ids, no data), ``PullRequest`` for a pull; the shard's
+  reply is a ``PushPullResponse`` (the push's result, the clock, the manifest of the weights);
+- the byte stream is every manifest tensor's raw little-endian bytes, in manifest order, cut
+  into record batches of one non-null ``uint8`` column: the first rides with the header, the
+  rest carry no metadata. A large tensor travels in batches over its own memory (no copy,
+  ``pa.py_buffer``); small tensors share one batch, so a small step is one message each way.
+
+A received batch is read as a view of the buffer gRPC received into; the shared
+``ChunkAssembler`` checks and assembles each tensor's bytes exactly as it does for the grpcio
+messages.
+
+Errors: a ``PSError`` travels as the Flight error of its status where Flight has one
+(UNAUTHENTICATED, DEADLINE_EXCEEDED, CANCELLED, UNAVAILABLE, INTERNAL), else as a
+``FlightServerError`` (gRPC UNKNOWN); either way its ``extra_info`` carries the status name,
+the class and the message, so the worker raises the very class the shard raised.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+from google.protobuf.message import DecodeError, Message
+
+from pswire.codec import ChunkAssembler, indices_bytes, tensor_nbytes, wire_bytes
+from pswire.errors import InvalidRequestError, PSError, TooLargeError, error_for_status
+from pswire.proto import ps_pb2
+from pswire.tables import RowSparse
+
+log = logging.getLogger(__name__)
+
+SCHEMA = pa.schema([pa.field("bytes", pa.uint8(), nullable=False)])
+PUSH_PULL = b"ps.push_pull/1"
+PUSH = b"ps.push/1"
+PULL = b"ps.pull/1"
+COMMANDS = (PUSH_PULL, PUSH, PULL)
+# A record batch's largest body: the bench's sweep (bench/flight.py --piece-mib) found 1-4 MiB
+# alike and 16 MiB slower (less overlap, larger buffers to fault in).
+PIECE_BYTES = 4 << 20
+# Tensors under this size share record batches (copied together): a message costs far more
+# than copying a few KiB, and a small model's step is then one message each way.
+PACK_BYTES = 64 << 10
+_SEP = b"\x00"
+
+
+class Piece(NamedTuple):
+    """One received piece of a tensor, shaped as ``ChunkAssembler.add`` reads a chunk."""
+
+    name: str
+    dtype: str
+    shape: Any
+    total_bytes: int
+    offset: int
+    data: memoryview
+    indices: bytes
+
+
+# -- building and reading record batches --------------------------------------------------------
+
+
+def as_batch(data: np.ndarray) -> pa.RecordBatch:
+    """A record batch over ``data``'s bytes (C-contiguous), without a copy."""
+    raw = data.reshape(-1).view(np.uint8)
+    column = pa.Array.from_buffers(pa.uint8(), len(raw), [None, pa.py_buffer(raw)])
+    return pa.RecordBatch.from_arrays([column], schema=SCHEMA)
+
+
+def batch_bytes(batch: pa.RecordBatch | None, where: str) -> memoryview:
+    """The bytes a received record batch carries, as a view of the received buffer.
+
+    Raises:
+        InvalidRequestError: no batch, or not one non-null uint8 column.
+    """
+    if batch is None:
+        raise InvalidRequestError(f"{where}: expected a record batch of tensor bytes, got none")
+    if batch.num_columns != 1 or batch.schema.field(0).type != pa.uint8():
+        raise InvalidRequestError(
+            f"{where}: a tensor batch has one uint8 column, got schema {batch.schema}"
+        )
+    column = batch.column(0)
+    if column.null_count:
+        raise InvalidRequestError(f"{where}: a tensor batch holds {column.null_count} nulls")
+    values = column.buffers()[1]
+    if values is None:
+        return memoryview(b"")
+    return memoryview(values)[column.offset : column.offset + len(column)]
+
+
+def parse(message: type[Message], raw: Any, where: str) -> Any:
+    """A protobuf message from a Flight message's app metadata.
+
+    Raises:
+        InvalidRequestError: missing or undecodable.
+    """
+    if raw is None:
+        raise InvalidRequestError(f"{where}: expected a {message.__name__} header, got none")
+    try:
+        return message.FromString(raw.to_pybytes() if hasattr(raw, "to_pybytes") else raw)
+    except DecodeError as exc:
+        raise InvalidRequestError(f"{where}: undecodable {message.__name__}: {exc}") from None
+
+
+def encode_tensor(name: str, array: np.ndarray, ids: np.ndarray | None = None) -> Any:
+    """(a tensor's manifest entry: a TensorChunk without data, its bytes as a uint8 array
+    viewing ``array`` where it is C-contiguous little-endian). A uint16 array is bfloat16 bits.
+
+    Raises:
+        InvalidRequestError: a dtype the wire does not carry.
+    """
+    view, dtype, shape = wire_bytes(name, array, 1, array.dtype == np.uint16)
+    entry = ps_pb2.TensorChunk(name=name, dtype=dtype, shape=shape, total_bytes=len(view))
+    if ids is not None:
+        entry.indices = indices_bytes(ids)
+    return entry, np.frombuffer(view, dtype=np.uint8)
+
+
+def check_manifest(entries: Any, max_bytes: int | None, where: str) -> int:
+    """Checks every tensor of a step before any of its bytes is read; returns the total bytes.
+
+    Raises:
+        InvalidRequestError: a bad dtype or shape, a size that does not match them, a name
+            twice.
+        TooLargeError: more bytes than ``max_bytes``.
+    """
+    total, seen = 0, set()
+    for e in entries:
+        if e.name in seen:
+            raise InvalidRequestError(f"{where}: variable '{e.name}' appears twice in one step")
+        seen.add(e.name)
+        nbytes = tensor_nbytes(e.name, e.dtype, e.shape)
+        if e.total_bytes != nbytes:
+            raise InvalidRequestError(
+                f"{where}: variable '{e.name}' declares {e.total_bytes} bytes but dtype "
+                f"{e.dtype} and shape {tuple(e.shape)} make {nbytes}"
+            )
+        total += nbytes
+        if max_bytes is not None and total > max_bytes:
+            raise TooLargeError(
+                f"{where}: request reaches {total} bytes at variable '{e.name}', over the "
+                f"limit of {max_bytes}"
+            )
+    return total
+
+
+# -- a step's tensors, both ways ----------------------------------------------------------------
+
+
+def write_step(writer: Any, header: bytes, raws: Sequence[np.ndarray], piece_bytes: int) -> None:
+    """Writes one step: ``header`` (a serialized request or reply) riding on the first record
+    batch, the tensors' bytes (``encode_tensor``'s uint8 arrays) as one stream in order.
+
+    A tensor of at least ``PACK_BYTES`` goes out in batches of at most ``piece_bytes`` over its
+    own memory (no copy); runs of smaller tensors are packed into one batch (one small copy),
+    so a small model's step is a single message. A step without bytes is the header alone.
+    """
+    piece = max(1, piece_bytes)
+    pending: list[np.ndarray] = []  # small tensors waiting to be packed
+    size = 0
+    meta: bytes | None = header
+
+    def send(data: np.ndarray) -> None:
+        nonlocal meta
+        if meta is None:
+            writer.write_batch(as_batch(data))
+        else:
+            writer.write_with_metadata(as_batch(data), meta)
+            meta = None
+
+    def flush() -> None:
+        nonlocal pending, size
+        if pending:
+            send(pending[0] if len(pending) == 1 else np.concatenate(pending))
+        pending, size = [], 0
+
+    for raw in raws:
+        if not raw.nbytes:
+            continue
+        if raw.nbytes < PACK_BYTES:
+            if size + raw.nbytes > piece:
+                flush()
+            pending.append(raw)
+            size += raw.nbytes
+            continue
+        flush()
+        for offset in range(0, raw.nbytes, piece):
+            send(raw[offset : offset + piece])
+    flush()
+    if meta is not None:
+        writer.write_metadata(meta)
+
+
+def read_step(
+    reader: Any, first: Any, entries: Any, assembler: ChunkAssembler, where: str
+) -> dict[str, np.ndarray]:
+    """Reads a step's tensors, in manifest order, from the stream of record batches that
+    began with ``first`` (the batch the header rode on, or None), into ``assembler``.
+
+    Raises:
+        InvalidRequestError: the stream ended mid-step, bytes left over after the last
+            tensor, or a later batch carrying metadata.
+    """
+    data = batch_bytes(first, where) if first is not None else memoryview(b"")
+    for e in entries:
+        received = 0
+        while True:
+            need = e.total_bytes - received
+            if need and not data:
+                try:
+                    chunk = reader.read_chunk()
+                except StopIteration:
+                    raise InvalidRequestError(
+                        f"{where}: stream ended in variable '{e.name}' after {received} of "
+                        f"{e.total_bytes} bytes"
+                    ) from None
+                if chunk.app_metadata is not None and chunk.app_metadata.size:
+                    raise InvalidRequestError(
+                        f"{where}: a header arrived in '{e.name}' after {received} of "
+                        f"{e.total_bytes} bytes"
+                    )
+                data = batch_bytes(chunk.data, where)
+            take = data[:need]
+            data = data[len(take) :]
+            # A Piece reads as a TensorChunk to the assembler (duck-typed, as WireChunk).
+            piece: Any = Piece(
+                e.name,
+                e.dtype,
+                e.shape,
+                e.total_bytes,
+                received,
+                take,
+                e.indices if received == 0 else b"",
+            )
+            assembler.add(piece)
+            received += len(take)
+            if received >= e.total_bytes:
+                break
+    if data:
+        raise InvalidRequestError(
+            f"{where}: {len(data)} bytes left over after the step's last tensor"
+        )
+    return assembler.finish()
+
+
+def encode_tensors(
+    tensors: Mapping[str, np.ndarray | RowSparse],
+) -> tuple[list[Any], dict[str, np.ndarray]]:
+    """(the manifest, each tensor's bytes) of a step's tensors; a table's rows with their ids.
+
+    Raises:
+        InvalidRequestError: a dtype the wire does not carry.
+    """
+    entries, raws = [], {}
+    for name, t in tensors.items():
+        if isinstance(t, RowSparse):
+            entry, raw = encode_tensor(name, t.values, t.ids)
+        else:
+            entry, raw = encode_tensor(name, t)
+        entries.append(entry)
+        raws[name] = raw
+    return entries, raws
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+_FLIGHT_ERROR = {
+    "UNAUTHENTICATED": flight.FlightUnauthenticatedError,
+    "DEADLINE_EXCEEDED": flight.FlightTimedOutError,
+    "CANCELLED": flight.FlightCancelledError,
+    "UNAVAILABLE": flight.FlightUnavailableError,
+    "INTERNAL": flight.FlightInternalError,
+}
+_STATUS_OF = {cls: status for status, cls in _FLIGHT_ERROR.items()}
+
+
+def to_flight_error(exc: BaseException, where: str) -> flight.FlightError:
+    """The Flight error a shard raises for ``exc``: a PSError keeps its status and class (in
+    ``extra_info``); anything else is INTERNAL with a sanitized message, traceback logged."""
+    if isinstance(exc, flight.FlightError) and not isinstance(exc, PSError):
+        return exc
+    if not isinstance(exc, PSError):
+        log.error("unexpected error in %s", where, exc_info=exc)
+        exc = PSError(f"internal error in {where}: {type(exc).__name__}")
+    status = exc.status
+    cls = _FLIGHT_ERROR.get(status, flight.FlightServerError)
+    info = _SEP.join((status.encode(), type(exc).__name__.encode(), str(exc).encode()))
+    return cls(str(exc), extra_info=info)
+
+
+def from_flight_error(exc: BaseException, where: str = "") -> PSError:
+    """The worker's PSError for a failed Flight call, its status and class as the shard raised
+    them (or, from Flight itself, the status its error class stands for)."""
+    prefix = f"{where}: " if where else ""
+    info = getattr(exc, "extra_info", None) or b""
+    parts = info.split(_SEP, 2)
+    if len(parts) == 3:
+        status, name, message = (p.decode("utf-8", "replace") for p in parts)
+        return error_for_status(status, prefix + message, name)
+    status = next((s for c, s in _STATUS_OF.items() if isinstance(exc, c)), "UNKNOWN")
+    if isinstance(exc, pa.ArrowInvalid):
+        status = "INVALID_ARGUMENT"
+    # Flight appends gRPC's debug context to the message: keep the first line.
+    message = str(exc).split(". Detail:", 1)[0]
+    return error_for_status(status, prefix + message)
+
+
+def request_timeout(timeout_ms: int, margin_s: float) -> float | None:
+    """The shard's wait for a step: the request's own deadline less a margin, or None."""
+    return max(0.0, timeout_ms / 1000 - margin_s) if timeout_ms else None

@@ -1,0 +1,308 @@
+"""One shard's data port as a worker sees it: push, pull and push_pull over Arrow Flight.
+
+The tensor-carrying calls of ``ShardLink`` with the same arguments and results, on the shard's
+Flight port (pswire/flightwire.py has the framing): gradients go out as record batches over
+the caller's arrays (no copy), and weights are decoded straight into ``into``'s arrays. Small
+steps share one ``DoExchange`` kept open across steps; each step carries its own deadline,
+which the shard honours and a watchdog enforces here (the call is cancelled when a reply is
+late). Any error ends the exchange; the next step opens another. Errors are the ``PSError``
+the shard raised (same class, same status); retries, re-registration and replay stay with the
+link that owns this transport.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from pswire import flightwire as fw
+from pswire.codec import ChunkAssembler
+from pswire.errors import PSError, UnavailableError, WaitTimeoutError
+from pswire.proto import ps_pb2
+from pswire.security import TOKEN_HEADER, TOKEN_SCHEME, ClientSecurity
+from pswire.tables import RowSparse
+
+# A request's timeout_ms is a uint32: about 49 days at most.
+MAX_STEP_S = (2**32 - 1) / 1000
+_FAILURES = (flight.FlightError, pa.ArrowException, OSError)
+
+
+class FlightLink:
+    """A worker's Flight connection to one shard's data port. One call at a time."""
+
+    def __init__(
+        self,
+        index: int,
+        address: str,
+        worker_id: int,
+        timeout: float,
+        security: ClientSecurity | None = None,
+        piece_bytes: int = fw.PIECE_BYTES,
+    ) -> None:
+        self.index = index
+        self.address = address
+        self.worker_id = worker_id
+        self.timeout = timeout
+        self.piece_bytes = piece_bytes
+        security = security or ClientSecurity()
+        kwargs: dict[str, Any] = {}
+        scheme = "grpc+tcp"
+        if security.tls:
+            scheme = "grpc+tls"
+            if security.ca is not None:
+                kwargs["tls_root_certs"] = _read(security.ca)
+            if security.cert is not None and security.key is not None:
+                kwargs["cert_chain"] = _read(security.cert)
+                kwargs["private_key"] = _read(security.key)
+        self._client = flight.FlightClient(f"{scheme}://{address}", **kwargs)
+        self._headers: list[tuple[bytes, bytes]] = []
+        if security.token:
+            self._headers.append((TOKEN_HEADER.encode(), (TOKEN_SCHEME + security.token).encode()))
+        self._lock = threading.Lock()
+        self._open: tuple[Any, Any] | None = None  # the push_pull exchange kept open
+        self._watchdog = _Watchdog()
+
+    def where(self, op: str) -> str:
+        return f"{op} on shard {self.index} ({self.address}, Flight)"
+
+    def push_pull(
+        self,
+        step: int,
+        pieces: Mapping[str, np.ndarray | RowSparse],
+        into: Mapping[str, np.ndarray] | None = None,
+        incarnation: str = "",
+    ) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
+        """This shard's pieces of one step, then the weights for the step after it, on the
+        exchange kept open (decoded into ``into``'s arrays where given).
+
+        Raises:
+            PSError: the shard refused the step (its class and status), the shard was
+                unreachable (UnavailableError), or no reply came within ``timeout``
+                (WaitTimeoutError).
+        """
+        where = self.where("push_pull")
+        request = self._request(step, pieces, incarnation)
+        with self._lock:
+            if self._open is None:
+                self._open = self._exchange(fw.PUSH_PULL, None, where)
+            writer, reader = self._open
+            expired = threading.Event()
+
+            def expire() -> None:
+                expired.set()
+                with contextlib.suppress(*_FAILURES):
+                    reader.cancel()
+
+            self._watchdog.arm(time.monotonic() + self.timeout, expire)
+            try:
+                self._send(writer, request, pieces)
+                reply, arrays = _read_reply(reader, into, where)
+            except BaseException as exc:
+                self._close_open()
+                if expired.is_set():
+                    raise WaitTimeoutError(
+                        f"{where}: no reply within {self.timeout:.1f}s"
+                    ) from None
+                raise _error(exc, where) from None
+            finally:
+                self._watchdog.disarm()
+        return reply.push, arrays
+
+    def push(
+        self, step: int, pieces: Mapping[str, np.ndarray | RowSparse], incarnation: str = ""
+    ) -> ps_pb2.PushResponse:
+        """A push of this shard's pieces of one step, on a call of its own.
+
+        Raises:
+            PSError: as ``push_pull``.
+        """
+        where = self.where("push")
+        request = self._request(step, pieces, incarnation)
+
+        def run(writer: Any, reader: Any) -> ps_pb2.PushResponse:
+            self._send(writer, request, pieces)
+            reply, _ = _read_reply(reader, None, where)
+            return reply.push
+
+        return self._one_call(fw.PUSH, run, where)
+
+    def pull(
+        self, request: ps_pb2.PullRequest, into: Mapping[str, np.ndarray] | None = None
+    ) -> dict[str, np.ndarray]:
+        """A pull on a call of its own (decoded into ``into``'s arrays where given).
+
+        Raises:
+            PSError: as ``push_pull``.
+        """
+        where = self.where("pull")
+
+        def run(writer: Any, reader: Any) -> dict[str, np.ndarray]:
+            writer.write_metadata(request.SerializeToString())
+            _, arrays = _read_reply(reader, into, where)
+            return arrays
+
+        return self._one_call(fw.PULL, run, where)
+
+    def close(self) -> None:
+        """Ends the open exchange and the connection."""
+        with self._lock:
+            self._close_open()
+            self._watchdog.stop()
+            with contextlib.suppress(*_FAILURES):
+                self._client.close()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _request(
+        self, step: int, pieces: Mapping[str, np.ndarray | RowSparse], incarnation: str
+    ) -> ps_pb2.PushPullRequest:
+        header = ps_pb2.PushHeader(worker_id=self.worker_id, step=step, incarnation=incarnation)
+        timeout_ms = max(1, round(min(self.timeout, MAX_STEP_S) * 1000))
+        return ps_pb2.PushPullRequest(header=header, timeout_ms=timeout_ms)
+
+    def _send(
+        self,
+        writer: Any,
+        request: ps_pb2.PushPullRequest,
+        pieces: Mapping[str, np.ndarray | RowSparse],
+    ) -> None:
+        entries, raws = fw.encode_tensors(pieces)
+        del request.chunks[:]
+        request.chunks.extend(entries)
+        fw.write_step(writer, request.SerializeToString(), list(raws.values()), self.piece_bytes)
+
+    def _exchange(self, command: bytes, timeout: float | None, where: str) -> tuple[Any, Any]:
+        options = flight.FlightCallOptions(timeout=timeout, headers=self._headers)
+        try:
+            writer, reader = self._client.do_exchange(
+                flight.FlightDescriptor.for_command(command), options=options
+            )
+            writer.begin(fw.SCHEMA)
+        except BaseException as exc:
+            raise _error(exc, where) from None
+        return writer, reader
+
+    def _one_call(self, command: bytes, run: Callable[[Any, Any], Any], where: str) -> Any:
+        with self._lock:
+            writer, reader = self._exchange(command, self.timeout, where)
+            try:
+                result = run(writer, reader)
+                writer.done_writing()
+                with contextlib.suppress(StopIteration):
+                    reader.read_chunk()  # the shard ends the call once our side is done
+                return result
+            except BaseException as exc:
+                raise _error(exc, where) from None
+            finally:
+                with contextlib.suppress(*_FAILURES):
+                    writer.close()
+
+    def _close_open(self) -> None:
+        if self._open is None:
+            return
+        writer, _ = self._open
+        self._open = None
+        with contextlib.suppress(*_FAILURES):
+            writer.done_writing()
+        with contextlib.suppress(*_FAILURES):
+            writer.close()
+
+
+def _read_reply(
+    reader: Any, into: Mapping[str, np.ndarray] | None, where: str
+) -> tuple[ps_pb2.PushPullResponse, dict[str, np.ndarray]]:
+    """A step's reply: its header, then its tensors (into ``into`` where given).
+
+    Raises:
+        UnavailableError: the shard ended the exchange without a reply.
+        InvalidRequestError: a malformed reply.
+    """
+    try:
+        first = reader.read_chunk()
+    except StopIteration:
+        raise UnavailableError(f"{where}: the shard ended the exchange without a reply") from None
+    reply = fw.parse(ps_pb2.PushPullResponse, first.app_metadata, where)
+    arrays = fw.read_step(reader, first.data, reply.chunks, ChunkAssembler(into=into), where)
+    return reply, arrays
+
+
+def _error(exc: BaseException, where: str) -> BaseException:
+    """A PSError for any failure of a Flight call; other exceptions (a bug, Ctrl-C) as they are."""
+    if isinstance(exc, PSError):
+        return exc
+    if isinstance(exc, _FAILURES):
+        return fw.from_flight_error(exc, where)
+    return exc
+
+
+def _read(path: Path) -> bytes:
+    """A PEM file's bytes.
+
+    Raises:
+        ValueError: it cannot be read.
+    """
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read {str(path)!r}: {exc}") from exc
+
+
+class _Watchdog:
+    """A thread that runs an action when a step's deadline passes before it is disarmed.
+
+    Arming wakes the thread only when it must wait less than it already does: steps in a row
+    (each deadline later than the last) cost no thread wake-up each.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: tuple[float, Callable[[], None]] | None = None
+        self._thread: threading.Thread | None = None
+        self._until: float | None = None  # when the thread's current wait ends; None: idle
+        self._stopped = False
+
+    def arm(self, deadline: float, action: Callable[[], None]) -> None:
+        with self._cond:
+            self._due = (deadline, action)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ps-flight-watch")
+                self._thread.daemon = True
+                self._thread.start()
+            if self._until is None or deadline < self._until:
+                self._cond.notify()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._due = None
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._due = None
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._stopped:
+                    return
+                if self._due is None:
+                    self._until = None
+                    self._cond.wait()
+                    continue
+                deadline, action = self._due
+                wait = deadline - time.monotonic()
+                if wait > 0:
+                    self._until = deadline
+                    self._cond.wait(wait)
+                    continue
+                self._due = None
+            action()
