@@ -8,8 +8,8 @@ from pswire.job import Job
 
 
 class JobAgreement:
-    """The job of one shard and the workers that declared another; not thread-safe (the
-    shard's lock guards it).
+    """The job of one shard and the workers whose earlier declaration lost to worker 0's;
+    not thread-safe (the shard's lock guards it).
 
     A job declared by worker 0 (or restored from a checkpoint) is the job. One declared by
     another worker before worker 0 is provisional: the shard serves it meanwhile (nothing is
@@ -51,8 +51,8 @@ class JobAgreement:
             return False
         diffs = job.differences(self.job)
         if diffs:
-            self._refused[worker] = _mismatch(worker, diffs)
-            raise ModelMismatchError(self._refused[worker])
+            # Said to this caller now; not kept: a refused declaration changes nothing.
+            raise ModelMismatchError(_mismatch(worker, diffs))
         self._refused.pop(worker, None)
         return False
 

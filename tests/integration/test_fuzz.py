@@ -31,6 +31,8 @@ MIN_REQUESTS = 2000
 Code = grpc.StatusCode
 INVALID, NOT_FOUND = Code.INVALID_ARGUMENT, Code.NOT_FOUND
 PRECONDITION, EXHAUSTED = Code.FAILED_PRECONDITION, Code.RESOURCE_EXHAUSTED
+ALREADY = Code.ALREADY_EXISTS
+HOLDER = "holder"  # the session holding the ready shard's worker 0 while the cases run
 # Small limits so "too large" is reachable with small messages.
 LIMITS = Limits(max_request_bytes=1 << 20, max_variables=8, max_workers=64, max_wait_s=2.0)
 MODEL = {
@@ -107,10 +109,15 @@ class Fuzzer:
     # push ------------------------------------------------------------------------------------
 
     def push(
-        self, chunks: list[ps_pb2.TensorChunk], worker: int = 0, step: int | None = None
+        self,
+        chunks: list[ps_pb2.TensorChunk],
+        worker: int = 0,
+        step: int | None = None,
+        session: str = "",
     ) -> list[ps_pb2.PushRequest]:
         step = self.rng.randint(0, 10**6) if step is None else step
-        header = ps_pb2.PushRequest(header=ps_pb2.PushHeader(worker_id=worker, step=step))
+        header = ps_pb2.PushHeader(worker_id=worker, step=step, session=session)
+        header = ps_pb2.PushRequest(header=header)
         return [header, *(ps_pb2.PushRequest(chunk=c) for c in chunks)]
 
     def push_cases(self) -> Iterator[Case]:
@@ -222,6 +229,13 @@ class Fuzzer:
         yield with_one_bad(name, poisoned, INVALID, "non-finite")
         yield case("bad-worker", self.push(good, worker=self.bad_worker()), INVALID)
         yield case("negative-step", self.push(good, step=rng.randint(-(2**63), -1)), INVALID)
+        # The ready shard's worker 0 is at step 1 (the test's one push) and held by session
+        # HOLDER: a step from the future, past 2**62, or from another process is refused.
+        future = rng.choice([18, 10**9, 2**61, rng.randint(18, 2**40)])
+        yield case("future-step", self.push(good, step=future, session=HOLDER), INVALID)
+        yield case("overflow-step", self.push(good, step=rng.randint(2**62, 2**63 - 1)), INVALID)
+        intruder = self.push(good, step=1, session=rng.choice(["intruder", "x" * 64, "h0lder"]))
+        yield case("other-process", intruder, ALREADY)
 
         # Before any job, even a perfect push has nothing to apply to.
         yield Case("push/before-init", "fresh", "Push", self.push(good), PRECONDITION)
@@ -264,6 +278,34 @@ class Fuzzer:
             "ready",
             "Pull",
             ps_pb2.PullRequest(worker_id=0, step=rng.randint(-(2**63), -1)),
+            INVALID,
+        )
+        yield Case(
+            "pull/overflow-step",
+            "ready",
+            "Pull",
+            ps_pb2.PullRequest(worker_id=0, step=rng.randint(2**62, 2**63 - 1)),
+            INVALID,
+        )
+        yield Case(
+            "heartbeat/other-process",
+            "ready",
+            "Heartbeat",
+            ps_pb2.HeartbeatRequest(worker_id=0, session="intruder"),
+            ALREADY,
+        )
+        yield Case(
+            "leave/other-process",
+            "ready",
+            "Leave",
+            ps_pb2.LeaveRequest(worker_id=0, session="intruder"),
+            ALREADY,
+        )
+        yield Case(
+            "leave/bad-worker",
+            "ready",
+            "Leave",
+            ps_pb2.LeaveRequest(worker_id=self.bad_worker()),
             INVALID,
         )
         yield Case(
@@ -335,6 +377,10 @@ class Fuzzer:
         job = self.job_copy()
         job.quorum = rng.choice([rng.randint(-(2**31), -1), rng.randint(1, 5)])
         yield from both("bad-quorum", job, INVALID)
+        job = self.job_copy()
+        variable = rng.choice([v for v in job.variables if not v.HasField("table")])
+        variable.dtype, variable.average = rng.choice(["int64", "int32", "int8", "bool"]), False
+        yield from both("integer-trainable", job, INVALID)
         job = self.job_copy()
         job.num_workers = rng.choice([0, -1, -(2**31), LIMITS.max_workers + 1, 2**31 - 1])
         yield from both("bad-num-workers", job, INVALID)
@@ -519,6 +565,9 @@ def test_malformed_requests_are_refused_and_change_nothing(shards):
     client.init(MODEL, psworker.SGD(lr=0.1, momentum=0.9))
     client.push({k: np.ones_like(v) for k, v in MODEL.items()})  # momentum slots non-trivial
     client.close()
+    holder = ps_pb2.RegisterWorkerRequest(worker_id=0, num_workers=1, session=HOLDER)
+    with insecure_channel(ready.address) as channel:
+        ps_pb2_grpc.ParameterServerStub(channel).RegisterWorker(holder, timeout=10)
     servers = {"ready": ready, "fresh": fresh}
     before = {name: state_of(s) for name, s in servers.items()}
     channels = {name: insecure_channel(s.address) for name, s in servers.items()}
@@ -569,6 +618,6 @@ def test_malformed_requests_are_refused_and_change_nothing(shards):
     for name in servers:
         assert after[name] == before[name], f"seed {SEED}: the {name} shard's state changed"
     # Every family was exercised, with a spread of codes.
-    assert set(kinds) == {"push", "pull", "heartbeat", "register", "init", "bytes"}, kinds
+    assert set(kinds) == {"push", "pull", "heartbeat", "leave", "register", "init", "bytes"}, kinds
     codes = Counter(c.expected for c in cases)
-    assert {INVALID, NOT_FOUND, PRECONDITION, EXHAUSTED} <= set(codes), codes
+    assert {INVALID, NOT_FOUND, PRECONDITION, EXHAUSTED, ALREADY} <= set(codes), codes

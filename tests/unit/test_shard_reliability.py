@@ -277,3 +277,13 @@ def test_a_table_over_the_memory_limit_is_refused_and_one_under_it_costs_nothing
     assert time.monotonic() - start < 2  # no row drawn at init (it took ~15 s per 2 GiB)
     rows, _ = shard.pull(0, 0, rows=[("t", np.array([5, 9_999_999]))])
     assert rows["t"].shape == (2, 64)
+
+
+def test_a_refused_declaration_changes_nothing_for_the_worker_that_holds_the_id():
+    # Found by the fuzz suite: a stray Init claiming worker 0 with another model must not
+    # leave worker 0 refused from then on.
+    shard = shard_with("async", 1)
+    with pytest.raises(ModelMismatchError, match="worker 0's job differs"):
+        shard.init(0, job("async", 1, model_digest="other"), None)
+    assert shard.push(0, 0, grad(1.0)).applied
+    assert shard.pull(0, 1)[1] == 1
