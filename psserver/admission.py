@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from psserver.handlers import rewrapped
 from pswire.errors import TooLargeError
 
 log = logging.getLogger(__name__)
@@ -179,14 +180,7 @@ class Admission:
 
             return run
 
-        kwargs = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), **kwargs)
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **kwargs)
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **kwargs)
-        return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kwargs)
+        return rewrapped(
+            handler,
+            lambda kind, behaviour: (streaming if kind.endswith("stream") else unary)(behaviour),
+        )

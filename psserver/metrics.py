@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from psserver.handlers import rewrapped
 from psserver.shard import Shard
 from pswire.tables import RowSparse
 
@@ -363,19 +364,11 @@ def _timed(handler: grpc.RpcMethodHandler, rpc: str, metrics: ShardMetrics) -> A
 
         return run
 
-    kwargs = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kwargs)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), **kwargs)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **kwargs)
-    if handler.stream_stream is not None:
-        behavior = handler.stream_stream
-        if rpc in STEP_CALLS:
+    def wrap(kind: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        if not kind.endswith("stream"):
+            return unary(behavior)
+        if kind == "stream_stream" and rpc in STEP_CALLS:
             behavior = steps(behavior, STEP_CALLS[rpc])
-        return grpc.stream_stream_rpc_method_handler(streaming(behavior), **kwargs)
-    return handler
+        return streaming(behavior)
+
+    return rewrapped(handler, wrap)

@@ -7,6 +7,7 @@ from typing import Any
 
 import grpc
 
+from psserver.handlers import rewrapped
 from pswire.errors import InvalidRequestError
 
 
@@ -66,18 +67,11 @@ def _tolerant(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHand
 
         return run
 
-    kwargs = {
-        "request_deserializer": deserialize,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kwargs)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(unary(handler.unary_stream), **kwargs)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(streaming(handler.stream_unary), **kwargs)
-    assert handler.stream_stream is not None
-    return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **kwargs)
+    return rewrapped(
+        handler,
+        lambda kind, behaviour: (unary if kind.startswith("unary") else streaming)(behaviour),
+        deserialize,
+    )
 
 
 def _checked(requests: Iterator[Any]) -> Iterator[Any]:
