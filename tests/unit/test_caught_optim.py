@@ -91,3 +91,73 @@ def test_sgd_dampening_matches_torch(dampening: float, nesterov: bool) -> None:
         reference.step()
     np.testing.assert_allclose(mine, theirs.detach().numpy(), rtol=1e-5, atol=1e-6)
     assert np.abs(mine - start).max() > 0.05  # it moved: the comparison is not vacuous
+
+
+# -- ranges, buffers and the blocked and row-sparse paths ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: Adam(beta2=1.0), "invalid beta2: 1.0"),
+        (lambda: Adam(weight_decay=-1.0), "invalid weight_decay"),
+        (lambda: Adagrad(weight_decay=-1.0), "invalid weight_decay"),
+        (lambda: Adagrad(eps=-1.0), "invalid eps"),
+        (lambda: SGD(nesterov=True), "nesterov needs momentum > 0 and dampening 0"),
+    ],
+)
+def test_out_of_range_hyper_parameters_are_refused(make, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_the_momentum_buffer_is_the_params_own_copy() -> None:
+    opt = SGD(lr=1.0, momentum=0.5)
+    for dtype in (np.float32, np.float64):  # as wide as the variable, or wider
+        param = np.zeros(3, np.float32)
+        state = opt.make_state(param)
+        first = np.array([1.0, 2.0, 3.0], dtype)
+        opt.apply(param, first, state)
+        assert state["momentum_buffer"].dtype == np.float32
+        opt.apply(param, np.ones(3, np.float32), state)
+        np.testing.assert_array_equal(first, [1.0, 2.0, 3.0])  # the caller's, untouched
+        np.testing.assert_allclose(param, -np.array([1, 2, 3]) - (0.5 * np.array([1, 2, 3]) + 1))
+
+
+@pytest.mark.parametrize("opt", [SGD(lr=0.1, momentum=0.9), Adam(lr=0.1), Adagrad(lr=0.1)])
+def test_blocked_apply_of_small_and_strided_variables_equals_apply(opt: Optimizer) -> None:
+    rng = np.random.default_rng(3)
+    for param in (rng.standard_normal(5), rng.standard_normal((6, 4)).T):  # small; strided
+        param = param.astype(np.float32)
+        whole, blocked = param.copy(), param  # ``param`` is a strided view for the 2nd
+        whole_state, blocked_state = opt.make_state(whole), opt.make_state(blocked)
+        for _ in range(3):
+            grad = rng.standard_normal(param.shape).astype(np.float32)
+            opt.apply(whole, grad, whole_state)
+            opt.apply_blocked(blocked, grad, blocked_state, block=4)
+        np.testing.assert_array_equal(blocked, whole)  # updated in place, even when strided
+
+
+@pytest.mark.parametrize("opt", [SGD(lr=0.1, momentum=0.9), Adam(lr=0.1), Adagrad(lr=0.1)])
+def test_apply_rows_is_apply_on_those_rows_and_leaves_the_rest(opt: Optimizer) -> None:
+    rng = np.random.default_rng(4)
+    param = rng.standard_normal((5, 3)).astype(np.float32)
+    # Slots as a table holds them: arrays from the start (a momentum buffer at zero).
+    fresh = {k: np.zeros_like(param) if v is None else v for k, v in opt.make_state(param).items()}
+    state = {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in fresh.items()}
+    rows = np.array([3, 1])
+    expected = param[rows].copy()
+    expected_state = {k: v[rows] if isinstance(v, np.ndarray) else v for k, v in fresh.items()}
+    untouched = param[[0, 2, 4]].copy()
+    for _ in range(2):
+        grad = rng.standard_normal((2, 3)).astype(np.float64)  # widened to the table's dtype
+        opt.apply(expected, grad.astype(np.float32), expected_state)
+        opt.apply_rows(param, rows, grad, state)
+    np.testing.assert_array_equal(param[rows], expected)
+    np.testing.assert_array_equal(param[[0, 2, 4]], untouched)
+    for key, value in expected_state.items():
+        if isinstance(value, np.ndarray):
+            np.testing.assert_array_equal(state[key][rows], value)
+            np.testing.assert_array_equal(state[key][[0, 2, 4]], fresh[key][[0, 2, 4]])
+        else:
+            assert state[key] == value == 2  # the step count advanced once per step

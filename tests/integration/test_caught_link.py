@@ -1,0 +1,221 @@
+"""The replay link (psworker/link.py) against real shard servers on port 0: retries through
+lost calls, a shard restarted from its checkpoint gets the pushes since it replayed exactly,
+and what cannot be recovered fails with a clear error. Restarts are scheduled, not random."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+from faults import FaultPlan
+
+from psserver.records import Limits, ShardState
+from psserver.server import RunningServer, start_server
+from psserver.shard import Shard
+from pswire.errors import InvalidRequestError, UnavailableError
+from pswire.job import Job, VarSpec
+from pswire.optim import SGD
+from psworker.link import BACKOFF_BASE_S, BACKOFF_CAP_S, ShardLink, backoff
+
+JOB = Job("async", 0, 1, SGD(lr=1.0), (VarSpec("w", (2,), "float32"),), "m")
+LIMITS = Limits(max_wait_s=5)
+
+
+def grad(step: int) -> dict[str, np.ndarray]:
+    return {"w": np.full(2, step + 1, np.float32)}
+
+
+def served(shard: Shard, port: int = 0) -> RunningServer:
+    shard.checkpointing = True  # as a CheckpointScheduler marks it: workers keep a replay log
+    return start_server(shard, port=port)
+
+
+def fresh_shard() -> Shard:
+    shard = Shard(LIMITS)
+    assert shard.init(0, JOB, {"w": np.zeros(2, np.float32)})
+    return shard
+
+
+class Cluster:
+    """One shard server and a worker's link to it, on a channel with fault plans."""
+
+    def __init__(self, *plans: FaultPlan, retry_s: float = 10.0) -> None:
+        self.server = served(fresh_shard())
+        self.port = int(self.server.address.rsplit(":", 1)[1])
+        self.channel = grpc.insecure_channel(self.server.address)
+        intercepted = grpc.intercept_channel(self.channel, *plans)
+        self.link = ShardLink(0, self.server.address, intercepted, 0, 1, 5.0, retry_s, 1 << 20)
+        reply = self.link.register()
+        self.link.incarnation = reply.incarnation
+
+    def restart(self, state: ShardState | None) -> None:
+        """As kill -9 and a restart on the same port: from ``state``, or with nothing."""
+        self.server.stop(grace=0)
+        shard = Shard(LIMITS)
+        if state is not None:
+            shard.restore(state)
+        self.server = served(shard, self.port)
+
+    def weights(self) -> np.ndarray:
+        return self.server.shard.snapshot()["w"]
+
+    def close(self) -> None:
+        self.channel.close()
+        self.server.stop(grace=0)
+
+
+@pytest.fixture
+def cluster() -> Iterator[type[Cluster]]:
+    made: list[Cluster] = []
+
+    class Made(Cluster):
+        def __init__(self, *plans: FaultPlan, retry_s: float = 10.0) -> None:
+            super().__init__(*plans, retry_s=retry_s)
+            made.append(self)
+
+    yield Made
+    for c in made:
+        c.close()
+
+
+def test_backoff_doubles_from_the_base_to_the_cap_with_jitter() -> None:
+    rng, same = random.Random(1), random.Random(1)
+    for attempt in range(8):
+        top = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt)
+        pause = backoff(attempt, rng)
+        assert top / 2 <= pause <= top
+        assert pause == backoff(attempt, same)  # the jitter comes from the rng given
+    assert (BACKOFF_BASE_S, BACKOFF_CAP_S) == (0.1, 2.0)
+    assert max(backoff(30, rng) for _ in range(50)) <= BACKOFF_CAP_S
+
+
+def test_pushes_are_logged_until_a_checkpoint_covers_them(cluster) -> None:
+    c = cluster()
+    assert c.link.checkpointing and c.link.durable == 0
+    for step in range(3):
+        reply = c.link.push(step, grad(step))
+        assert reply.applied and reply.incarnation == c.server.shard.incarnation
+    assert sorted(c.link.log) == [0, 1, 2]
+    pushed = grad(1)
+    np.testing.assert_array_equal(c.link.log[1]["w"], pushed["w"])
+    state = c.server.shard.export_state()
+    assert state is not None
+    c.server.shard.mark_checkpoint(state)  # covers steps 0-2
+    c.link.push(3, grad(3))
+    assert (c.link.durable, sorted(c.link.log)) == (3, [3])
+    assert c.link.register().durable_step == 3
+
+
+def test_a_shard_restarted_from_its_checkpoint_gets_the_lost_pushes_replayed(cluster) -> None:
+    c = cluster()
+    for step in range(2):
+        c.link.push(step, grad(step))
+    state = c.server.shard.export_state()
+    assert state is not None
+    c.server.shard.mark_checkpoint(state)  # covers steps 0-1
+    for step in range(2, 5):
+        c.link.push(step, grad(step))
+    old = c.link.incarnation
+    c.restart(state)  # steps 2-4 are gone with the old process
+    reply = c.link.push(5, grad(5))  # refused for the old incarnation, then recovered
+    # The replay re-sent every logged step from the checkpoint on, this one included, so the
+    # retried call itself finds it applied.
+    assert (reply.applied, reply.reason, c.link.recoveries) == (False, "duplicate", 1)
+    assert c.link.incarnation == c.server.shard.incarnation != old
+    np.testing.assert_array_equal(c.weights(), -np.full(2, 1 + 2 + 3 + 4 + 5 + 6))
+    assert c.server.shard.status().pushes_applied == 6
+    pulled = c.link.pull(_pull_request())  # reads carry the new incarnation too
+    np.testing.assert_array_equal(pulled["w"], c.weights())
+
+
+def test_a_restart_found_by_a_pull_replays_too_and_decodes_into_the_callers_array(
+    cluster,
+) -> None:
+    c = cluster()
+    state = c.server.shard.export_state()
+    assert state is not None
+    c.server.shard.mark_checkpoint(state)
+    c.link.push(0, grad(0))
+    c.restart(state)
+    into = {"w": np.empty(2, np.float32)}
+    pulled = c.link.pull(_pull_request(step=1), into=into)
+    assert c.link.recoveries == 1
+    np.testing.assert_array_equal(pulled["w"], [-1, -1])
+    assert pulled["w"] is into["w"] or np.shares_memory(pulled["w"], into["w"])
+
+
+def test_a_restart_without_a_checkpoint_is_a_clear_error(cluster) -> None:
+    c = cluster(retry_s=2)
+    c.link.push(0, grad(0))
+    c.restart(None)
+    with pytest.raises(UnavailableError, match="restarted without a checkpoint") as info:
+        c.link.push(1, grad(1))
+    assert "--checkpoint-dir" in str(info.value)
+
+
+def test_a_restart_past_what_the_log_holds_is_a_clear_error(cluster) -> None:
+    c = cluster(retry_s=2)
+    state = c.server.shard.export_state()
+    assert state is not None
+    c.server.shard.mark_checkpoint(state)
+    for step in range(3):
+        c.link.push(step, grad(step))
+    del c.link.log[1]  # as if a wrong checkpoint report had made it forget step 1
+    c.restart(state)
+    with pytest.raises(UnavailableError, match=r"restarted at step 0, .* steps \[1\]"):
+        c.link.push(3, grad(3))
+
+
+def test_calls_are_retried_through_dropped_and_lost_replies(cluster) -> None:
+    # The first plan is the outer one: the second counts only the calls the first let through.
+    drop, lose = FaultPlan("Push", {1, 2}, "drop"), FaultPlan("Push", {2}, "lose_reply")
+    c = cluster(drop, lose)
+    replies = [c.link.push(step, grad(step)) for step in range(3)]
+    assert [(r.applied, r.reason) for r in replies] == [
+        (True, ""),
+        (False, "duplicate"),
+        (True, ""),
+    ]
+    assert (drop.fired, lose.fired) == (2, 1)
+    assert c.link.recoveries == 0  # the same shard all along: nothing to replay
+    np.testing.assert_array_equal(c.weights(), -np.full(2, 1 + 2 + 3))  # each applied once
+    status = c.server.shard.status()
+    assert (status.pushes_applied, status.pushes_duplicate) == (3, 1)  # the lost reply's retry
+
+
+def test_the_retry_window_ends_with_an_error_naming_the_call_and_the_shard(cluster) -> None:
+    c = cluster(FaultPlan("Push", range(1, 1000), "drop"), retry_s=0.5)
+    with pytest.raises(UnavailableError, match=r"Push on shard 0 \(127\.0\.0\.1:\d+\)"):
+        c.link.push(0, grad(0))
+    assert c.server.shard.status().pushes_applied == 0
+
+
+def test_other_errors_are_not_retried(cluster) -> None:
+    plan = FaultPlan("Push", set(), "drop")  # counts the calls, fires on none
+    c = cluster(plan)
+    with pytest.raises(InvalidRequestError, match=r"Push on shard 0 .*'w' has shape \(2,\)"):
+        c.link.push(0, {"w": np.ones(3, np.float32)})
+    assert plan.calls == 1
+
+
+def test_the_fused_step_recovers_like_the_others(cluster) -> None:
+    c = cluster()
+    state = c.server.shard.export_state()
+    assert state is not None
+    c.server.shard.mark_checkpoint(state)
+    pushed, pulled = c.link.push_pull(0, grad(0))
+    assert pushed.applied and sorted(c.link.log) == [0]
+    np.testing.assert_array_equal(pulled["w"], [-1, -1])
+    c.restart(state)
+    pushed, pulled = c.link.push_pull(1, grad(1))
+    assert (pushed.reason, c.link.recoveries) == ("duplicate", 1)  # replayed first
+    np.testing.assert_array_equal(pulled["w"], [-3, -3])
+
+
+def _pull_request(step: int = 0):
+    from pswire.proto import ps_pb2
+
+    return ps_pb2.PullRequest(worker_id=0, step=step, names=["w"])
