@@ -93,8 +93,10 @@ def prepare(group: str, spec: dict, root: Path, jobs_timeout: int) -> Path:
         # A mutant that makes a wait hang is caught by the per-test timeout, not by the
         # default 120 s one; no cache dir in the copies.
         "pytest_add_cli_args": ["-p", "no:cacheprovider", f"--timeout={jobs_timeout}"],
-        # grpc and torch are not fork-safe after use: fork each mutant from a clean server.
-        "process_isolation": "forkserver",
+        # "fork" forks each mutant from the process that ran the tests once (and runs the
+        # fastest tests first); a group whose tests start gRPC servers says "forkserver":
+        # grpc is not fork-safe after use, so its mutants fork from a clean server.
+        "process_isolation": spec.get("isolation", "fork"),
     }
     with open(where / "pyproject.toml", "a", encoding="utf-8") as f:
         f.write("\n[tool.mutmut]\n")
@@ -111,7 +113,9 @@ def run_group(where: Path, jobs: int) -> tuple[int, float]:
             cwd=where,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+            # One OpenMP thread: torch forked after use hangs in a parallel region otherwise,
+            # and the mutants run side by side anyway.
+            env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"},
         )
     return rc, time.monotonic() - start
 
