@@ -92,7 +92,11 @@ def prepare(group: str, spec: dict, root: Path, jobs_timeout: int) -> Path:
         "pytest_add_cli_args_test_selection": spec["tests"],
         # A mutant that makes a wait hang is caught by the per-test timeout, not by the
         # default 120 s one; no cache dir in the copies.
-        "pytest_add_cli_args": ["-p", "no:cacheprovider", f"--timeout={jobs_timeout}"],
+        "pytest_add_cli_args": [
+            "-p",
+            "no:cacheprovider",
+            f"--timeout={spec.get('test_timeout', jobs_timeout)}",
+        ],
         # "fork" forks each mutant from the process that ran the tests once (and runs the
         # fastest tests first); a group whose tests start gRPC servers says "forkserver":
         # grpc is not fork-safe after use, so its mutants fork from a clean server.
