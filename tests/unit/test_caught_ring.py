@@ -126,3 +126,21 @@ def test_run_local_raises_the_first_error_and_fails_the_others_with_it() -> None
     assert sorted(seen) == [0, 2]
     for exc in seen.values():
         assert str(exc) == "rank 1: RuntimeError('boom')"
+
+
+def test_run_local_passes_a_ps_error_on_to_the_others_as_it_is() -> None:
+    seen: dict[int, BaseException] = {}
+    broken = InvalidRequestError("rank 1 is broken")
+
+    def body(peer: LocalPeer) -> np.ndarray:
+        if peer.rank == 1:
+            raise broken
+        try:
+            return ring.allreduce(peer, np.ones(6, np.float32), timeout=TIMEOUT)
+        except PSError as exc:
+            seen[peer.rank] = exc
+            raise
+
+    with pytest.raises(InvalidRequestError, match="rank 1 is broken"):
+        run_local(3, body)
+    assert sorted(seen) == [0, 2] and all(exc is broken for exc in seen.values())
