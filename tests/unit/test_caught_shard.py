@@ -345,3 +345,40 @@ def test_a_wait_with_time_left_is_woken_by_the_push_it_waits_for() -> None:
     shard.push(1, 0, ones())
     reader.join(10)
     assert got == [1]
+
+
+def test_worker_ids_and_counts_at_the_limits() -> None:
+    shard = Shard(Limits(max_workers=4))
+    assert shard.register_worker(3, 4).clock == 0  # the last id, the largest job allowed
+    with pytest.raises(InvalidRequestError, match="worker_id 4 must be in"):
+        shard.register_worker(4, 4)
+    with pytest.raises(InvalidRequestError, match="worker_id 0 must be in"):
+        shard.register_worker(0, 0)
+
+
+def test_every_duplicate_is_counted() -> None:
+    shard, _ = ready("async")
+    shard.push(0, 0, ones())
+    for _ in range(3):
+        assert shard.push(0, 0, ones()).reason == "duplicate"
+    assert shard.status().pushes_duplicate == 3
+
+
+def test_a_push_keeps_the_callers_arrays_unless_told_to_take_them() -> None:
+    shard, _ = ready("sync", workers=2)
+    first = ones(2)
+    shard.push(0, 0, first)  # take defaults to False
+    shard.push(1, 0, ones(4))
+    np.testing.assert_array_equal(first["w"], [2, 2])
+    mine = ones(2)
+    with pytest.raises(WaitTimeoutError):
+        shard.push_pull(0, 1, mine, lambda arrays, clock: None, timeout=0)
+    shard.push(1, 1, ones(4))
+    np.testing.assert_array_equal(mine["w"], [2, 2])
+
+
+def test_a_push_pull_whose_push_must_wait_gives_up_at_its_timeout() -> None:
+    shard, _ = ready("sync", workers=2)
+    shard.push(0, 0, ones())
+    with pytest.raises(WaitTimeoutError, match=r"gave up after 0\.0s waiting for push by worker 0"):
+        shard.push_pull(0, 1, ones(), lambda arrays, clock: None, timeout=0)
