@@ -7,20 +7,18 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
-import grpc
 import numpy as np
 import pytest
 from faults import FaultPlan
 
+import psworker
 from psserver.records import Limits, ShardState
 from psserver.server import RunningServer, start_server
 from psserver.shard import Shard
 from pswire.errors import InvalidRequestError, UnavailableError
-from pswire.job import Job, VarSpec
 from pswire.optim import SGD
 from psworker.link import BACKOFF_BASE_S, BACKOFF_CAP_S, ShardLink, backoff
 
-JOB = Job("async", 0, 1, SGD(lr=1.0), (VarSpec("w", (2,), "float32"),), "m")
 LIMITS = Limits(max_wait_s=5)
 
 
@@ -33,23 +31,26 @@ def served(shard: Shard, port: int = 0) -> RunningServer:
     return start_server(shard, port=port)
 
 
-def fresh_shard() -> Shard:
-    shard = Shard(LIMITS)
-    assert shard.init(0, JOB, {"w": np.zeros(2, np.float32)})
-    return shard
-
-
 class Cluster:
     """One shard server and a worker's link to it, on a channel with fault plans."""
 
     def __init__(self, *plans: FaultPlan, retry_s: float = 10.0) -> None:
-        self.server = served(fresh_shard())
+        self.server = served(Shard(LIMITS))
         self.port = int(self.server.address.rsplit(":", 1)[1])
-        self.channel = grpc.insecure_channel(self.server.address)
-        intercepted = grpc.intercept_channel(self.channel, *plans)
-        self.link = ShardLink(0, self.server.address, intercepted, 0, 1, 5.0, retry_s, 1 << 20)
-        reply = self.link.register()
-        self.link.incarnation = reply.incarnation
+        self.client = psworker.PSClient(
+            [self.server.address],
+            0,
+            1,
+            mode="async",
+            timeout=5.0,
+            retry_s=retry_s,
+            heartbeat_s=0,
+            interceptors=plans,
+        )
+        self.client.init({"w": np.zeros(2, np.float32)}, SGD(lr=1.0))
+        self.link: ShardLink = self.client.links[0]
+        for plan in plans:  # count from here: the calls init made are not the test's
+            plan.calls = plan.fired = 0
 
     def restart(self, state: ShardState | None) -> None:
         """As kill -9 and a restart on the same port: from ``state``, or with nothing."""
@@ -63,7 +64,7 @@ class Cluster:
         return self.server.shard.snapshot()["w"]
 
     def close(self) -> None:
-        self.channel.close()
+        self.client.close()
         self.server.stop(grace=0)
 
 
