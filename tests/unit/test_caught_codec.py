@@ -171,3 +171,47 @@ def test_wire_encoders_label_bfloat16_and_carry_row_ids() -> None:
         list(tensor_to_chunks("grad_w", np.zeros(2, np.complex64)))
     with pytest.raises(InvalidRequestError, match="variable 'grad_w'"):
         tensor_to_proto("grad_w", np.zeros(2, np.uint16))  # uint16 only as bfloat16
+
+
+def test_large_arrays_take_the_fast_finiteness_check_to_the_same_answer() -> None:
+    big = np.ones((300, 300), np.float32)  # 90,000 elements: over the fast path's threshold
+    check_tensor("big", (300, 300), "float32", big, "push")
+    huge = np.full((300, 300), 1e30, np.float32)  # finite, but its dot overflows
+    check_tensor("big", (300, 300), "float32", huge, "push")
+    for bad in (np.nan, np.inf):
+        broken = big.copy()
+        broken[150, 7] = bad
+        with pytest.raises(InvalidRequestError, match="push has 1 non-finite values"):
+            check_tensor("big", (300, 300), "float32", broken, "push")
+
+
+def test_encoders_normalise_what_they_are_given() -> None:
+    big_endian = np.array([1.5, -2.0], dtype=">f4")
+    message = tensor_to_proto("x", big_endian)
+    assert message.dtype == "float32" and message.data == np.array([1.5, -2.0], "<f4").tobytes()
+    narrow_ids = tensor_to_proto("e", ROWS[:2], indices=np.array([5, 9], np.int32))
+    assert message.total_bytes == 8 and narrow_ids.indices == IDS[:2].tobytes()
+    with pytest.raises(ValueError, match=r"^bfloat16 bit patterns are uint16, 'x' is float32$"):
+        tensor_to_proto("x", np.ones(2, np.float32), bfloat16=True)
+    with pytest.raises(InvalidRequestError, match="variable 'c' has unsupported dtype"):
+        check_tensor("c", (2,), "complex64", np.zeros(2, np.complex64), "push")
+
+
+def test_malformed_streams_are_named_for_what_is_wrong() -> None:
+    with pytest.raises(InvalidRequestError, match=r"^tensor chunk without a name starts a tensor$"):
+        ChunkAssembler().add(ps_pb2.TensorChunk(data=b"1234"))
+    first, second, *_ = tensor_to_chunks("e", ROWS, 16, indices=IDS)
+    second.indices = IDS.tobytes()
+    assembler = ChunkAssembler()
+    assembler.add(first)
+    with pytest.raises(
+        InvalidRequestError,
+        match=r"^table 'e': row ids in a chunk at byte offset 16; they belong in the tensor's "
+        r"first chunk only$",
+    ):
+        assembler.add(second)
+    with pytest.raises(
+        InvalidRequestError,
+        match=r"expected a 2-d tensor and 8 bytes \(one int64 id\) per row$",
+    ):
+        ChunkAssembler().add(chunk(ROWS, IDS.tobytes()[:8]))

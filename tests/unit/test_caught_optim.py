@@ -103,7 +103,7 @@ def test_sgd_dampening_matches_torch(dampening: float, nesterov: bool) -> None:
         (lambda: Adam(weight_decay=-1.0), "invalid weight_decay"),
         (lambda: Adagrad(weight_decay=-1.0), "invalid weight_decay"),
         (lambda: Adagrad(eps=-1.0), "invalid eps"),
-        (lambda: SGD(nesterov=True), "nesterov needs momentum > 0 and dampening 0"),
+        (lambda: SGD(nesterov=True), "^nesterov needs momentum > 0 and dampening 0$"),
     ],
 )
 def test_out_of_range_hyper_parameters_are_refused(make, message: str) -> None:
