@@ -121,3 +121,16 @@ def test_the_tables_digest_is_canonical_text_of_every_table() -> None:
     assert json.loads(text)["a"] == Table(5, 3).describe()
     assert text.index('"capacity"') < text.index('"dim"')  # keys sorted inside each table too
     assert tables_digest({}) == "{}"
+
+
+def test_two_shards_split_a_fixed_table_and_scalars_join_into_given_arrays() -> None:
+    layout = TableLayout.build("emb", Table(10, 2), 2)
+    assert layout.shard_of(np.array([0, 4, 5, 9])).tolist() == [0, 0, 1, 1]
+    hashed = TableLayout.build("h", Table(None, 2), 2).shard_of(np.arange(64, dtype=np.int64))
+    assert set(hashed.tolist()) == {0, 1}
+    shard_map = plan([VarInfo("step", (), "int64"), VarInfo("w", (2,), "float32")], 2)
+    pieces = {"step": np.array(7, np.int64), "w": np.array([1.0, 2.0], np.float32)}
+    out = {"step": np.array(0, np.int64), "w": np.zeros(2, np.float32)}
+    joined = shard_map.join(pieces, ["step", "w"], out=out)
+    assert joined["step"] is out["step"] and int(out["step"]) == 7
+    np.testing.assert_array_equal(out["w"], [1.0, 2.0])
