@@ -4,7 +4,9 @@ and what cannot be recovered fails with a clear error. Restarts are scheduled, n
 
 from __future__ import annotations
 
+import logging
 import random
+import re
 from collections.abc import Iterator
 
 import numpy as np
@@ -15,8 +17,15 @@ import psworker
 from psserver.records import Limits, ShardState
 from psserver.server import RunningServer, start_server
 from psserver.shard import Shard
-from pswire.errors import InvalidRequestError, UnavailableError
+from pswire.errors import (
+    InvalidRequestError,
+    ShapeMismatchError,
+    UnavailableError,
+    UnknownVariableError,
+    WaitTimeoutError,
+)
 from pswire.optim import SGD
+from pswire.proto import ps_pb2
 from psworker.link import BACKOFF_BASE_S, BACKOFF_CAP_S, ShardLink, backoff
 
 LIMITS = Limits(max_wait_s=5)
@@ -34,20 +43,34 @@ def served(shard: Shard, port: int = 0) -> RunningServer:
 class Cluster:
     """One shard server and a worker's link to it, on a channel with fault plans."""
 
-    def __init__(self, *plans: FaultPlan, retry_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        *plans: FaultPlan,
+        retry_s: float = 10.0,
+        mode: str = "async",
+        workers: int = 1,
+        timeout: float = 5.0,
+        worker: int = 0,
+    ) -> None:
         self.server = served(Shard(LIMITS))
         self.port = int(self.server.address.rsplit(":", 1)[1])
+        values = {"w": np.zeros(2, np.float32)}
+        if worker:  # worker 0 sends the initial values first
+            with psworker.PSClient(
+                [self.server.address], 0, workers, mode=mode, heartbeat_s=0
+            ) as chief:
+                chief.init(values, SGD(lr=1.0))
         self.client = psworker.PSClient(
             [self.server.address],
-            0,
-            1,
-            mode="async",
-            timeout=5.0,
+            worker,
+            workers,
+            mode=mode,
+            timeout=timeout,
             retry_s=retry_s,
             heartbeat_s=0,
             interceptors=plans,
         )
-        self.client.init({"w": np.zeros(2, np.float32)}, SGD(lr=1.0))
+        self.client.init(values, SGD(lr=1.0))
         self.link: ShardLink = self.client.links[0]
         for plan in plans:  # count from here: the calls init made are not the test's
             plan.calls = plan.fired = 0
@@ -73,8 +96,8 @@ def cluster() -> Iterator[type[Cluster]]:
     made: list[Cluster] = []
 
     class Made(Cluster):
-        def __init__(self, *plans: FaultPlan, retry_s: float = 10.0) -> None:
-            super().__init__(*plans, retry_s=retry_s)
+        def __init__(self, *plans: FaultPlan, **options) -> None:
+            super().__init__(*plans, **options)
             made.append(self)
 
     yield Made
@@ -110,8 +133,11 @@ def test_pushes_are_logged_until_a_checkpoint_covers_them(cluster) -> None:
     assert c.link.register().durable_step == 3
 
 
-def test_a_shard_restarted_from_its_checkpoint_gets_the_lost_pushes_replayed(cluster) -> None:
-    c = cluster()
+@pytest.mark.parametrize("worker", [0, 1])
+def test_a_shard_restarted_from_its_checkpoint_gets_the_lost_pushes_replayed(
+    cluster, worker: int
+) -> None:
+    c = cluster(worker=worker, workers=2)
     for step in range(2):
         c.link.push(step, grad(step))
     state = c.server.shard.export_state()
@@ -127,7 +153,8 @@ def test_a_shard_restarted_from_its_checkpoint_gets_the_lost_pushes_replayed(clu
     assert (reply.applied, reply.reason, c.link.recoveries) == (False, "duplicate", 1)
     assert c.link.incarnation == c.server.shard.incarnation != old
     np.testing.assert_array_equal(c.weights(), -np.full(2, 1 + 2 + 3 + 4 + 5 + 6))
-    assert c.server.shard.status().pushes_applied == 6
+    status = c.server.shard.status()
+    assert status.pushes_applied == 6 and status.workers[worker][0] == 6  # replayed as itself
     pulled = c.link.pull(_pull_request())  # reads carry the new incarnation too
     np.testing.assert_array_equal(pulled["w"], c.weights())
 
@@ -152,22 +179,73 @@ def test_a_restart_without_a_checkpoint_is_a_clear_error(cluster) -> None:
     c = cluster(retry_s=2)
     c.link.push(0, grad(0))
     c.restart(None)
-    with pytest.raises(UnavailableError, match="restarted without a checkpoint") as info:
+    with pytest.raises(
+        UnavailableError,
+        match=r"restarted without a checkpoint, so its variables are gone; run psserver with "
+        r"--checkpoint-dir to survive restarts$",
+    ):
         c.link.push(1, grad(1))
-    assert "--checkpoint-dir" in str(info.value)
 
 
-def test_a_restart_past_what_the_log_holds_is_a_clear_error(cluster) -> None:
+@pytest.mark.parametrize(
+    ("forgotten", "named"), [([7], "[7]"), ([1, 2, 3, 4, 5, 6], "[1, 2, 3, 4, 5]")]
+)
+def test_a_restart_past_what_the_log_holds_is_a_clear_error(cluster, forgotten, named) -> None:
     c = cluster(retry_s=2)
     state = c.server.shard.export_state()
     assert state is not None
     c.server.shard.mark_checkpoint(state)
-    for step in range(3):
+    for step in range(8):
         c.link.push(step, grad(step))
-    del c.link.log[1]  # as if a wrong checkpoint report had made it forget step 1
+    for step in forgotten:  # as if a wrong checkpoint report had made it forget them
+        del c.link.log[step]
     c.restart(state)
-    with pytest.raises(UnavailableError, match=r"restarted at step 0, .* steps \[1\]"):
-        c.link.push(3, grad(3))
+    with pytest.raises(
+        UnavailableError, match=rf"restarted at step 0, .* for steps {re.escape(named)}$"
+    ):
+        c.link.push(8, grad(8))
+
+
+def test_a_restart_right_after_a_checkpoint_replays_nothing_and_says_so(cluster, caplog) -> None:
+    c = cluster()
+    state = c.server.shard.export_state()
+    assert state is not None
+    c.server.shard.mark_checkpoint(state)
+    c.restart(state)  # nothing pushed since: the log is empty
+    with caplog.at_level(logging.WARNING, logger="psworker.link"):
+        pulled = c.link.pull(_pull_request())
+    assert c.link.recoveries == 1 and not c.link.log
+    np.testing.assert_array_equal(pulled["w"], [0, 0])
+    assert re.search(
+        rf"shard 0 \({re.escape(c.server.address)}\) restarted \(incarnation [0-9a-f]{{12}} -> "
+        rf"{c.server.shard.incarnation}\) at step 0: replaying 0 pushes",
+        caplog.text,
+    )
+    c.link.push(0, grad(0))
+    c.restart(c.server.shard.export_state())  # a second restart: recoveries count on
+    c.link.push(1, grad(1))
+    assert c.link.recoveries == 2
+
+
+def test_calls_name_their_rpc_and_wait_no_longer_than_the_links_timeout(cluster) -> None:
+    c = cluster()
+    with pytest.raises(UnknownVariableError, match=r"^Pull on shard 0 \(127\.0\.0\.1:\d+\)"):
+        c.link.pull(ps_pb2.PullRequest(worker_id=0, step=0, names=["nope"]))
+    with pytest.raises(ShapeMismatchError, match=r"^PushPull on shard 0 \(127"):
+        c.link.push_pull(0, {"w": np.ones(3, np.float32)})
+    into = {"w": np.empty(2, np.float32)}
+    _, pulled = c.link.push_pull(0, grad(0), into=into)
+    assert np.shares_memory(pulled["w"], into["w"]) and (into["w"] == -1).all()
+    # The shard waits as long as the call's deadline allows, here the link's timeout (2 s)
+    # less the servicer's margin, not its own limit (5 s): a sync barrier that cannot close.
+    sync = cluster(mode="sync", workers=2, timeout=2.0)
+    sync.link.push(0, grad(0))
+    for call in (
+        lambda: sync.link.pull(_pull_request(step=1)),
+        lambda: sync.link.push(1, grad(1)),
+    ):
+        with pytest.raises(WaitTimeoutError, match=r"gave up after 1\.\ds"):
+            call()
 
 
 def test_calls_are_retried_through_dropped_and_lost_replies(cluster) -> None:
@@ -217,6 +295,20 @@ def test_the_fused_step_recovers_like_the_others(cluster) -> None:
 
 
 def _pull_request(step: int = 0):
-    from pswire.proto import ps_pb2
-
     return ps_pb2.PullRequest(worker_id=0, step=step, names=["w"])
+
+
+def test_a_fused_step_to_a_shard_replaced_while_no_stream_was_open_is_refused_and_replayed(
+    cluster,
+) -> None:
+    c = cluster()
+    state = c.server.shard.export_state()
+    assert state is not None
+    c.server.shard.mark_checkpoint(state)
+    c.link.push_pull(0, grad(0))
+    with pytest.raises(ShapeMismatchError):  # a refused step ends the open stream
+        c.link.push_pull(1, {"w": np.ones(3, np.float32)})
+    c.restart(state)  # the next step opens a new stream, to the new shard, with no error
+    _, pulled = c.link.push_pull(1, grad(1))
+    assert c.link.recoveries == 1  # the step carried the old incarnation and was refused
+    np.testing.assert_array_equal(pulled["w"], [-3, -3])
