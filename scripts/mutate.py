@@ -205,7 +205,8 @@ def report(
         "",
         f"Score: **{total.score():.1f}%** caught ({total.caught} of {total.tried} mutants tried;"
         f" {total.untried} not tried). Wall time per group (s): "
-        + ", ".join(f"{g} {w:.0f}" for g, w in walls.items()),
+        + ", ".join(f"{g} {w:.0f}" for g, w in walls.items())
+        + f"; {sum(walls.values()):.0f} in all.",
         "",
         "| module | mutants | caught | missed | not tried | score |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -256,7 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         for module, t in sorted(results[group].items()):
             print(f"  {module}: {t.caught}/{t.tried} caught ({t.score():.1f}%)", flush=True)
     score, unexplained = report(args.workdir, results, config.get("survivors", {}), walls)
-    print(f"mutate: score {score:.1f}% (minimum {args.min_score}%); {args.workdir / 'report.md'}")
+    took = f" in {sum(walls.values()) / 60:.1f} min" if walls else ""
+    print(
+        f"mutate: score {score:.1f}% (minimum {args.min_score}%){took}; "
+        f"{args.workdir / 'report.md'}"
+    )
     if unexplained:
         print(f"mutate: {len(unexplained)} survivors without a reason in scripts/mutate.toml:")
         print("\n".join(f"  {n}" for n in unexplained))
