@@ -250,10 +250,14 @@ def main(argv: list[str] | None = None) -> int:
             where = prepare(group, config["groups"][group], args.workdir, args.test_timeout)
             print(f"mutate: {group} ...", flush=True)
             rc, walls[group] = run_group(where, args.jobs)
+            (where / "wall_s.txt").write_text(f"{walls[group]:.1f}\n", encoding="utf-8")
             if rc != 0:
                 print(f"mutate: mutmut failed in {group} (rc {rc}); see {where / 'mutmut.log'}")
                 return 2
         results[group] = collect(args.workdir / group)
+        recorded = args.workdir / group / "wall_s.txt"
+        if group not in walls and recorded.exists():  # --report-only: the run's own time
+            walls[group] = float(recorded.read_text(encoding="utf-8"))
         for module, t in sorted(results[group].items()):
             print(f"  {module}: {t.caught}/{t.tried} caught ({t.score():.1f}%)", flush=True)
     score, unexplained = report(args.workdir, results, config.get("survivors", {}), walls)
