@@ -326,3 +326,22 @@ def test_the_replay_log_keeps_copies_of_what_was_pushed(cluster) -> None:
     c.restart(state)
     c.link.push(1, grad(1))  # replays step 0 from the log, not from the reused buffer
     np.testing.assert_array_equal(c.weights(), [-3, -3])
+
+
+def test_each_retry_is_logged_with_its_number_and_pause(cluster, caplog) -> None:
+    c = cluster(FaultPlan("Push", {1, 2, 3}, "drop"))
+    with caplog.at_level(logging.INFO, logger="psworker.link"):
+        assert c.link.push(0, grad(0)).applied
+    said = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
+    where = re.escape(f"Push on shard 0 ({c.server.address})")
+    assert len(said) == 3
+    for number, message in enumerate(said, start=1):
+        assert re.fullmatch(rf"{where} unavailable; retry {number} in \d\.\d\ds", message)
+
+
+def test_a_fused_step_whose_reply_never_comes_is_named_after_the_stream(cluster) -> None:
+    c = cluster(FaultPlan("PushPullStream", {1}, "delay", delay_s=2.0), timeout=0.5)
+    with pytest.raises(
+        WaitTimeoutError, match=r"^PushPullStream on shard 0 \(127\.0\.0\.1:\d+\): no reply within"
+    ):
+        c.link.push_pull(0, grad(0))
