@@ -144,3 +144,20 @@ def test_run_local_passes_a_ps_error_on_to_the_others_as_it_is() -> None:
     with pytest.raises(InvalidRequestError, match="rank 1 is broken"):
         run_local(3, body)
     assert sorted(seen) == [0, 2] and all(exc is broken for exc in seen.values())
+
+
+def test_the_ring_says_what_ranks_must_agree_on() -> None:
+    def body(peer: LocalPeer) -> np.ndarray:
+        return ring.allreduce(peer, np.ones(10 + 2 * peer.rank, np.float32), timeout=TIMEOUT)
+
+    with pytest.raises(
+        InvalidRequestError, match=r"Do all ranks pass buffers of the same length and dtype\?$"
+    ):
+        run_local(2, body)
+    (peer,) = local_peers(1)
+    frozen = np.ones(4, np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises(
+        ValueError, match=r"^the ring writes its result into the buffer, which is read-only$"
+    ):
+        ring.allreduce(peer, frozen)
