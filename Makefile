@@ -2,7 +2,7 @@
 PY ?= python
 PROTO_SRC := protos/pswire/proto/ps.proto
 
-.PHONY: check fmt lint types test protos check-protos bench images
+.PHONY: check fmt lint types test protos check-protos bench images mutate
 check: fmt-check lint types check-protos test
 
 fmt-check:
@@ -26,3 +26,8 @@ bench:
 # scripts/images.sh). tests/e2e/test_images.py runs it as part of `make test` where it can.
 images:
 	PY=$(PY) bash scripts/images.sh
+
+# Mutation testing of the core (scripts/mutate.toml): slow, so never part of `check`.
+# Writes build/mutate/report.md; fails under 90% of mutants caught. MUTATE_ARGS="optim codec".
+mutate:
+	$(PY) scripts/mutate.py $(MUTATE_ARGS)

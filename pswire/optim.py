@@ -94,7 +94,7 @@ class SGD(Optimizer):
     """torch.optim.SGD: momentum, dampening, nesterov, weight decay."""
 
     name: ClassVar[str] = "sgd"
-    lr: float = 0.01
+    lr: float = 0.001  # torch.optim.SGD's default (tests/unit/test_caught_optim.py)
     momentum: float = 0.0
     dampening: float = 0.0
     nesterov: bool = False

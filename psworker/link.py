@@ -133,8 +133,8 @@ class ShardLink:
                 if code == grpc.StatusCode.UNAVAILABLE and now >= warn_at:
                     warn_at, warned = now + WARN_EVERY_S, True
                     log.warning("%s", self._unreachable(exc, rpc, now - start, deadline - now))
-                else:
-                    log.info("%s: %s; retry %d in %.2fs", self.where(rpc), code, attempt + 1, pause)
+                name = code.name if code is not None else "?"
+                log.info("%s: %s; retry %d in %.2fs", self.where(rpc), name, attempt + 1, pause)
                 self._closed.wait(pause)
                 attempt += 1
 
