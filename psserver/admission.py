@@ -1,6 +1,7 @@
 """Keeps a shard answerable under any load: calls that can last are capped below the thread pool,
-so status, health and registration always find a thread; a request stream that sits idle is
-cancelled; each worker has at most a few open step streams."""
+so status, health and registration always find a thread; a request stream that sits idle, or
+a reply the client does not take, is cancelled; each worker has at most a few open step
+streams."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ REQUEST_STREAMS = frozenset({"Init", "Push", "PushPullStream", "LoadState"})
 # Threads kept for short calls (status, health, registration, heartbeats, checkpoints).
 RESERVED_THREADS = 8
 DEFAULT_STREAM_IDLE_S = 120.0
+# A shard's gRPC threads: room for 60 workers (a step stream and a pull each) and the reserve.
+DEFAULT_THREADS = 128
 DEFAULT_STREAMS_PER_WORKER = 2
 _WATCH_TICK_S = 0.5
 
@@ -107,6 +110,21 @@ class Admission:
             with self._lock:
                 self._idle.pop(call, None)
 
+    def _sent(self, replies: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        """``replies``, with the wait for the client to take each one watched: a client that
+        never reads a reply holds this call (and a thread) until it is cancelled as idle."""
+        call = next(self._ids)
+        try:
+            for reply in replies:
+                with self._lock:
+                    self._idle[call] = (self._now(), context)
+                yield reply  # back here once gRPC has sent it
+                with self._lock:
+                    self._idle.pop(call, None)
+        finally:
+            with self._lock:
+                self._idle.pop(call, None)
+
     # -- per-worker step streams -----------------------------------------------------------
 
     @contextlib.contextmanager
@@ -142,7 +160,8 @@ class Admission:
         context.abort(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"{rpc} refused: the shard already serves {self.long_limit} calls that can wait "
-            "or stream (psserver --threads, minus threads kept for status and health)",
+            "or stream (psserver --threads, minus threads kept for status and health); a job "
+            "needs --threads of at least 2 x its workers + 8",
         )
 
     def _exit_long(self) -> None:
@@ -174,7 +193,7 @@ class Admission:
             def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
                 self._enter_long(context, rpc)
                 try:
-                    yield from behavior(requests(request, context), context)
+                    yield from self._sent(behavior(requests(request, context), context), context)
                 finally:
                     self._exit_long()
 

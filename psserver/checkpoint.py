@@ -223,6 +223,7 @@ class CheckpointScheduler:
         self._thread: threading.Thread | None = None
         self._last_clock, self._last_sig = self._status_signature()
         self._last_time = clock()
+        self._last_path: Path | None = None
         self._retry_at = 0.0
         self._backoff_s = 1.0
 
@@ -248,14 +249,18 @@ class CheckpointScheduler:
             self._thread.start()
 
     def checkpoint(self) -> tuple[str, int]:
-        """Saves now, changed or not; returns (path, shard clock). For the Checkpoint RPC.
+        """Saves now unless the newest checkpoint already holds the shard's state; returns
+        (path, shard clock). For the Checkpoint RPC: workers whose replay logs fill together
+        ask at once, and get one save.
 
         Raises:
             NotInitializedError: the shard holds no values yet.
             PSError: the file could not be written.
         """
         try:
-            saved = self._save(force=True, level=logging.INFO)
+            saved = self._save(force=self._last_path is None, level=logging.INFO)
+            if saved is None and self._last_path is not None:
+                return str(self._last_path), self._last_clock
         except OSError as exc:
             raise PSError(
                 f"could not write a checkpoint in {self.checkpointer.directory}: {exc}"
@@ -326,6 +331,7 @@ class CheckpointScheduler:
             self.shard.mark_checkpoint(state)
             # The signature read before the export may lag it; a save it missed is only late.
             self._last_clock, self._last_sig, self._last_time = state.updates, sig, self._now()
+            self._last_path = path
             log.log(
                 level,
                 "checkpoint at shard clock %d written to %s in %.2fs",

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from psserver.admission import DEFAULT_STREAM_IDLE_S
+from psserver.admission import DEFAULT_STREAM_IDLE_S, DEFAULT_THREADS
 from psserver.records import Limits
 from pswire import cli
 from pswire.cluster import ClusterSpec
@@ -27,7 +27,7 @@ class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 0
     port_file: Path | None = None
-    threads: int = 64
+    threads: int = DEFAULT_THREADS
     limits: Limits = field(default_factory=Limits)
     grace_s: float = 5.0
     log_level: str = "INFO"
@@ -124,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads",
         env="PS_THREADS",
         type=int,
-        default=64,
-        help="concurrent RPCs; waiting pulls and pushes hold one each, so > 2x workers",
+        default=DEFAULT_THREADS,
+        help="concurrent RPCs; a worker's step stream and a waiting pull hold one each, and 8 "
+        "are kept for status and health: at least 2 x workers + 8",
     )
     cli.add(
         parser,

@@ -16,9 +16,9 @@ class Membership:
 
     Every worker id in ``[0, num_workers)`` starts live, so the first sync step waits for all
     of them. A worker not heard from (any RPC or heartbeat) for ``timeout_s`` seconds leaves
-    the quorum, but only while the shard hears others: when it has heard nobody for that long
-    (it was paused, or cut off from the network), silence says nothing about the workers, so
-    nobody is dropped, and the first call after the gap gives every worker a fresh timeout. A
+    the quorum, counting only time in which the shard heard others: a stretch in which it heard
+    nobody for over half the timeout (it was paused, or cut off from the network) says
+    nothing about the workers, so it is not counted against anyone (``dead_air_s``). A
     worker that leaves (closes its client) is out at once. Hearing from a worker again brings
     it back. ``timeout_s <= 0`` never drops anyone for silence.
 
@@ -30,16 +30,27 @@ class Membership:
         self.timeout_s = timeout_s
         self.claim_grace_s = claim_grace_s
         self._last_seen: dict[int, float] = {}
+        # When each worker's silence started counting: its last call, moved later by any stretch
+        # in which the shard heard nobody (the shard's own silence is not the worker's).
+        self._counted_from: dict[int, float] = {}
         self._live: set[int] = set()
         self._left: set[int] = set()
         self._sessions: dict[int, str] = {}
         self._heard_any: float | None = None  # when the shard last heard any worker
         self._started = False
 
+    @property
+    def dead_air_s(self) -> float:
+        """A silence from every worker longer than this is the shard's own (paused, cut off):
+        workers heartbeat every 2 s by default, far more often than half the timeout. A shorter
+        stall cannot make a live worker look silent for a whole timeout."""
+        return self.timeout_s / 2
+
     def start(self, num_workers: int, now: float) -> None:
         """Begins the job: every worker live, as if just heard from."""
         for w in range(num_workers):
             self._last_seen.setdefault(w, now)
+            self._counted_from.setdefault(w, self._last_seen[w])
         self._live = set(range(num_workers))
         self._heard_any = now
         self._started = True
@@ -90,18 +101,20 @@ class Membership:
     def touch(self, worker: int, now: float) -> bool:
         """Records that ``worker`` was heard from; True when that brings it back into the quorum."""
         gap = now - self._heard_any if self._heard_any is not None else 0.0
-        if self.timeout_s > 0 and gap > self.timeout_s:
-            # The shard heard nobody for a whole timeout: its own stall or partition, not the
-            # workers' silence. Everyone starts a fresh timeout from now.
+        if self.timeout_s > 0 and gap > self.dead_air_s:
+            # The shard heard nobody for longer than workers stay quiet (they heartbeat far more
+            # often): its own stall or partition, not their silence. That time is not counted
+            # against anyone.
             log.warning(
-                "heard no worker for %.1fs (shard paused or cut off?): every worker gets a "
-                "fresh heartbeat timeout",
+                "heard no worker for %.1fs (shard paused or cut off?): that time is not "
+                "counted against any worker's heartbeat timeout",
                 gap,
             )
-            for w in self._last_seen:
-                self._last_seen[w] = now
+            for w, since in self._counted_from.items():
+                self._counted_from[w] = min(now, since + gap)
         self._heard_any = now
         self._last_seen[worker] = now
+        self._counted_from[worker] = now
         if self._started and worker not in self._live:
             self._live.add(worker)
             self._left.discard(worker)
@@ -124,16 +137,18 @@ class Membership:
         within it; returns them."""
         if self.timeout_s <= 0 or self._heard_any is None:
             return []
-        if now - self._heard_any > self.timeout_s:
-            return []  # nobody heard: the shard's silence, not theirs (see touch)
-        silent = sorted(w for w in self._live if now - self._last_seen.get(w, now) > self.timeout_s)
+        if now - self._heard_any > self.dead_air_s:
+            return []  # nobody heard lately: the shard's silence, not theirs (see touch)
+        silent = sorted(
+            w for w in self._live if now - self._counted_from.get(w, now) > self.timeout_s
+        )
         for w in silent:
             self._live.discard(w)
             log.warning(
                 "worker %d silent for %.1fs (timeout %.1fs) while others were heard: dropped "
                 "from the quorum",
                 w,
-                now - self._last_seen[w],
+                now - self._counted_from[w],
                 self.timeout_s,
             )
         return silent

@@ -11,7 +11,12 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from psserver.admission import DEFAULT_STREAM_IDLE_S, DEFAULT_STREAMS_PER_WORKER, Admission
+from psserver.admission import (
+    DEFAULT_STREAM_IDLE_S,
+    DEFAULT_STREAMS_PER_WORKER,
+    DEFAULT_THREADS,
+    Admission,
+)
 from psserver.metrics import RpcMetricsInterceptor, ShardMetrics
 from psserver.parsing import tolerant
 from psserver.servicer import ParameterServerServicer
@@ -77,7 +82,7 @@ def start_server(
     shard: Shard | None = None,
     host: str = "127.0.0.1",
     port: int = 0,
-    threads: int = 64,
+    threads: int = DEFAULT_THREADS,
     security: ServerSecurity | None = None,
     checkpoint: Callable[[], tuple[str, int]] | None = None,
     metrics: ShardMetrics | None = None,
@@ -86,15 +91,14 @@ def start_server(
 ) -> RunningServer:
     """Starts a shard server bound to ``host:port`` (0 picks a free port) and returns it.
 
-    ``threads`` bounds concurrent RPCs; waiting pulls and pushes each hold one, so it must
-    exceed twice the number of workers. ``security`` turns on TLS (mutual when it names a CA)
-    and the token check; health checks answer without a token. ``checkpoint`` saves one
-    checkpoint and returns (path, shard clock), for the Checkpoint RPC; None: the RPC fails.
-    ``metrics`` (of this ``shard``) counts and times every call; an empty name becomes
-    host:port (the machine's name for a wildcard host). Calls that can wait or stream take at
-    most ``threads`` minus a few (kept for status, health and registration); a request stream
-    idle for ``stream_idle_s`` is cancelled; a worker holds at most ``streams_per_worker``
-    open step streams.
+    ``threads`` bounds concurrent RPCs; a worker's step stream and a waiting pull hold one
+    each, and 8 are kept for short calls, so it must be at least twice the workers plus 8.
+    ``security`` turns on TLS (mutual when it names a CA) and the token check; health checks
+    answer without a token. ``checkpoint`` saves one checkpoint and returns (path, shard
+    clock), for the Checkpoint RPC; None: the RPC fails. ``metrics`` (of this ``shard``) counts
+    and times every call; an empty name becomes host:port (the machine's name for a wildcard
+    host). A request stream idle, or a reply left untaken, for ``stream_idle_s`` is cancelled;
+    a worker holds at most ``streams_per_worker`` open step streams.
 
     Raises:
         RuntimeError: the address could not be bound.

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from psserver.admission import Admission
+from psserver.admission import DEFAULT_THREADS, Admission
 from psserver.records import PushResult
 from psserver.shard import Shard
 from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler, tensor_to_proto
@@ -104,7 +104,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.shard = shard
         self.chunk_bytes = chunk_bytes
         self.save_checkpoint = checkpoint
-        self.admission = admission or Admission(threads=64)
+        self.admission = admission or Admission(threads=DEFAULT_THREADS)
         self._shared_pull: Callable[[], _Reply | None] = _none  # see _encode_pull
 
     @rpc_errors
