@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from e2e_support import Processes, child_env
+from e2e_support import Processes, child_env, numpy_worker
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import psworker
@@ -253,3 +253,69 @@ def test_a_worker_holds_at_most_two_open_step_streams(procs: Processes) -> None:
             call.cancel()
         attacker.close()
         client.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: a Pull whose client never reads the reply holds its server thread (and a "
+    "slot of the long-call cap) for good: --stream-idle-timeout watches only request streams, "
+    "so threads-8 such pulls without a deadline refuse every worker's pull indefinitely",
+)
+@pytest.mark.timeout(120)
+def test_pulls_never_read_do_not_shut_out_the_workers(procs: Processes) -> None:
+    daemon = procs.psserver(
+        "--threads", str(THREADS), env=child_env(PS_STREAM_IDLE_TIMEOUT=str(IDLE_S))
+    )
+    client = psworker.connect(
+        [daemon.address], worker_id=0, num_workers=1, mode="async", timeout=30
+    )
+    attacker = channel(daemon.address)
+    calls = []
+    try:
+        # 64 MiB: far more than the HTTP/2 flow-control window of a reader that never reads.
+        client.init({"w": np.zeros(16 << 20, np.float32)}, SGD(lr=0.1))
+        stub = ParameterServerStub(attacker)
+        # No deadline and never read: the shard's send of each reply stalls.
+        outcomes = Outcomes()
+        for i in range(THREADS):
+            calls.append(stub.Pull(ps_pb2.PullRequest(worker_id=0, step=0)))
+            outcomes.watch(i, calls[-1])
+        # Those past the cap are refused: the rest have reached the shard and hold their slots.
+        assert outcomes.wait(lambda: len(outcomes.codes()) >= RESERVED, timeout=10)
+        # Whatever an idle stream's limit, a worker's pull gets through within it and a margin.
+        deadline = time.monotonic() + IDLE_S + 10.0
+        while True:
+            try:
+                pulled = client.pull()
+                break
+            except psworker.PSError as exc:
+                if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        assert pulled["w"].shape == (16 << 20,)
+    finally:
+        for call in calls:
+            call.cancel()
+        attacker.close()
+        client.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: psserver --threads help says '> 2x workers' is enough, but the cap on calls "
+    "that can wait or stream leaves threads minus up to 8 (half of a small pool), and a worker "
+    "refused by it (RESOURCE_EXHAUSTED, TooLargeError) is not retried: 4 sync workers with "
+    "open step streams fail at their final pulls on --threads 9 (the shard before the cap "
+    "served them)",
+)
+@pytest.mark.timeout(180)
+def test_a_sync_job_within_the_documented_thread_rule_is_served(procs: Processes) -> None:
+    workers = 4
+    daemon = procs.psserver("--threads", str(2 * workers + 1))
+    running = [
+        numpy_worker(procs, [daemon.address], i, workers, "--steps", "20", "--fused")
+        for i in range(workers)
+    ]
+    for i, worker in enumerate(running):
+        code = worker.proc.wait(timeout=150)
+        assert code == 0, f"worker {i} exited {code}:\n{worker.text()}"
