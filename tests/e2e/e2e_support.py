@@ -224,9 +224,15 @@ NUMPY_WORKER = str(Path(__file__).with_name("numpy_worker.py"))
 
 
 def numpy_worker(
-    procs: Processes, addresses: Sequence[str], worker_id: int, num_workers: int, *flags: str
+    procs: Processes,
+    addresses: Sequence[str],
+    worker_id: int,
+    num_workers: int,
+    *flags: str,
+    env: dict[str, str] | None = None,
 ) -> Lines:
-    """Starts ``numpy_worker.py`` (see there for ``flags``) and reads its output."""
+    """Starts ``numpy_worker.py`` (see there for ``flags``; ``env`` as ``Processes.start``)
+    and reads its output."""
     args = [sys.executable, NUMPY_WORKER, "--addresses", ",".join(addresses)]
     args += ["--worker-id", str(worker_id), "--num-workers", str(num_workers), *flags]
-    return Lines(procs.start(args))
+    return Lines(procs.start(args, env))

@@ -3,15 +3,17 @@ checkpoints only when asked (issue 14, items 13 and 14). RSS from /proc/PID/stat
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-from e2e_support import Lines, Processes, numpy_worker, rss_bytes
+from e2e_support import Lines, Processes, child_env, numpy_worker, rss_bytes
 
 import psworker
 from pswire.optim import SGD
@@ -136,3 +138,37 @@ def test_worker_memory_stays_flat_with_a_checkpoint_dir_and_no_periodic_checkpoi
     print(f"worker baseline {baseline // MiB} MiB, peak {top} MiB; (step, MiB): {samples[::25]}")
     # The samples cover the run, not just its start.
     assert samples and samples[-1][0] >= WORKER_STEPS * 0.8, samples[-5:]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: every worker whose replay log is full asks for a checkpoint, and the shard "
+    "saves the whole state once per request (Checkpoint forces a save): in sync all workers "
+    "fill their logs at the same step, so W workers write W identical checkpoints each time "
+    "(and hold W server threads meanwhile)",
+)
+@pytest.mark.timeout(240)
+def test_workers_asking_for_a_checkpoint_together_get_one_save(
+    procs: Processes, tmp_path: Path
+) -> None:
+    workers = 4
+    daemon = procs.psserver("--checkpoint-dir", str(tmp_path / "ckpt"))
+    log = Lines(daemon.proc)
+    env = child_env(PS_REPLAY_BYTES=str(4 * MiB))  # a 1 MiB model: full every 4 steps
+    running = [
+        numpy_worker(
+            procs,
+            [daemon.address],
+            i,
+            workers,
+            *("--steps", "40", "--floats", str(MiB // 4), "--timeout", "60"),
+            env=env,
+        )
+        for i in range(workers)
+    ]
+    for i, worker in enumerate(running):
+        assert worker.proc.wait(timeout=180) == 0, f"worker {i}:\n{worker.text()}"
+    saved = re.findall(r"checkpoint at shard clock (\d+) written", log.text(last=1 << 20))
+    assert saved, log.text()
+    repeated = {clock: n for clock, n in Counter(saved).items() if n > 1}
+    assert not repeated, f"checkpoints written more than once at the same clock: {repeated}"
