@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,3 +166,73 @@ def wait_port_file(proc: subprocess.Popen[str], path: Path, timeout: float) -> i
             raise AssertionError(f"no port file {path} within {timeout}s")
         time.sleep(0.02)
     return int(path.read_text())
+
+
+def rss_bytes(pid: int) -> int:
+    """The resident memory of ``pid`` (VmRSS in /proc/PID/status), in bytes; Linux only."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid} (a zombie?)")
+
+
+class Lines:
+    """Drains a process's output in a thread (a full pipe would block it), keeps its lines and
+    reads the JSON ones that ``numpy_worker.py`` prints."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+        self.changed = threading.Condition()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self.changed:
+                self.lines.append(line.rstrip("\n"))
+                self.changed.notify_all()
+        with self.changed:
+            self.changed.notify_all()
+
+    def text(self, last: int = 4000) -> str:
+        with self.changed:
+            return "\n".join(self.lines)[-last:]
+
+    def latest(self, key: str) -> int | None:
+        """The last value printed under ``key`` in a JSON line, None before any."""
+        with self.changed:
+            for line in reversed(self.lines):
+                if line.startswith("{") and f'"{key}"' in line:
+                    return int(json.loads(line)[key])
+        return None
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
+        """Waits until ``predicate()`` holds; fails (with the output) after ``timeout`` or
+        when the process ends first."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while not predicate():
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self._thread.is_alive()):
+                    raise AssertionError(f"no {what} within {timeout}s:\n{self.text()}")
+                self.changed.wait(min(left, 0.5))
+
+
+NUMPY_WORKER = str(Path(__file__).with_name("numpy_worker.py"))
+
+
+def numpy_worker(
+    procs: Processes,
+    addresses: Sequence[str],
+    worker_id: int,
+    num_workers: int,
+    *flags: str,
+    env: dict[str, str] | None = None,
+) -> Lines:
+    """Starts ``numpy_worker.py`` (see there for ``flags``; ``env`` as ``Processes.start``)
+    and reads its output."""
+    args = [sys.executable, NUMPY_WORKER, "--addresses", ",".join(addresses)]
+    args += ["--worker-id", str(worker_id), "--num-workers", str(num_workers), *flags]
+    return Lines(procs.start(args, env))
