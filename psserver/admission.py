@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from psserver.handlers import rewrapped
-from pswire.errors import TooLargeError
+from pswire.errors import ERROR_CLASS_KEY, ShardBusyError, TooLargeError
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +48,14 @@ class Admission:
         stream_idle_s: float = DEFAULT_STREAM_IDLE_S,
         streams_per_worker: int = DEFAULT_STREAMS_PER_WORKER,
         clock: Callable[[], float] = time.monotonic,
+        max_inflight_bytes: int = 0,
     ) -> None:
         reserved = min(RESERVED_THREADS, max(1, threads // 2))
         self.long_limit = max(1, threads - reserved)
         self.stream_idle_s = stream_idle_s
         self.streams_per_worker = streams_per_worker
+        self.max_inflight_bytes = max_inflight_bytes
+        self._inflight = 0
         self._now = clock
         self._lock = threading.Lock()
         self._long = 0
@@ -125,6 +128,33 @@ class Admission:
             with self._lock:
                 self._idle.pop(call, None)
 
+    # -- bytes arriving ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def inflight(self) -> Iterator[Callable[[int], None]]:
+        """A ``reserve(n)`` for one call's arriving tensors, all released when the call ends:
+        every request arriving at once holds at most ``max_inflight_bytes`` (0: no bound)."""
+        held = 0
+
+        def reserve(nbytes: int) -> None:
+            nonlocal held
+            with self._lock:
+                limit = self.max_inflight_bytes
+                if limit and self._inflight + nbytes > limit:
+                    raise ShardBusyError(
+                        f"requests arriving now already declare {self._inflight} bytes; "
+                        f"{nbytes} more would pass the limit of {limit} (psserver "
+                        "--max-inflight-bytes): retry later"
+                    )
+                self._inflight += nbytes
+                held += nbytes
+
+        try:
+            yield reserve
+        finally:
+            with self._lock:
+                self._inflight -= held
+
     # -- per-worker step streams -----------------------------------------------------------
 
     @contextlib.contextmanager
@@ -157,6 +187,7 @@ class Admission:
             if self._long < self.long_limit:
                 self._long += 1
                 return
+        context.set_trailing_metadata(((ERROR_CLASS_KEY, ShardBusyError.__name__),))
         context.abort(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"{rpc} refused: the shard already serves {self.long_limit} calls that can wait "

@@ -258,7 +258,7 @@ class CheckpointScheduler:
             PSError: the file could not be written.
         """
         try:
-            saved = self._save(force=self._last_path is None, level=logging.INFO)
+            saved = self._save(force=False, level=logging.INFO, need_file=True)
             if saved is None and self._last_path is not None:
                 return str(self._last_path), self._last_clock
         except OSError as exc:
@@ -317,11 +317,13 @@ class CheckpointScheduler:
                 self._retry_at = now + self._backoff_s
                 self._backoff_s = min(60.0, self._backoff_s * 2)
 
-    def _save(self, force: bool, level: int) -> tuple[Path, int] | None:
-        """Exports, writes and marks one checkpoint; None when there is nothing (new) to save."""
+    def _save(self, force: bool, level: int, need_file: bool = False) -> tuple[Path, int] | None:
+        """Exports, writes and marks one checkpoint; None when there is nothing (new) to save
+        (``need_file``: nor does this process need a first file: one was written)."""
         with self._save_lock:
             _, sig = self._status_signature()
-            if not force and sig == self._last_sig:
+            first = need_file and self._last_path is None
+            if not force and sig == self._last_sig and not first:
                 return None
             state = self.shard.export_state()
             if state is None:

@@ -41,6 +41,7 @@ class ServerConfig:
     shard_name: str = ""  # the ``shard`` label of its metrics; empty: host:port
     metrics_host: str = "127.0.0.1"  # /metrics has no token: exposing it is a choice
     stream_idle_s: float = DEFAULT_STREAM_IDLE_S
+    max_inflight_bytes: int = 0
 
     def __post_init__(self) -> None:
         problems = []
@@ -144,6 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="bytes a job's state may take on this shard: variables, optimizer slots, table "
         "rows at their bound; a larger job is refused at init [default: this machine's memory]",
+    )
+    cli.add(
+        parser,
+        "--max-inflight-bytes",
+        env="PS_MAX_INFLIGHT_BYTES",
+        type=int,
+        default=None,
+        help="bytes all requests arriving at once may declare; more is refused until some "
+        "finish [default: a quarter of this machine's memory]",
     )
     cli.add(
         parser,
@@ -344,6 +354,11 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
             shard_name=shard_name,
             metrics_host=args.metrics_host,
             stream_idle_s=args.stream_idle_timeout,
+            max_inflight_bytes=(
+                physical_memory() // 4
+                if args.max_inflight_bytes is None
+                else args.max_inflight_bytes
+            ),
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -72,6 +72,7 @@ def serve(config: ServerConfig, stop: threading.Event) -> int:
             checkpoint=saver.checkpoint if saver is not None else None,
             metrics=metrics,
             stream_idle_s=config.stream_idle_s,
+            max_inflight_bytes=config.max_inflight_bytes,
         )
     except (RuntimeError, ValueError) as exc:
         log.error("psserver could not start on %s:%d: %s", config.host, config.port, exc)

@@ -88,6 +88,7 @@ def start_server(
     metrics: ShardMetrics | None = None,
     stream_idle_s: float = DEFAULT_STREAM_IDLE_S,
     streams_per_worker: int = DEFAULT_STREAMS_PER_WORKER,
+    max_inflight_bytes: int = 0,
 ) -> RunningServer:
     """Starts a shard server bound to ``host:port`` (0 picks a free port) and returns it.
 
@@ -98,7 +99,8 @@ def start_server(
     clock), for the Checkpoint RPC; None: the RPC fails. ``metrics`` (of this ``shard``) counts
     and times every call; an empty name becomes host:port (the machine's name for a wildcard
     host). A request stream idle, or a reply left untaken, for ``stream_idle_s`` is cancelled;
-    a worker holds at most ``streams_per_worker`` open step streams.
+    a worker holds at most ``streams_per_worker`` open step streams; requests arriving at once
+    declare at most ``max_inflight_bytes`` (0: no bound beyond each one's limit).
 
     Raises:
         RuntimeError: the address could not be bound.
@@ -124,7 +126,9 @@ def start_server(
     )
     if metrics is not None:
         shard.observer = metrics  # counts gradients, snapshots and time spent in the shard
-    admission = Admission(threads, stream_idle_s, streams_per_worker)
+    admission = Admission(
+        threads, stream_idle_s, streams_per_worker, max_inflight_bytes=max_inflight_bytes
+    )
     servicer = ParameterServerServicer(shard, checkpoint=checkpoint, admission=admission)
     add_servicer(servicer, server, wrap=lambda m, h: admission.wrap(m, tolerant(m, h)))
     health_servicer = health.HealthServicer()

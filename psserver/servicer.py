@@ -131,20 +131,23 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @rpc_errors
     def Init(self, request_iterator, context):
-        assembler = ChunkAssembler(self.shard.limits.max_request_bytes)
-        header = read_stream(request_iterator, assembler, "Init")
-        values: dict | None = assembler.finish()
-        if assembler.indices:
-            raise InvalidRequestError(
-                f"Init carries row ids for {sorted(assembler.indices)}: tables are never sent"
-            )
-        if values and not header.has_values:
-            raise InvalidRequestError("Init carries values but its header says has_values=false")
-        if not header.has_values:
-            values = None
-        job = job_from_proto(header.job)
-        # The assembler's arrays belong to this call alone: the shard may keep them.
-        accepted = self.shard.init(header.worker_id, job, values, take=True)
+        with self.admission.inflight() as reserve:
+            assembler = ChunkAssembler(self.shard.limits.max_request_bytes, reserve=reserve)
+            header = read_stream(request_iterator, assembler, "Init")
+            values: dict | None = assembler.finish()
+            if assembler.indices:
+                raise InvalidRequestError(
+                    f"Init carries row ids for {sorted(assembler.indices)}: tables are never sent"
+                )
+            if values and not header.has_values:
+                raise InvalidRequestError(
+                    "Init carries values but its header says has_values=false"
+                )
+            if not header.has_values:
+                values = None
+            job = job_from_proto(header.job)
+            # The assembler's arrays belong to this call alone: the shard may keep them.
+            accepted = self.shard.init(header.worker_id, job, values, take=True)
         return ps_pb2.InitResponse(values_accepted=accepted, job_id=self.shard.job_id)
 
     def _encode_pull(self, arrays: Mapping[str, np.ndarray], clock: int) -> list[bytes]:
@@ -194,9 +197,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @rpc_errors
     def Push(self, request_iterator, context):
-        assembler = ChunkAssembler(self.shard.limits.max_request_bytes)
-        header = read_stream(request_iterator, assembler, "Push")
-        with _ending(context, self.shard) as cancelled:
+        with self.admission.inflight() as reserve, _ending(context, self.shard) as cancelled:
+            assembler = ChunkAssembler(self.shard.limits.max_request_bytes, reserve=reserve)
+            header = read_stream(request_iterator, assembler, "Push")
             result = self.shard.push(
                 header.worker_id,
                 header.step,
@@ -280,20 +283,21 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @rpc_errors
     def LoadState(self, request_iterator, context):
-        assembler = ChunkAssembler(self.shard.limits.max_request_bytes)
-        header = read_stream(request_iterator, assembler, "LoadState")
-        values, slots = split_state(assembler.finish())
-        if (values or slots) and not header.has_values:
-            raise InvalidRequestError(
-                "LoadState carries values but its header says has_values=false"
+        with self.admission.inflight() as reserve:
+            assembler = ChunkAssembler(self.shard.limits.max_request_bytes, reserve=reserve)
+            header = read_stream(request_iterator, assembler, "LoadState")
+            values, slots = split_state(assembler.finish())
+            if (values or slots) and not header.has_values:
+                raise InvalidRequestError(
+                    "LoadState carries values but its header says has_values=false"
+                )
+            self.shard.load_state(
+                header.worker_id,
+                header.digest,
+                values if header.has_values else None,
+                slots,
+                timeout=_timeout(context),
             )
-        self.shard.load_state(
-            header.worker_id,
-            header.digest,
-            values if header.has_values else None,
-            slots,
-            timeout=_timeout(context),
-        )
         return ps_pb2.LoadStateResponse()
 
     @rpc_errors

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -241,12 +241,17 @@ class ChunkAssembler:
     """
 
     def __init__(
-        self, max_bytes: int | None = None, into: Mapping[str, np.ndarray] | None = None
+        self,
+        max_bytes: int | None = None,
+        into: Mapping[str, np.ndarray] | None = None,
+        reserve: Callable[[int], None] | None = None,
     ) -> None:
         """``into``: arrays to decode tensors of those names straight into (when dtype and
         shape match and the array is writable and C-contiguous), e.g. the rows of a split
-        variable's full array, so no second copy joins the pieces."""
+        variable's full array, so no second copy joins the pieces. ``reserve(n)`` is told of
+        each tensor's bytes before they arrive (it raises to refuse them)."""
         self._max_bytes = max_bytes
+        self._reserve = reserve
         self._into = into or {}
         self._declared = 0
         self._done: dict[str, np.ndarray] = {}
@@ -326,6 +331,8 @@ class ChunkAssembler:
                 f"request reaches {self._declared} bytes at variable '{name}', over the limit "
                 f"of {self._max_bytes}"
             )
+        if self._reserve is not None:
+            self._reserve(nbytes)
         self._name = name
         self._bfloat16 = chunk.dtype == BFLOAT16
         self._dtype = check_dtype(chunk.dtype, name)

@@ -96,6 +96,11 @@ class CallCancelledError(PSError):
     status = "CANCELLED"
 
 
+class ShardBusyError(TooLargeError):
+    """Raised when a shard already serves as many calls that can wait or stream as its
+    --threads allow (it keeps the rest for status and health)."""
+
+
 class DuplicateWorkerError(PSError):
     """Raised when a second live client process claims a worker id another process holds."""
 

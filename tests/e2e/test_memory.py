@@ -140,13 +140,6 @@ def test_worker_memory_stays_flat_with_a_checkpoint_dir_and_no_periodic_checkpoi
     assert samples and samples[-1][0] >= WORKER_STEPS * 0.8, samples[-5:]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: every worker whose replay log is full asks for a checkpoint, and the shard "
-    "saves the whole state once per request (Checkpoint forces a save): in sync all workers "
-    "fill their logs at the same step, so W workers write W identical checkpoints each time "
-    "(and hold W server threads meanwhile)",
-)
 @pytest.mark.timeout(240)
 def test_workers_asking_for_a_checkpoint_together_get_one_save(
     procs: Processes, tmp_path: Path

@@ -96,13 +96,6 @@ def test_shard_paused_past_heartbeat_timeout_leaves_the_model_bit_identical(
     assert_same(clean, train(procs, tmp_path / "paused", pauses, fused=fused))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a shard stall shorter than --heartbeat-timeout still counts as the workers' "
-    "silence (membership resets only after a gap longer than the timeout), so a live worker "
-    "whose last message came just before the stall is dropped; its push is then refused as "
-    "late (WorkerDroppedError) and the job fails",
-)
 @pytest.mark.timeout(300)
 def test_shard_paused_just_under_the_heartbeat_timeout_drops_no_live_worker(
     procs: Processes, tmp_path: Path

@@ -321,3 +321,26 @@ def test_restart_removes_every_temp_file_a_killed_save_can_leave(tmp_path):
         assert left == [".lock", ".tmpfoo", "notes.txt"]  # not ours: kept
     finally:
         checkpointer.unlock()
+
+
+def test_requests_arriving_at_once_are_bounded_in_total_and_released_when_they_end():
+    from psserver.admission import Admission
+
+    admission = Admission(threads=16, max_inflight_bytes=1000)
+    with admission.inflight() as first:
+        first(600)
+        with admission.inflight() as second, pytest.raises(psworker.PSError, match="limit of 1000"):
+            second(600)  # together they would pass the bound
+    with admission.inflight() as third:
+        third(1000)  # both ended: everything was released
+
+    server = start_server(Shard(Limits(max_wait_s=5)), max_inflight_bytes=1 << 20)
+    try:
+        with psworker.connect([server.address], mode="async", chunk_bytes=1 << 16) as client:
+            client.init({"w": np.zeros(1 << 18, np.float32)}, SGD(lr=0.1))  # 1 MiB: fits
+            with pytest.raises(psworker.PSError, match="max-inflight-bytes") as busy:
+                client.init({"w": np.zeros(1 << 19, np.float32)}, SGD(lr=0.1))
+            assert type(busy.value).__name__ == "ShardBusyError"
+            assert client.push({"w": np.ones(1 << 18, np.float32)})  # 1 MiB again: released
+    finally:
+        server.stop(grace=0)
