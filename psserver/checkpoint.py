@@ -321,7 +321,11 @@ class CheckpointScheduler:
         """Exports, writes and marks one checkpoint; None when there is nothing (new) to save
         (``need_file``: nor does this process need a first file: one was written)."""
         with self._save_lock:
-            _, sig = self._status_signature()
+            clock, sig = self._status_signature()
+            if need_file and self._last_path is not None and clock == self._last_clock:
+                # Asked for a file, and the newest holds this clock: in sync, pushes into the
+                # open step since are not in any checkpoint, so a new one would be the same.
+                return None
             first = need_file and self._last_path is None
             if not force and sig == self._last_sig and not first:
                 return None
