@@ -96,6 +96,10 @@ def test_shard_paused_past_heartbeat_timeout_leaves_the_model_bit_identical(
     assert_same(clean, train(procs, tmp_path / "paused", pauses, fused=fused))
 
 
+# Slow (~40 s on 2 cores: repeated pauses of a real daemon). The rule it guards is also held,
+# with an injected clock, by test_a_pause_just_under_the_timeout_does_not_drop_a_live_worker in
+# tests/unit/test_shard_reliability.py. Run: `pytest -m slow tests/e2e/test_shard_pause.py`.
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_shard_paused_just_under_the_heartbeat_timeout_drops_no_live_worker(
     procs: Processes, tmp_path: Path
