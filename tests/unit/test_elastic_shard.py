@@ -216,3 +216,25 @@ def test_a_checkpoint_keeps_the_members_and_the_rosters():
     assert restored.status().live == {0, 1, 2}
     assert restored.list_members(-1, 0).members == (0, 1)
     assert restored.status().job.min_workers == 1
+
+
+def test_ssp_and_async_count_a_joiner_from_its_join_and_hold_nothing_below_the_minimum():
+    ssp = Shard(Limits(max_wait_s=5), clock=Clock())
+    ssp.init(0, Job("ssp", 1, 4, SGD(lr=1.0), SPECS, "m1", min_workers=2, max_workers=4), VALUES)
+    join(ssp, 0), join(ssp, 1)
+    ssp.push(1, 0, grad(1.0))
+    for step in range(3):
+        ssp.push(0, step, grad(1.0))  # worker 0 finished 3 steps, worker 1 one
+    assert join(ssp, 2) == 1  # level with the slowest member: it holds nobody back
+    with pytest.raises(WaitTimeoutError, match="ssp gate"):
+        ssp.push(0, 3, grad(1.0), timeout=0.2)  # staleness 1: waits for workers 1 and 2
+    ssp.leave(1), ssp.leave(2)
+    with pytest.raises(WaitTimeoutError, match="at least 2 members to open step 3"):
+        ssp.pull(0, 3, timeout=0.2)  # alone, worker 0 may not run on
+    asynchronous = elastic_shard("async", low=1)
+    join(asynchronous, 0)
+    for step in range(4):
+        asynchronous.push(0, step, grad(1.0))
+    assert join(asynchronous, 1) == 0  # async: a worker's steps are its own
+    asynchronous.push(1, 0, grad(1.0))
+    assert asynchronous.status().clock == 5
