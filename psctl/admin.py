@@ -23,6 +23,7 @@ from pswire.errors import InvalidRequestError, ModelMismatchError, NotInitialize
 from pswire.proto import ps_pb2, ps_pb2_grpc
 from pswire.rpc_errors import from_rpc_error
 from pswire.security import ClientSecurity
+from psworker import launchers
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -335,16 +336,24 @@ def add_target_flags(parser: argparse.ArgumentParser, timeout: float) -> None:
 
 
 def shard_addresses(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
-    """The shards a psctl subcommand talks to: its ADDR arguments, else --cluster/$TF_CONFIG."""
+    """The shards a psctl subcommand talks to: its ADDR arguments, else --cluster, else
+    $PS_SHARDS, $PS_SHARDS_FILE or $TF_CONFIG (as a worker finds them)."""
     addresses = list(args.addresses)
     if not addresses:
-        try:
-            spec = ClusterSpec.load(args.cluster)
-        except ValueError as exc:
-            parser.error(str(exc))
-        if spec is None:
-            parser.error("give shard addresses, --cluster, or set $TF_CONFIG")
-        addresses = list(spec.ps)
+        if args.cluster is not None:
+            try:
+                spec = ClusterSpec.load(args.cluster)
+            except ValueError as exc:
+                parser.error(str(exc))
+            found = (list(spec.ps), "--cluster") if spec is not None else None
+        else:
+            try:
+                found = launchers.shard_addresses()
+            except ValueError as exc:
+                parser.error(str(exc))
+        if found is None:
+            parser.error("give shard addresses, --cluster, $PS_SHARDS, or set $TF_CONFIG")
+        addresses = found[0]
     if not addresses:
         parser.error("the cluster spec lists no parameter servers (cluster.ps)")
     return addresses

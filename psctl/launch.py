@@ -20,8 +20,12 @@ from typing import TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pswire.job import CLIENT_MODES
+from psctl.local_add import AddRequests
+from pswire.errors import ConfigError
+from pswire.job import CLIENT_MODES, MODES
 from pswire.security import ClientSecurity
+from psworker.elastic import parse_bounds
+from psworker.launchers import LAUNCHER_VARIABLES
 
 # "local" runs the one worker with no shards: the same script, the reference mode.
 # "allreduce" runs no shards either: the workers form a ring at their TF_CONFIG addresses.
@@ -50,9 +54,19 @@ class LocalConfig:
     timeout_s: float = DEFAULT_TIMEOUT_S
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
     grace_s: float = DEFAULT_GRACE_S
+    elastic: str | None = None  # "MIN:MAX": workers may be added and may fail (see LocalCluster)
 
     def __post_init__(self) -> None:
         problems = []
+        if self.elastic is not None:
+            try:
+                _, high = parse_bounds(self.elastic, "--elastic")
+                if self.workers > high:
+                    problems.append(f"--workers {self.workers} is over --elastic's MAX {high}")
+            except ConfigError as exc:
+                problems.append(str(exc))
+            if self.mode not in MODES:
+                problems.append(f"--elastic needs a parameter-server mode {MODES}, not {self.mode}")
         if not self.command:
             problems.append("give the worker command after --")
         if self.servers < 1 and self.mode not in SHARDLESS_MODES:
@@ -160,6 +174,11 @@ class LocalCluster:
     Like torchrun: the first worker to fail stops everything and its exit code is the result;
     when every worker succeeds the servers get SIGTERM and a grace period. Every wait has a
     deadline, and only processes started here are signalled, each by its PID.
+
+    With ``elastic`` the job is an elastic one: a worker that fails is reported and the rest go
+    on (the shards drop it after their heartbeat timeout); ``psctl local add`` starts more
+    workers (``psctl.local_add``), each with a worker id this run has not used; the result is
+    0 when some worker finished its training, else the first failure's code.
     """
 
     def __init__(
@@ -171,6 +190,8 @@ class LocalCluster:
         self._servers: list[_Child] = []
         self._workers: list[_Child] = []
         self._signal: int | None = None
+        self._shards: list[str] = []
+        self._adds: AddRequests | None = None
 
     def request_stop(self, signum: int) -> None:
         """Asks a running ``run`` to stop everything; safe to call from a signal handler."""
@@ -184,6 +205,10 @@ class LocalCluster:
             try:
                 addresses = self._start_servers(Path(tmp), deadline)
                 self._start_workers(addresses)
+                if self.config.elastic is not None:
+                    info = {"shards": addresses, "elastic": self.config.elastic}
+                    self._adds = AddRequests(Path(tmp), info)
+                    self.say(f"elastic {self.config.elastic}: add workers with `psctl local add`")
                 code = self._supervise(deadline)
             except _Stop as stop:
                 self.say(str(stop))
@@ -267,6 +292,11 @@ class LocalCluster:
 
     def _start_workers(self, ps: list[str]) -> None:
         cfg = self.config
+        self._shards = ps
+        if cfg.elastic is not None:
+            for i in range(cfg.workers):
+                self._start_elastic_worker(i)
+            return
         placeholders = [f"127.0.0.1:{port}" for port in _free_ports(cfg.workers)]
         for i in range(cfg.workers):
             env = _child_env()
@@ -288,6 +318,43 @@ class LocalCluster:
             self.say(f"{child.name} started (pid {child.proc.pid})")
             self._workers.append(child)
 
+    def _start_elastic_worker(self, i: int) -> _Child:
+        """Worker ``i`` of an elastic job: the shards in $PS_SHARDS, no TF_CONFIG."""
+        cfg = self.config
+        env = _child_env()
+        env.pop("TF_CONFIG", None)
+        env.update(
+            PS_SHARDS=",".join(self._shards),
+            PS_ELASTIC=str(cfg.elastic),
+            PS_MODE=cfg.mode,
+            PS_STALENESS=str(cfg.staleness),
+            PS_WORKER_ID=str(i),
+            PS_NUM_WORKERS=str(cfg.workers),
+        )
+        child = self._spawn(f"worker{i}", cfg.command, env)
+        self.say(f"{child.name} started (pid {child.proc.pid})")
+        self._workers.append(child)
+        return child
+
+    def _add_workers(self, count: int) -> list[tuple[str, int]]:
+        """``psctl local add``: ``count`` more workers, each with an id not used before (ids
+        of failed workers only once every other id below MAX is taken).
+
+        Raises:
+            ValueError: not that many ids free below MAX.
+        """
+        _, high = parse_bounds(str(self.config.elastic))
+        used = {int(c.name.removeprefix("worker")) for c in self._workers}
+        running = {int(c.name.removeprefix("worker")) for c in self._workers if c.alive()}
+        free = [i for i in range(high) if i not in used]
+        free += [i for i in range(high) if i in used and i not in running]
+        if count < 1 or count > len(free):
+            raise ValueError(
+                f"cannot add {count} worker(s): {len(running)} of at most {high} are running"
+            )
+        started = [self._start_elastic_worker(i) for i in free[:count]]
+        return [(c.name, c.proc.pid) for c in started]
+
     def _spawn(self, name: str, argv: Sequence[str], env: dict[str, str]) -> _Child:
         try:
             return _Child(name, argv, env, self._output, self._exits)
@@ -298,11 +365,17 @@ class LocalCluster:
 
     def _supervise(self, deadline: float) -> int:
         running = set(self._workers)
+        failures: list[int] = []
+        finished = 0
         while running:
             self._check_interrupt()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise _Stop(EXIT_TIMEOUT, f"timed out after {self.config.timeout_s:g}s")
+            if self._adds is not None:
+                before = len(self._workers)
+                self._adds.poll(self._add_workers)
+                running.update(self._workers[before:])
             try:
                 child, code = self._exits.get(timeout=min(left, 0.2))
             except queue.Empty:
@@ -312,14 +385,24 @@ class LocalCluster:
             self._check_interrupt()
             if child in running:
                 running.discard(child)
+                if code != 0 and self._adds is not None:
+                    self.say(
+                        f"{child.name} failed with {_describe(code)}; the elastic job goes on "
+                        "without it"
+                    )
+                    failures.append(code)
+                    continue
                 if code != 0:
                     raise _Stop(_exit_code(code), f"{child.name} failed with {_describe(code)}")
+                finished += 1
                 self.say(f"{child.name} finished")
             elif child in self._servers:
                 raise _Stop(
                     _exit_code(code) or 1,
                     f"{child.name} stopped with {_describe(code)} while workers were running",
                 )
+        if failures and not finished:
+            return _exit_code(failures[0])
         return 0
 
     def _check_interrupt(self) -> None:
@@ -357,6 +440,9 @@ def _child_env() -> dict[str, str]:
     # The cluster psctl builds is the only one its children may see; a PS_CLUSTER left in the
     # caller's shell would override it in `psworker run`.
     env.pop("PS_CLUSTER", None)
+    # Nor may an outer launcher's (torchrun's, Slurm's): they would conflict with ours.
+    for name in LAUNCHER_VARIABLES:
+        env.pop(name, None)
     # Children's output goes through a pipe; unbuffered, their lines appear as they happen.
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from psctl import admin, certs, demo_results, status_view
+from psctl import admin, certs, demo_results, local_add, status_view
 from psctl.launch import (
     DEFAULT_GRACE_S,
     DEFAULT_STALENESS,
@@ -41,10 +41,20 @@ def build_parser() -> argparse.ArgumentParser:
             "with TF_CONFIG, PS_MODE, PS_STALENESS, PS_WORKER_ID and PS_NUM_WORKERS set. The "
             "first worker to fail stops the rest and its exit code is psctl's. --mode local "
             "starts no shards and one worker without TF_CONFIG; --mode allreduce no shards. "
-            "With $PS_CHECKPOINT_DIR set, shard i checkpoints to its subfolder psI."
+            "With $PS_CHECKPOINT_DIR set, shard i checkpoints to its subfolder psI. With "
+            "--elastic MIN:MAX the workers get $PS_SHARDS and $PS_ELASTIC instead of TF_CONFIG, "
+            "a failed worker does not stop the rest, and `psctl local add` starts more (a "
+            "command named add runs as `psctl local -- add`)."
         ),
     )
     _add_cluster_flags(local, servers=1, workers=1)
+    cli.add(
+        local,
+        "--elastic",
+        env="PS_ELASTIC",
+        metavar="MIN:MAX",
+        help="an elastic job: workers may fail or be added (psctl local add) while it runs",
+    )
     local.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD", help="worker command")
 
     demo = commands.add_parser(
@@ -148,8 +158,53 @@ def _add_cluster_flags(parser: argparse.ArgumentParser, servers: int, workers: i
     )
 
 
+def build_add_parser() -> argparse.ArgumentParser:
+    """The ``psctl local add`` parser."""
+    parser = argparse.ArgumentParser(
+        prog="psctl local add",
+        description=(
+            "Starts more workers in a running `psctl local --elastic` job: its launcher starts "
+            "them (output, supervision and shutdown as for the first ones), each with a worker "
+            "id the run has not used. Prints each worker's name and pid."
+        ),
+    )
+    cli.add(
+        parser,
+        "--run",
+        env="PS_RUN_DIR",
+        help="the run's folder (its launcher prints it); unset: the one running here",
+    )
+    cli.add(parser, "--count", env="PS_ADD_COUNT", type=int, default=1, help="workers to add")
+    cli.add(
+        parser,
+        "--timeout",
+        env="PS_ADD_TIMEOUT",
+        type=float,
+        default=local_add.DEFAULT_ADD_TIMEOUT_S,
+        help="seconds to wait for the launcher to answer",
+    )
+    return parser
+
+
+def _local_add(argv: list[str]) -> int:
+    parser = build_add_parser()
+    args = parser.parse_args(argv)
+    try:
+        folder = local_add.find_run(args.run)
+        started = local_add.request_add(folder, args.count, args.timeout)
+    except (ValueError, OSError) as exc:
+        print(f"psctl local add: {exc}", file=sys.stderr)
+        return 1
+    for name, pid in started:
+        print(f"{name} started (pid {pid})", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``psctl`` / ``python -m psctl.main``; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["local", "add"]:
+        return _local_add(argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "certs":
@@ -180,6 +235,7 @@ def _local_config(
             timeout_s=args.timeout,
             start_timeout_s=args.start_timeout,
             grace_s=args.grace,
+            elastic=getattr(args, "elastic", None),
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -17,6 +17,8 @@ from psworker.link import shard_status
 UNREACHABLE = "UNREACHABLE"
 # Past this many variables the table says how many more there are; --json lists them all.
 MAX_VARIABLE_ROWS = 20
+# The table shows this many of the newest membership changes; --json shows all the shard kept.
+MAX_HISTORY_ROWS = 20
 
 # What one shard answered: its status, or why there is none.
 Status = ps_pb2.StatusResponse | str
@@ -74,11 +76,13 @@ def to_data(
 ) -> dict[str, Any]:
     """The cluster as plain data: ``{"shards": [...], "workers": [...]}``.
 
-    Each shard has its address, health, job (mode, ``staleness``: the ssp bound), clock (and
+    Each shard has its address, health, job (mode, ``staleness``: the ssp bound, ``elastic``:
+    its min and max workers or None), clock (and
     ``clock_counts``: "steps" in sync, "pushes applied" in async and ssp),
     variables, embedding tables (rows, bytes, evictions), bytes, push counts,
     ``max_staleness`` (clock spread of the live workers), workers (clock, staleness, live,
-    seconds since heard) and newest checkpoint, or ``error``.
+    seconds since heard), ``membership`` (joins, leaves, drops, joins pending, and the history
+    of changes, oldest first) and newest checkpoint, or ``error``.
     The workers list merges the shards' views of each worker.
     """
     health = list(health) if health is not None else ["UNKNOWN"] * len(addresses)
@@ -108,6 +112,27 @@ def _shard_data(index: int, address: str, health: str, status: Status) -> dict[s
         mode=job.mode if job else None,
         staleness=job.staleness if job else None,  # the ssp bound the job declared
         num_workers=job.num_workers if job else None,
+        elastic=(
+            {"min_workers": job.min_workers, "max_workers": job.max_workers}
+            if job and job.max_workers
+            else None
+        ),
+        membership={
+            "joins": int(status.joins),
+            "leaves": int(status.leaves),
+            "drops": int(status.drops),
+            "pending": sorted(status.pending_workers),
+            "history": [
+                {
+                    "step": int(e.step),
+                    "worker_id": e.worker_id,
+                    "kind": e.kind,
+                    "seconds_ago": round(e.seconds_ago, 3),
+                    "members": list(e.members),
+                }
+                for e in status.history
+            ],
+        },
         optimizer=(
             {"name": job.optimizer.name, **dict(sorted(job.optimizer.params.items()))}
             if job
@@ -236,7 +261,7 @@ def render_table(
                 str(s["clock"]),
                 str(s["num_variables"]),
                 _bytes(s["total_bytes"]),
-                f"{len(s['live_workers'])}/{s['num_workers'] or 0}",
+                _live(s),
                 str(s["max_staleness"]),
                 f"{s['pushes_applied']}/{s['pushes_duplicate']}",
                 str(s["pushes_late"]),
@@ -293,6 +318,8 @@ def render_table(
         headers = ["TABLE", "SHARD", "IDS", "DIM", "ROWS", "BYTES", "EVICTIONS", "CAPACITY"]
         lines += _table(headers, table_rows)
 
+    lines += _history(shards)
+
     variable_rows = [
         [v["name"], str(s["shard"]), "x".join(map(str, v["shape"])) or "scalar", v["dtype"]]
         for s in shards
@@ -306,6 +333,44 @@ def render_table(
         if len(variable_rows) > len(shown):
             lines.append(f"... and {len(variable_rows) - len(shown)} more (--json lists all)")
     return "\n".join(lines)
+
+
+def _live(shard: dict[str, Any]) -> str:
+    """Live workers of the job's: "2/4", or of an elastic job's bounds: "3 (2..4)"."""
+    if shard["elastic"]:
+        bounds = shard["elastic"]
+        return f"{len(shard['live_workers'])} ({bounds['min_workers']}..{bounds['max_workers']})"
+    return f"{len(shard['live_workers'])}/{shard['num_workers'] or 0}"
+
+
+def _history(shards: list[dict[str, Any]]) -> list[str]:
+    """The newest membership changes, as the first shard that answered saw them (every shard
+    sees the same joins and leaves; drops for silence may differ by a heartbeat)."""
+    answered = [s for s in shards if not s.get("error")]
+    if not answered or not answered[0]["membership"]["history"]:
+        return []
+    first = answered[0]
+    m = first["membership"]
+    events = m["history"][-MAX_HISTORY_ROWS:]
+    rows = [
+        [
+            str(e["step"]),
+            str(e["worker_id"]),
+            e["kind"],
+            f"{_age(e['seconds_ago'])} ago",
+            ",".join(map(str, e["members"])) or "none",
+        ]
+        for e in events
+    ]
+    title = (
+        f"membership (shard {first['shard']}): {m['joins']} joins, {m['leaves']} leaves, "
+        f"{m['drops']} drops" + (f"; joining now: {m['pending']}" if m["pending"] else "")
+    )
+    lines = ["", title]
+    lines += _table(["STEP", "WORKER", "CHANGE", "WHEN", "MEMBERS AFTER"], rows)
+    if len(m["history"]) > len(events):
+        lines.append(f"... {len(m['history']) - len(events)} older changes (--json lists them)")
+    return lines
 
 
 def _mode(shard: dict[str, Any]) -> str:

@@ -153,6 +153,8 @@ def encode_state(state: ShardState, incarnation: str) -> tuple[dict[str, np.ndar
             "quorum": job.quorum,
             "model_digest": job.model_digest,
             "job_id": job.job_id,
+            "min_workers": job.min_workers,
+            "max_workers": job.max_workers,
             "optimizer": {"name": job.optimizer.name, "params": job.optimizer.params()},
             "groups": [{"name": g.name, "params": g.params()} for g in job.groups],
             "variables": [
@@ -171,6 +173,8 @@ def encode_state(state: ShardState, incarnation: str) -> tuple[dict[str, np.ndar
         "updates": state.updates,
         "finished": {str(w): n for w, n in state.finished.items()},
         "counters": dict(state.counters),
+        "members": {str(w): n for w, n in state.members.items()},
+        "rosters": [[step, list(members)] for step, members in state.rosters],
         "slot_arrays": slot_arrays,
         "slot_values": slot_values,
     }
@@ -207,6 +211,8 @@ def decode_state(text: str, tensors: Mapping[str, np.ndarray]) -> ShardState:
         quorum=int(spec["quorum"]),
         job_id=str(spec.get("job_id", "")),  # checkpoints older than job ids have none
         groups=tuple(optimizer_from_spec(g["name"], g["params"]) for g in spec.get("groups", [])),
+        min_workers=int(spec.get("min_workers", 0)),  # absent before elastic jobs
+        max_workers=int(spec.get("max_workers", 0)),
     )
     job.check(max(job.num_workers, 1), len(job.variables))  # groups, tables, names
     make_policy(job.mode, job.staleness, job.quorum)  # raises on a mode this build lacks
@@ -248,6 +254,8 @@ def decode_state(text: str, tensors: Mapping[str, np.ndarray]) -> ShardState:
         counters={str(k): int(n) for k, n in doc["counters"].items()},
         tables=tables,
         saved_at=float(doc["saved_at"]) if "saved_at" in doc else None,
+        members={int(w): int(n) for w, n in doc.get("members", {}).items()},
+        rosters=[(int(s), tuple(int(w) for w in m)) for s, m in doc.get("rosters", [])],
     )
 
 

@@ -1,11 +1,13 @@
-"""Which workers count: heartbeats, dropping the silent from the quorum, leaving, rejoining, and
-which client process holds each worker id."""
+"""Which workers count: heartbeats, dropping the silent from the quorum, leaving, rejoining,
+joining an elastic job, and which client process holds each worker id."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 
+from psserver.consistency.base import Clocks
 from pswire.errors import DuplicateWorkerError
 
 log = logging.getLogger(__name__)
@@ -24,6 +26,10 @@ class Membership:
 
     Each worker id is held by one client process (its ``session``); a second process claiming
     an id whose holder was heard within ``claim_grace_s`` is refused.
+
+    An elastic job starts with no members: a worker becomes one by joining (``prepare`` at a
+    step, then ``commit``), and hearing from a worker that left or was dropped does not bring
+    it back (it joins again). ``joined`` holds each member's first step.
     """
 
     def __init__(self, timeout_s: float, claim_grace_s: float = 5.0) -> None:
@@ -38,6 +44,10 @@ class Membership:
         self._sessions: dict[int, str] = {}
         self._heard_any: float | None = None  # when the shard last heard any worker
         self._started = False
+        self.elastic = False
+        self.joined: dict[int, int] = {}  # elastic: member -> the step it joined at
+        self.pending: dict[int, int] = {}  # elastic: prepared joins, worker -> their step
+        self.min_workers = 0
 
     @property
     def dead_air_s(self) -> float:
@@ -46,14 +56,59 @@ class Membership:
         stall cannot make a live worker look silent for a whole timeout."""
         return self.timeout_s / 2
 
-    def start(self, num_workers: int, now: float) -> None:
-        """Begins the job: every worker live, as if just heard from."""
-        for w in range(num_workers):
+    def clocks(self, updates: int, finished: Mapping[int, int], opened: int) -> Clocks:
+        """What the consistency rule reads: the live containers themselves, not copies (rules
+        only read them, under the shard's lock, and keep nothing)."""
+        return Clocks(
+            updates, finished, self._live, self.joined, self.pending, self.min_workers, opened
+        )
+
+    def start(
+        self,
+        num_workers: int,
+        now: float,
+        elastic: bool = False,
+        members: Mapping[int, int] | None = None,
+        min_workers: int = 0,
+    ) -> None:
+        """Begins the job: every worker live, as if just heard from; an elastic job (of at
+        least ``min_workers``) with ``members`` (member -> the step it joined at: a restored
+        checkpoint's) or none."""
+        self.elastic = elastic
+        self.min_workers = min_workers if elastic else 0
+        joined: dict[int, int] = dict(members or {}) if elastic else {}
+        ids = list(joined) if elastic else range(num_workers)
+        for w in ids:
             self._last_seen.setdefault(w, now)
             self._counted_from.setdefault(w, self._last_seen[w])
-        self._live = set(range(num_workers))
+        self._live = set(ids)
+        self.joined = joined
+        self.pending = {}
         self._heard_any = now
         self._started = True
+
+    def holder(self, worker: int) -> str | None:
+        """The session holding ``worker``'s id, if any."""
+        return self._sessions.get(worker)
+
+    def prepare(self, worker: int, step: int, now: float) -> None:
+        """Elastic: ``worker`` will join at ``step`` once it commits (until then it counts
+        nowhere, and ``step`` does not open)."""
+        self.pending[worker] = step
+        self._last_seen[worker] = now
+        self._counted_from[worker] = now
+
+    def commit(self, worker: int, step: int) -> None:
+        """Elastic: ``worker`` is a member from ``step`` on."""
+        self.pending.pop(worker, None)
+        self._live.add(worker)
+        self._left.discard(worker)
+        self.joined[worker] = step
+        log.info("worker %d joined the job at step %d", worker, step)
+
+    def abort(self, worker: int) -> bool:
+        """Elastic: forgets ``worker``'s prepared join; True when there was one."""
+        return self.pending.pop(worker, None) is not None
 
     def claim(self, worker: int, session: str, now: float) -> None:
         """Checks that ``session`` may act as ``worker``; a new session takes over an id whose
@@ -115,7 +170,7 @@ class Membership:
         self._heard_any = now
         self._last_seen[worker] = now
         self._counted_from[worker] = now
-        if self._started and worker not in self._live:
+        if self._started and worker not in self._live and not self.elastic:
             self._live.add(worker)
             self._left.discard(worker)
             log.info("worker %d rejoined the quorum", worker)
@@ -123,27 +178,39 @@ class Membership:
         return False
 
     def leave(self, worker: int) -> bool:
-        """``worker`` left the job; True when that changed the quorum."""
+        """``worker`` left the job; True when that changed the quorum (or a prepared join)."""
         self._sessions.pop(worker, None)
+        aborted = self.abort(worker)
         if worker not in self._live:
-            return False
+            return aborted
         self._live.discard(worker)
+        self.joined.pop(worker, None)
         self._left.add(worker)
         log.info("worker %d left the job", worker)
         return True
 
+    def drop(self, worker: int) -> None:
+        """``worker`` is out of the quorum (another process took its id over)."""
+        self._live.discard(worker)
+        self.joined.pop(worker, None)
+
     def expire(self, now: float) -> list[int]:
         """Drops every live worker silent for longer than the timeout while others were heard
-        within it; returns them."""
+        within it, and forgets such workers' prepared joins; returns them."""
         if self.timeout_s <= 0 or self._heard_any is None:
             return []
         if now - self._heard_any > self.dead_air_s:
             return []  # nobody heard lately: the shard's silence, not theirs (see touch)
+        late = [w for w in self.pending if now - self._last_seen.get(w, now) > self.timeout_s]
+        for w in late:
+            self.abort(w)
+            log.warning("worker %d prepared to join but went silent: join dropped", w)
         silent = sorted(
             w for w in self._live if now - self._counted_from.get(w, now) > self.timeout_s
         )
         for w in silent:
             self._live.discard(w)
+            self.joined.pop(w, None)
             log.warning(
                 "worker %d silent for %.1fs (timeout %.1fs) while others were heard: dropped "
                 "from the quorum",
@@ -151,7 +218,7 @@ class Membership:
                 now - self._counted_from[w],
                 self.timeout_s,
             )
-        return silent
+        return sorted({*silent, *late})
 
     @property
     def live(self) -> frozenset[int]:

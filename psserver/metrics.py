@@ -206,6 +206,9 @@ class _StatusCollector(Collector):
         f["max_staleness"].add_metric(
             [name], max(live_steps) - min(live_steps) if live_steps else 0
         )
+        for kind, count in sorted(st.membership_counts.items()):
+            f["membership_changes"].add_metric([name, kind], count)
+        f["joining_workers"].add_metric([name], len(st.pending))
         f["push_results"].add_metric([name, "applied"], st.pushes_applied)
         f["push_results"].add_metric([name, "duplicate"], st.pushes_duplicate)
         f["push_results"].add_metric([name, "late"], st.pushes_late)
@@ -262,6 +265,16 @@ class _StatusCollector(Collector):
             ),
             "max_staleness": gauge(
                 "psserver_max_staleness_steps", "Clock spread between the live workers"
+            ),
+            "membership_changes": CounterMetricFamily(
+                "psserver_membership_changes",
+                "Changes of the job's members: joined (elastic joins), rejoined (a dropped "
+                "worker heard again), left (closed its client), dropped (silent past the "
+                "heartbeat timeout), replaced (a new process took its id)",
+                labels=["shard", "kind"],
+            ),
+            "joining_workers": gauge(
+                "psserver_joining_workers", "Elastic joins prepared and not yet committed"
             ),
             "push_results": CounterMetricFamily(
                 "psserver_push_results",

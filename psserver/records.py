@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from psserver.history import MembershipEvent
 from pswire.job import Job
 from pswire.rowstore import TableState
 
@@ -63,6 +64,9 @@ class ShardState:
     tables: dict[str, TableState] = field(default_factory=dict)
     # When the checkpoint holding this state was written (time.time()); None: not from a file.
     saved_at: float | None = None
+    # An elastic job's members (worker -> the step it joined at) and rosters (step, members).
+    members: dict[int, int] = field(default_factory=dict)
+    rosters: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -82,3 +86,7 @@ class ShardStatus:
     # table -> (rows, bytes, evictions, capacity)
     left: frozenset[int] = frozenset()
     failure: str = ""
+    # (event, seconds ago), oldest first: the newest MAX_EVENTS membership changes
+    history: tuple[tuple[MembershipEvent, float], ...] = ()
+    pending: frozenset[int] = frozenset()  # elastic: prepared joins
+    membership_counts: dict[str, int] = field(default_factory=dict)  # kind -> changes

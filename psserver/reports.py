@@ -11,6 +11,7 @@ import numpy as np
 
 from psserver.agreement import JobAgreement
 from psserver.consistency import ConsistencyPolicy, make_policy
+from psserver.history import MembershipHistory
 from psserver.membership import Membership
 from psserver.records import ShardState, ShardStatus
 from psserver.variables import Variables
@@ -27,6 +28,7 @@ class Reports:
     _state: Variables
     _finished: dict[int, int]
     _members: Membership
+    _history: MembershipHistory
     _ready: bool
     _updates: int
     _counters: dict[str, int]
@@ -63,6 +65,9 @@ class Reports:
                 },
                 left=self._members.left,
                 failure=self._failure,
+                history=tuple((e, now - e.at) for e in self._history.events),
+                pending=frozenset(self._members.pending),
+                membership_counts=dict(self._history.counts),
             )
 
     def snapshot(self) -> dict[str, np.ndarray]:
@@ -95,6 +100,8 @@ class Reports:
                 finished=finished,
                 counters=dict(self._counters),
                 tables=tables,
+                members=dict(self._members.joined),
+                rosters=list(self._history.rosters),
             )
 
     def mark_checkpoint(self, state: ShardState) -> None:
@@ -116,7 +123,11 @@ class Reports:
         with self._cond:
             self._agreement.restore(state.job)
             self._policy = make_policy(state.job.mode, state.job.staleness, state.job.quorum)
-            self._members.start(state.job.num_workers, self._now())
+            job = state.job
+            self._members.start(
+                job.num_workers, self._now(), job.elastic, state.members, job.min_workers
+            )
+            self._history.restore(state.rosters)
             self._start_optimizer_side(state.job)
             self._state = restored
             self._updates = state.updates

@@ -25,9 +25,14 @@ class Roster:
     _members: Membership
     _ready: bool
     _durable: dict[int, int]
+    _record: Callable[[int, int, str], None]  # Joins'
 
     def register_worker(self, worker_id: int, num_workers: int, session: str = "") -> Registration:
         """Records a worker (new, restarted or reconnecting); says where it (re)joins.
+
+        In an elastic job only a member resumes; another worker joins (``Shard.join``) and is
+        told the earliest step it could join at. A new process taking over a member's id ends
+        that membership ("replaced"): the new one joins afresh.
 
         Raises:
             InvalidRequestError: ids out of range.
@@ -51,8 +56,18 @@ class Roster:
                     f"worker {worker_id} says num_workers {num_workers}; the job on this shard "
                     f"has {job.num_workers}"
                 )
+            holder = self._members.holder(worker_id)
             self._members.claim(worker_id, session, self._now())
+            member = worker_id in self._members.live_view
+            if self._members.elastic and member and holder not in (None, session):
+                self._members.drop(worker_id)
+                self._record(self._finished.get(worker_id, 0), worker_id, "replaced")
+                self._membership_changed()
+                member = False
             self._touch(worker_id)
+            if self._members.elastic and not member and self._policy is not None:
+                clock = self._policy.join_step(self._clocks(), worker_id)
+                return Registration(clock, self._ready, 0, job.job_id if job else "")
             if self._policy is not None:
                 # A worker that fell behind (dropped, restarted) resumes at the current step.
                 joined = self._policy.join_clock(self._clocks(), worker_id)
@@ -94,7 +109,10 @@ class Roster:
                 return
             self._check_worker(worker_id, job.num_workers, "leave")
             self._members.check(worker_id, session)
+            member = worker_id in self._members.live_view
             if self._members.leave(worker_id):
+                if member:
+                    self._record(self._finished.get(worker_id, 0), worker_id, "left")
                 self._membership_changed()
 
     def expire_silent(self) -> list[int]:
@@ -102,10 +120,19 @@ class Roster:
         step waiting only on them closes now. The server calls this on a timer; reads
         (``status``, metrics) never do."""
         with self._cond:
-            dropped = self._members.expire(self._now()) if self._policy is not None else []
-            if dropped:
-                self._membership_changed()
-            return dropped
+            return self._expire()
+
+    def _expire(self) -> list[int]:
+        """``Membership.expire``, the drops recorded, the rule told (lock held)."""
+        if self._policy is None:
+            return []
+        before = set(self._members.live_view)
+        changed = self._members.expire(self._now())
+        for worker in sorted(before - self._members.live_view):
+            self._record(self._finished.get(worker, 0), worker, "dropped")
+        if changed:
+            self._membership_changed()
+        return changed
 
     def _touch(self, worker_id: int) -> None:
         raise NotImplementedError

@@ -130,6 +130,27 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return ps_pb2.LeaveResponse()
 
     @rpc_errors
+    def Join(self, request, context):
+        phase = ps_pb2.JoinRequest.Phase.Name(request.phase).lower()
+        result = self.shard.join(request.worker_id, request.session, phase, request.step)
+        return ps_pb2.JoinResponse(
+            accepted=result.accepted, step=result.step, members=result.members
+        )
+
+    @rpc_errors
+    def ListMembers(self, request, context):
+        with _ending(context, self.shard) as cancelled:
+            view = self.shard.list_members(
+                request.worker_id, request.step, _timeout(context), cancelled
+            )
+        return ps_pb2.ListMembersResponse(
+            members=view.members,
+            rosters=[ps_pb2.Roster(step=s, members=m) for s, m in view.rosters],
+            min_workers=view.min_workers,
+            max_workers=view.max_workers,
+        )
+
+    @rpc_errors
     def Init(self, request_iterator, context):
         with self.admission.inflight() as reserve:
             assembler = ChunkAssembler(self.shard.limits.max_request_bytes, reserve=reserve)
@@ -316,7 +337,19 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             checkpoint_age_s=st.checkpoint_age_s,
             left_workers=sorted(st.left),
             failure=st.failure,
+            pending_workers=sorted(st.pending),
+            joins=st.membership_counts.get("joined", 0) + st.membership_counts.get("rejoined", 0),
+            leaves=st.membership_counts.get("left", 0),
+            drops=st.membership_counts.get("dropped", 0) + st.membership_counts.get("replaced", 0),
         )
+        for event, ago in st.history:
+            reply.history.add(
+                step=event.step,
+                worker_id=event.worker,
+                kind=event.kind,
+                seconds_ago=ago,
+                members=event.members,
+            )
         if st.job is not None:
             reply.job.CopyFrom(job_to_proto(st.job))
         for worker, (clock, age) in st.workers.items():

@@ -18,6 +18,8 @@ import numpy as np
 
 from psserver.agreement import JobAgreement
 from psserver.consistency import Clocks, ConsistencyPolicy, make_policy
+from psserver.elastic import Joins
+from psserver.history import MembershipHistory
 from psserver.membership import Membership
 from psserver.observer import Observer, observed
 from psserver.records import Limits, PushResult
@@ -41,7 +43,7 @@ from pswire.tables import RowSparse
 MAX_STEP = 1 << 62
 
 
-class Shard(Roster, Reports, OptimizerSide):
+class Shard(Roster, Joins, Reports, OptimizerSide):
     """One parameter-server shard; thread-safe, every wait bounded.
 
     ``clock`` (seconds, monotonic) is what membership reads: tests inject one and call
@@ -60,6 +62,8 @@ class Shard(Roster, Reports, OptimizerSide):
         self._state = Variables()
         self._finished: dict[int, int] = {}
         self._members = Membership(self.limits.heartbeat_timeout_s, self.limits.claim_grace_s)
+        self._history = MembershipHistory()
+        self._opened = -1  # the newest step read or pushed at
         self._ready = False  # initial values installed
         self._updates = 0
         self._counters = {"applied": 0, "duplicate": 0, "late": 0}
@@ -139,7 +143,7 @@ class Shard(Roster, Reports, OptimizerSide):
 
     def _set_job(self, job: Job) -> None:
         self._policy = make_policy(job.mode, job.staleness, job.quorum)
-        self._members.start(job.num_workers, self._now())
+        self._members.start(job.num_workers, self._now(), job.elastic, None, job.min_workers)
         self._start_optimizer_side(job)
 
     def pull(
@@ -184,13 +188,16 @@ class Shard(Roster, Reports, OptimizerSide):
                 self._agreement.check(worker_id)
                 policy = self._require_policy()
                 self._wait(
-                    lambda: policy.read_ready(self._clocks(), step),
+                    lambda: (
+                        policy.read_ready(self._clocks(), step)
+                        and policy.admits(self._clocks(), step)
+                    ),
                     timeout,
                     cancelled,
-                    lambda: (
-                        f"pull by worker {worker_id}: " + policy.waiting_for(self._clocks(), step)
-                    ),
+                    lambda: f"pull by worker {worker_id}: " + self._waiting_for(policy, step),
                 )
+                if worker_id != OBSERVER:
+                    self._open(step)
                 # Gathering copies the rows: they are this pull's snapshot either way.
                 gathered = {table: self._state.tables[table].gather(ids) for table, ids in rows}
                 arrays = {**{k: self._state.values[k] for k in keys}, **gathered}
@@ -245,6 +252,7 @@ class Shard(Roster, Reports, OptimizerSide):
             optimizers = job.step_optimizers(options)
             with self._cond:
                 self._members.check(worker_id, session)
+                self._check_member(worker_id, step)
                 self._touch(worker_id)
                 self._wait_values(timeout, cancelled)
                 self._agreement.check(worker_id)
@@ -254,18 +262,20 @@ class Shard(Roster, Reports, OptimizerSide):
                 if skipped is not None:
                     return skipped
                 self._wait(
-                    lambda: policy.push_ready(self._clocks(), worker_id, step),
+                    lambda: (
+                        policy.push_ready(self._clocks(), worker_id, step)
+                        and policy.admits(self._clocks(), step)
+                    ),
                     timeout,
                     cancelled,
-                    lambda: (
-                        f"push by worker {worker_id}: " + policy.waiting_for(self._clocks(), step)
-                    ),
+                    lambda: f"push by worker {worker_id}: " + self._waiting_for(policy, step),
                 )
                 # The wait released the lock: a retry of this push may have landed meanwhile.
                 skipped = self._skip(policy, worker_id, step)
                 if skipped is not None:
                     return skipped
                 self._steps.take(worker_id, step, optimizers, options.skip)
+                self._open(step)
                 update = policy.submit(self._clocks(), worker_id, step, grads, owned=take)
                 if update is not None:
                     self._apply(update, sync_round=policy.name == "sync")
@@ -357,7 +367,7 @@ class Shard(Roster, Reports, OptimizerSide):
         after = max(step + 1, self._updates) if reason == "late" else step + 1
         job = self._job
         absent: tuple[int, ...] = ()
-        if job is not None and job.mode != "async":
+        if job is not None and job.mode != "async" and not job.elastic:
             live = self._members.live_view
             absent = tuple(w for w in range(job.num_workers) if w not in live)
         durable = self._durable.get(worker_id, 0)
@@ -398,12 +408,13 @@ class Shard(Roster, Reports, OptimizerSide):
 
     def _clocks(self) -> Clocks:
         # The live dict, not a copy: policies only read it, under the lock, and keep nothing.
-        return Clocks(self._updates, self._finished, self._members.live_view)
+        return self._members.clocks(self._updates, self._finished, self._opened)
 
     def _touch(self, worker_id: int) -> None:
         if worker_id == OBSERVER:
             return  # a reader such as psctl export is no worker: it must not join the quorum
         if self._members.touch(worker_id, self._now()):
+            self._record(self._finished.get(worker_id, 0), worker_id, "rejoined")
             self._cond.notify_all()
 
     def _check_incarnation(self, seen: str, worker_id: int, what: str) -> None:
@@ -476,8 +487,7 @@ class Shard(Roster, Reports, OptimizerSide):
                 raise UnavailableError(f"the shard is stopping; was waiting for {describe()}")
             if cancelled is not None and cancelled.is_set():
                 raise CallCancelledError(f"the caller went away while waiting for {describe()}")
-            if self._policy is not None and self._members.expire(self._now()):
-                self._membership_changed()
+            if self._expire():
                 continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -41,6 +41,25 @@ def check_mode(mode: str, staleness: int = 0, quorum: int = 0) -> None:
         raise InvalidRequestError(f"ssp staleness must be >= 0, got {staleness}")
 
 
+def check_elastic(min_workers: int, max_workers: int, num_workers: int) -> None:
+    """Validates an elastic job's bounds (both 0: a job of fixed size).
+
+    Raises:
+        InvalidRequestError: bounds out of order, or a worker count other than the maximum.
+    """
+    if not max_workers and not min_workers:
+        return
+    if not 1 <= min_workers <= max_workers:
+        raise InvalidRequestError(
+            f"an elastic job needs 1 <= min_workers <= max_workers, got min_workers "
+            f"{min_workers}, max_workers {max_workers}"
+        )
+    if num_workers != max_workers:
+        raise InvalidRequestError(
+            f"an elastic job's num_workers is its max_workers ({max_workers}), got {num_workers}"
+        )
+
+
 @dataclass(frozen=True)
 class VarSpec:
     """A variable (or slice) on this shard; ``average``: a buffer, not trained (see _apply);
@@ -80,6 +99,15 @@ class Job:
     # checkpoints; not part of what workers must agree on (``differences`` ignores it).
     job_id: str = ""
     groups: tuple[Optimizer, ...] = ()
+    # An elastic job (max_workers > 0): members join and leave while it runs; it trains only
+    # with at least min_workers of them. num_workers is max_workers (the worker-id space).
+    min_workers: int = 0
+    max_workers: int = 0
+
+    @property
+    def elastic(self) -> bool:
+        """Whether workers may join and leave this job while it runs."""
+        return self.max_workers > 0
 
     @functools.cached_property
     def optimizers(self) -> tuple[Optimizer, ...]:
@@ -116,6 +144,7 @@ class Job:
                 f"num_workers must be in [1, {max_workers}], got {self.num_workers}"
             )
         check_mode(self.mode, self.staleness, self.quorum)
+        check_elastic(self.min_workers, self.max_workers, self.num_workers)
         names = sorted({o.name for o in self.optimizers})
         if len(names) > 1:
             raise InvalidRequestError(f"parameter groups use different optimizers: {names}")
@@ -279,7 +308,8 @@ class Job:
     def differences(self, other: Job) -> list[str]:
         """Human-readable list of what differs from ``other`` (the shard's job)."""
         out = []
-        for attr in ("mode", "staleness", "num_workers", "model_digest", "quorum"):
+        attrs = ("mode", "staleness", "num_workers", "model_digest", "quorum")
+        for attr in (*attrs, "min_workers", "max_workers"):
             mine, theirs = getattr(self, attr), getattr(other, attr)
             if mine != theirs:
                 out.append(f"{attr}: shard has {theirs!r}, worker sent {mine!r}")
@@ -337,6 +367,8 @@ def job_from_proto(spec: ps_pb2.JobSpec) -> Job:
         quorum=int(spec.quorum),
         job_id=spec.job_id,
         groups=tuple(optimizer_from_spec(g.name, dict(g.params)) for g in spec.groups),
+        min_workers=int(spec.min_workers),
+        max_workers=int(spec.max_workers),
     )
 
 
@@ -352,6 +384,8 @@ def job_to_proto(job: Job) -> ps_pb2.JobSpec:
         quorum=job.quorum,
         job_id=job.job_id,
         groups=[ps_pb2.OptimizerSpec(name=g.name, params=g.params()) for g in job.groups],
+        min_workers=job.min_workers,
+        max_workers=job.max_workers,
     )
 
 

@@ -152,7 +152,16 @@ def add_servicer(
             request_deserializer=getattr(ps_pb2, f"{name}Request").FromString,
             response_serializer=getattr(ps_pb2, f"{name}Response").SerializeToString,
         )
-        for name in ("RegisterWorker", "Heartbeat", "PushPull", "Status", "Checkpoint", "Leave")
+        for name in (
+            "RegisterWorker",
+            "Heartbeat",
+            "PushPull",
+            "Status",
+            "Checkpoint",
+            "Leave",
+            "Join",
+            "ListMembers",
+        )
     }
     handlers["PushPullStream"] = grpc.stream_stream_rpc_method_handler(
         servicer.PushPullStream,

@@ -7,6 +7,7 @@ Parameter-server (``PSClient``), single-process (``LocalClient``) and all-reduce
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, Self, runtime_checkable
 
 import numpy as np
@@ -101,6 +102,43 @@ class Client(Protocol):
     def __enter__(self) -> Self: ...
 
     def __exit__(self, *exc: object) -> None: ...
+
+
+@dataclass(frozen=True)
+class Members:
+    """Who trains at ``step`` in an elastic job, and every change before it: ``rosters`` are
+    (first step, members) pairs, oldest first (the members of a step are those of the last
+    roster starting at or before it)."""
+
+    step: int
+    members: tuple[int, ...]
+    rosters: tuple[tuple[int, tuple[int, ...]], ...]
+    min_workers: int
+    max_workers: int
+
+    def at(self, step: int) -> tuple[int, ...]:
+        """The members that trained at ``step`` (``step`` at most ``self.step``)."""
+        found: tuple[int, ...] = ()
+        for start, members in self.rosters:
+            if start > step:
+                break
+            found = members
+        return found
+
+
+@runtime_checkable
+class Elastic(Protocol):
+    """A client of a job whose workers come and go (``ElasticPSClient``): ``shard()`` asks it
+    who trains when, to split the data among the members of each epoch."""
+
+    worker_id: int
+    step: int
+    min_workers: int
+    max_workers: int
+
+    def members(self, step: int | None = None) -> Members:
+        """The members at ``step`` (default: this worker's), once ``step`` may be read."""
+        ...
 
 
 class PushThenPull:

@@ -6,7 +6,7 @@ import hashlib
 import logging
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TypeVar
+from typing import Self, TypeVar
 
 import grpc
 import numpy as np
@@ -48,8 +48,7 @@ from psworker.session import (
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 120.0
-# Well inside the shards' default 30 s heartbeat timeout, cheap enough to never matter.
-DEFAULT_HEARTBEAT_S = 2.0
+DEFAULT_HEARTBEAT_S = 2.0  # well inside the shards' default 30 s heartbeat timeout
 log = logging.getLogger(__name__)
 
 
@@ -102,6 +101,7 @@ class PSClient(ClientState):
         self.last_skipped = False  # the step last pushed had no optimizer update
         self.shard_map: ShardMap | None = None
         self.quorum = quorum
+        self.min_workers = self.max_workers = 0  # an elastic job's bounds (ElasticPSClient)
         self.compression = compression
         self._buffers: set[str] = set()
         self.tables: dict[str, TableLayout] = {}
@@ -112,14 +112,9 @@ class PSClient(ClientState):
         # This process's id: a second process claiming the same worker id is refused.
         self.session = uuid.uuid4().hex[:12]
         self.identity = JobIdentity(job_id)
+        retry = timeout if retry_s is None else retry_s
         config = LinkConfig(
-            worker_id,
-            num_workers,
-            timeout,
-            timeout if retry_s is None else retry_s,
-            chunk_bytes,
-            self.session,
-            replay_bytes,
+            worker_id, num_workers, timeout, retry, chunk_bytes, self.session, replay_bytes
         )
         self.links = [
             ShardLink(i, a, channel, config, self.identity, self.security)
@@ -132,7 +127,7 @@ class PSClient(ClientState):
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    def __enter__(self) -> PSClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -219,6 +214,8 @@ class PSClient(ClientState):
             digest,
             self.quorum,
             groups=tuple(optimizers[1:]),
+            min_workers=self.min_workers,
+            max_workers=self.max_workers,
         )
         jobs = shard_jobs(shard_map, layouts, self._buffers, group, job, proposed)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -13,8 +14,14 @@ from pswire.job import CLIENT_MODES
 from pswire.security import ClientSecurity
 from psworker.api import Client
 from psworker.client import PSClient
+from psworker.elastic import ElasticPSClient, parse_bounds
+from psworker.launchers import Identity, resolve_identity, shard_addresses
 from psworker.local import LocalClient
 from psworker.ring.client import AllReduceClient
+
+log = logging.getLogger(__name__)
+# elastic=True without bounds (and no $PS_ELASTIC): from 1 to this many workers.
+DEFAULT_MAX_WORKERS = 64
 
 
 def _connect_ring(
@@ -51,6 +58,7 @@ def connect(
     mode: str | None = None,
     staleness: int | None = None,
     cluster: str | None = None,
+    elastic: bool | str | tuple[int, int] | None = None,
     tls_ca: str | None = None,
     tls_cert: str | None = None,
     tls_key: str | None = None,
@@ -59,13 +67,23 @@ def connect(
 ) -> Client:
     """Connects a worker to the job's shards, or returns an in-process or ring client.
 
-    With no ``addresses``, the cluster comes from ``cluster`` (TF_CONFIG JSON or a file path)
-    or the ``TF_CONFIG`` environment variable: shards from ``cluster.ps``, this worker's id from
-    ``task.index``, the worker count from ``cluster.worker``. ``mode`` and ``staleness`` default
-    to ``$PS_MODE`` / ``$PS_STALENESS``, else ``sync`` / 0. ``mode="local"``, or no mode and no
-    cluster at all, gives a ``LocalClient``: the same script then trains in one process.
-    ``mode="allreduce"`` gives an ``AllReduceClient``: no shards; ``addresses`` (or the
-    cluster's ``worker`` list) are the workers' own ring addresses, this one at ``worker_id``.
+    The shards are ``addresses``, else ``$PS_SHARDS`` (``host:port,...``), else the file
+    ``$PS_SHARDS_FILE`` (one address a line), else ``cluster.ps`` of ``cluster`` (TF_CONFIG
+    JSON or a file path) or of ``$TF_CONFIG``. This worker's id and the worker count are
+    ``worker_id``/``num_workers``, else read from the launcher: ``$PS_WORKER_ID`` and
+    ``$PS_NUM_WORKERS``, TF_CONFIG's ``task.index`` and ``cluster.worker``, torchrun's or a
+    Kubeflow PyTorchJob's ``$RANK`` and ``$WORLD_SIZE``, Slurm's ``$SLURM_PROCID`` and
+    ``$SLURM_NTASKS``, in that order; two launchers that disagree are an error naming both
+    (``psworker.launchers`` says more). ``mode`` and ``staleness`` default to ``$PS_MODE`` /
+    ``$PS_STALENESS``, else ``sync`` / 0. ``mode="local"``, or no mode and no shards at all
+    (and no launcher saying there are several workers), gives a ``LocalClient``: the same
+    script then trains in one process. ``mode="allreduce"`` gives an ``AllReduceClient``: no
+    shards; ``addresses`` (or the cluster's ``worker`` list) are the workers' own ring
+    addresses, this one at ``worker_id``.
+
+    ``elastic`` (``$PS_ELASTIC``): ``"MIN:MAX"`` or ``(MIN, MAX)`` makes the job elastic
+    (``ElasticPSClient``): workers join and leave while it runs, and it trains while it has at
+    least MIN members; worker ids are in ``[0, MAX)``. ``True`` is ``1:64``.
 
     ``tls_ca`` (verify the shards; TLS on), ``tls_cert``/``tls_key`` (this worker's certificate,
     for shards that demand mutual TLS) and ``token`` default to ``$PS_TLS_CA``,
@@ -74,15 +92,13 @@ def connect(
     (demanding its neighbour's, signed by the CA) and the token, and calls its neighbour with
     them.
 
-    Without a cluster spec, ``worker_id`` and ``num_workers`` default to ``$PS_WORKER_ID`` and
-    ``$PS_NUM_WORKERS`` (else worker 0 of 1); a job of several workers needs each one's id.
     ``job_id`` (``$PS_JOB_ID``) fixes the job's identity; ``replay_bytes``
     (``$PS_REPLAY_BYTES``) bounds the pushes kept for replay after a shard restart.
 
     Raises:
-        ConfigError: an unknown mode, a parameter-server mode with no cluster, an address
-            without a port, unreadable TLS files, or inconsistent arguments such as several
-            workers but no worker id (a ValueError).
+        ConfigError: an unknown mode, a parameter-server mode with no shards, an address
+            without a port, unreadable TLS files, launchers that disagree, or inconsistent
+            arguments such as several workers but no worker id (a ValueError).
     """
     given = mode
     mode = mode or os.environ.get("PS_MODE") or None
@@ -96,44 +112,79 @@ def connect(
     if mode == "allreduce":
         security = ClientSecurity.from_env(tls_ca, tls_cert, tls_key, token)
         return _connect_ring(addresses, worker_id, cluster, options, security)
-    if addresses is None:
-        spec = ClusterSpec.load(cluster, role="worker")
-        if spec is None:
-            if mode is None:
-                return LocalClient()
-            raise ConfigError(
-                f"mode {mode!r} needs shard addresses, cluster=..., or $TF_CONFIG "
-                "(or use mode='local')"
+    environ = dict(os.environ) if cluster is None else {**os.environ, "TF_CONFIG": cluster}
+    identity = resolve_identity(worker_id, num_workers, environ)
+    found = shard_addresses(addresses, environ)
+    if found is None:
+        if mode is None and (identity.num_workers or 1) == 1:
+            return LocalClient()
+        raise ConfigError(
+            f"mode {mode or 'sync'!r} needs the shards' addresses: addresses=..., $PS_SHARDS, "
+            "$PS_SHARDS_FILE, cluster=..., or $TF_CONFIG with cluster.ps"
+            + (
+                f" ({identity.count_source} says this is one of {identity.num_workers} workers)"
+                if (identity.num_workers or 1) > 1
+                else " (or use mode='local')"
             )
-        if not spec.ps:
-            raise ConfigError("the cluster spec lists no parameter servers (cluster.ps)")
-        addresses = spec.ps
-        worker_id = spec.task_index if worker_id is None else worker_id
-        num_workers = (len(spec.workers) or 1) if num_workers is None else num_workers
+        )
+    shards, where = found
+    if not shards:
+        raise ConfigError(f"{where} lists no parameter servers")
     if staleness is None:
         staleness = env_default("PS_STALENESS", 0, int)
-    if worker_id is None:
-        worker_id = env_default("PS_WORKER_ID", None, int)
-    if num_workers is None:
-        num_workers = env_default("PS_NUM_WORKERS", None, int)
-    if worker_id is None and (num_workers or 1) > 1:
-        raise ConfigError(
-            f"a job of {num_workers} workers needs each worker's id: pass worker_id=, or set "
-            "$PS_WORKER_ID or TF_CONFIG's task.index (two processes as one worker would have "
-            "the second's pushes dropped as retries)"
-        )
     for name, env, convert in (
         ("job_id", "PS_JOB_ID", str),
         ("replay_bytes", "PS_REPLAY_BYTES", int),
     ):
         if name not in options and os.environ.get(env):
             options[name] = env_default(env, None, convert)
-    return PSClient(
-        addresses,
-        worker_id=0 if worker_id is None else worker_id,
-        num_workers=1 if num_workers is None else num_workers,
+    common = dict(
         mode=mode or "sync",
         staleness=staleness,
         security=ClientSecurity.from_env(tls_ca, tls_cert, tls_key, token),
         **options,
     )
+    bounds = _elastic_bounds(elastic)
+    if bounds is not None:
+        if identity.worker_id is None and bounds[1] > 1:
+            raise ConfigError(
+                f"an elastic job of up to {bounds[1]} workers needs each worker's id: pass "
+                "worker_id=, or set $PS_WORKER_ID (or launch with torchrun, srun, TF_CONFIG)"
+            )
+        return ElasticPSClient(shards, identity.worker_id or 0, *bounds, **common)
+    count = identity.num_workers
+    if identity.worker_id is None and (count or 1) > 1:
+        raise ConfigError(
+            f"a job of {count} workers ({identity.count_source}) needs each worker's id: pass "
+            "worker_id=, or set $PS_WORKER_ID or TF_CONFIG's task.index (two processes as one "
+            "worker would have the second's pushes dropped as retries)"
+        )
+    _log_identity(identity)
+    return PSClient(shards, identity.worker_id or 0, count or 1, **common)
+
+
+def _elastic_bounds(elastic: bool | str | tuple[int, int] | None) -> tuple[int, int] | None:
+    """(min, max) of an elastic job from ``elastic`` or ``$PS_ELASTIC``; None: fixed size.
+
+    Raises:
+        ConfigError: malformed bounds.
+    """
+    if elastic is None or elastic is True:
+        text = os.environ.get("PS_ELASTIC", "").strip()
+        if text:
+            return parse_bounds(text, "$PS_ELASTIC")
+        return (1, DEFAULT_MAX_WORKERS) if elastic else None
+    if elastic is False:
+        return None
+    if isinstance(elastic, str):
+        return parse_bounds(elastic)
+    return parse_bounds(f"{elastic[0]}:{elastic[1]}")
+
+
+def _log_identity(identity: Identity) -> None:
+    if identity.restarts:
+        log.warning(
+            "torchrun restarted its workers %d time(s): worker %s resumes at the shards' step",
+            identity.restarts,
+            identity.worker_id,
+        )

@@ -1,13 +1,19 @@
-"""Data sharding: each worker iterates its own disjoint, deterministic slice, per epoch."""
+"""Data sharding: each worker iterates its own disjoint, deterministic slice, per epoch; in an
+elastic job the slices follow the members of each epoch (``psworker/epochs.py``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sized
+import logging
+from collections.abc import Iterable, Iterator, Sized
 from typing import Any, Protocol
 
 import numpy as np
 
 from pswire.errors import ConfigError
+from psworker.api import Elastic
+from psworker.epochs import EpochPlan, plan_epoch
+
+log = logging.getLogger(__name__)
 
 
 class _HasWorkers(Protocol):
@@ -45,15 +51,32 @@ class Sharded:
     """Iterable over one worker's slice; every new iteration is the next epoch.
 
     Built by ``shard``. ``set_epoch(e)`` pins the epoch of the next iteration, as with
-    ``DistributedSampler``.
+    ``DistributedSampler``. With an elastic client each iteration is the rest of the epoch in
+    progress at the client's step, split among that epoch's members (``psworker/epochs.py``):
+    loop with ``for epoch in data.epochs(n): for batch in data: ...`` so that a worker that
+    joins late trains the job's remaining epochs, not n of its own. ``samples`` holds how many
+    samples this worker drew in each epoch (logged as each one ends).
     """
 
-    def __init__(self, source: Any, worker_id: int, num_workers: int, seed: int, shuffle: bool):
+    def __init__(
+        self,
+        source: Any,
+        worker_id: int,
+        num_workers: int,
+        seed: int,
+        shuffle: bool,
+        client: Any = None,
+        first_step: int = 0,
+    ):
         self.worker_id = worker_id
         self.num_workers = num_workers
         self.seed = seed
         self.shuffle = shuffle
         self.epoch = 0
+        self.samples: dict[int, int] = {}
+        self.plan: EpochPlan | None = None  # elastic: the epoch of the last iteration
+        self._elastic = client if isinstance(client, Elastic) else None
+        self._first_step = first_step
         self._loader = None
         if _is_loader(source):
             self._loader = source
@@ -67,9 +90,40 @@ class Sharded:
         self.epoch = epoch
 
     def indices(self) -> np.ndarray:
-        return shard_indices(
-            len(self.dataset), self.worker_id, self.num_workers, self.epoch, self.seed, self.shuffle
+        """This worker's sample indices for the next iteration (elastic: what is left of the
+        epoch in progress)."""
+        if self._elastic is None:
+            return shard_indices(
+                len(self.dataset),
+                self.worker_id,
+                self.num_workers,
+                self.epoch,
+                self.seed,
+                self.shuffle,
+            )
+        plan = self._plan()
+        members = len(plan.members)
+        idx = shard_indices(
+            len(self.dataset), plan.rank, members, plan.epoch, self.seed, self.shuffle
         )
+        return idx[plan.offset * self._batch() :]
+
+    def epochs(self, count: int) -> Iterator[int]:
+        """The epochs until ``count``, from the one in progress (elastic: at the client's
+        step; a worker that joined late starts mid-way). Iterate the data once in each.
+
+        Raises:
+            RuntimeError: an epoch went by without the data being iterated.
+        """
+        last = None
+        while True:
+            epoch = self._plan().epoch if self._elastic is not None else self.epoch
+            if epoch >= count:
+                return
+            if epoch == last:
+                raise RuntimeError(f"epoch {epoch} came round again: iterate the data in it")
+            last = epoch
+            yield epoch
 
     def __len__(self) -> int:
         n = len(self.indices())
@@ -80,10 +134,56 @@ class Sharded:
 
     def __iter__(self) -> Iterator[Any]:
         idx = self.indices()
-        self.epoch += 1
+        epoch = self.plan.epoch if self._elastic is not None and self.plan else self.epoch
+        self.epoch = epoch + 1
         if self._loader is None:
-            return (self.dataset[int(i)] for i in idx)
-        return iter(_rebatch(self._loader, idx.tolist()))
+            items: Iterable[Any] = (self.dataset[int(i)] for i in idx)
+            return self._counted(items, epoch, [1] * len(idx))
+        batch = self._batch()
+        sizes = [min(batch, len(idx) - i) for i in range(0, len(idx), batch)]
+        if self._loader.drop_last and sizes and sizes[-1] < batch:
+            sizes.pop()
+        return self._counted(_rebatch(self._loader, idx.tolist()), epoch, sizes)
+
+    def _counted(self, items: Iterable[Any], epoch: int, sizes: list[int]) -> Iterator[Any]:
+        """``items``, counting this worker's samples of ``epoch``; logged when it ends."""
+        self.samples.setdefault(epoch, 0)
+        for item, size in zip(items, sizes, strict=False):
+            self.samples[epoch] += size
+            yield item
+        plan = self.plan if self._elastic is not None else None
+        log.info(
+            "epoch %d: worker %d drew %d samples%s",
+            epoch,
+            self.worker_id,
+            self.samples[epoch],
+            ""
+            if plan is None
+            else f" (part {plan.rank} of {len(plan.members)}, members {list(plan.members)}"
+            + (", repeating another's part: joined mid-epoch" if plan.repeats else "")
+            + ")",
+        )
+
+    def _plan(self) -> EpochPlan:
+        """The epoch in progress at the elastic client's step, and this worker's part."""
+        client = self._elastic
+        assert client is not None
+        view = client.members(client.step)
+        self.plan = plan_epoch(
+            view,
+            client.worker_id,
+            len(self.dataset),
+            self._batch(),
+            self._drop_last(),
+            self._first_step,
+        )
+        return self.plan
+
+    def _batch(self) -> int:
+        return (self._loader.batch_size or 1) if self._loader is not None else 1
+
+    def _drop_last(self) -> bool:
+        return bool(self._loader.drop_last) if self._loader is not None else False
 
 
 def _is_loader(obj: Any) -> bool:
@@ -110,14 +210,25 @@ def _rebatch(loader: Any, indices: list[int]) -> Any:
 
 
 def shard(
-    dataset_or_loader: Any, client: _HasWorkers, *, seed: int = 0, shuffle: bool = True
+    dataset_or_loader: Any,
+    client: _HasWorkers,
+    *,
+    seed: int = 0,
+    shuffle: bool = True,
+    first_step: int = 0,
 ) -> Sharded:
     """This worker's slice of a dataset or DataLoader (batches from a loader, items otherwise).
 
     Slices of different workers are disjoint (up to the padding that equalises their lengths),
     deterministic for a seed, and reshuffled each epoch with the seed shared by all workers.
+    With an elastic client (``connect(elastic=...)``) the data is split among the members of
+    each epoch, re-split at the next epoch boundary when members change, so every sample is
+    still seen once per epoch (``psworker/epochs.py`` says what happens to the epoch in
+    progress). ``first_step``: the step epoch 0 started at (elastic only).
 
     Raises:
         TypeError: an iterable-style dataset (no ``__len__``).
     """
-    return Sharded(dataset_or_loader, client.worker_id, client.num_workers, seed, shuffle)
+    return Sharded(
+        dataset_or_loader, client.worker_id, client.num_workers, seed, shuffle, client, first_step
+    )

@@ -16,6 +16,8 @@ from pswire import cli
 from pswire.cluster import ClusterSpec
 from pswire.errors import ConfigError
 from pswire.job import CLIENT_MODES
+from psworker.elastic import parse_bounds
+from psworker.launchers import resolve_identity, shard_addresses
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,10 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="run module:function, a module, or a script as this cluster's worker",
         description=(
-            "Exports the cluster as $TF_CONFIG and the mode as $PS_MODE/$PS_STALENESS, then "
-            "runs TARGET in this process: module:function is called with no arguments (an int "
-            "it returns is the exit code), a module runs like `python -m`, a .py file like "
-            "`python file.py`. ARGS become sys.argv[1:]."
+            "Works out this worker's id and the shards from its launcher (--shards, "
+            "$PS_SHARDS_FILE, --cluster/$TF_CONFIG; $PS_WORKER_ID, TF_CONFIG's task, torchrun's "
+            "or a PyTorchJob's $RANK/$WORLD_SIZE, Slurm's $SLURM_PROCID/$SLURM_NTASKS), exports "
+            "them as $PS_SHARDS, $PS_WORKER_ID, $PS_NUM_WORKERS (and $TF_CONFIG when given), "
+            "the mode as $PS_MODE/$PS_STALENESS and --elastic as $PS_ELASTIC, then runs TARGET "
+            "in this process: module:function is called with no arguments (an int it returns "
+            "is the exit code), a module runs like `python -m`, a .py file like `python "
+            "file.py`. ARGS become sys.argv[1:]."
         ),
     )
     cli.add(
@@ -39,6 +45,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--cluster",
         env="PS_CLUSTER",
         help="TF_CONFIG JSON or a file holding it; unset: $TF_CONFIG as it is",
+    )
+    cli.add(
+        run,
+        "--shards",
+        env="PS_SHARDS",
+        help="shard addresses host:port,host:port (else $PS_SHARDS_FILE or the cluster's ps)",
+    )
+    cli.add(
+        run,
+        "--elastic",
+        env="PS_ELASTIC",
+        metavar="MIN:MAX",
+        help="an elastic job: workers join and leave while it runs; it trains with >= MIN",
     )
     cli.add(
         run,
@@ -72,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             # One process, no shards: psworker.connect() gives a LocalClient.
             os.environ.update(PS_MODE="local", PS_WORKER_ID="0", PS_NUM_WORKERS="1")
         else:
-            export_job(args.cluster, args.mode, args.staleness)
+            export_job(args.cluster, args.mode, args.staleness, args.shards, args.elastic)
         check_target(args.target)
         return run_target(args.target, args.args)
     except _NoTarget as exc:
@@ -111,15 +130,25 @@ def check_target(target: str) -> None:
         )
 
 
-def export_job(cluster: str | None, mode: str | None, staleness: int | None) -> ClusterSpec:
-    """Puts the job into the environment ``psworker.connect()`` reads; returns the cluster.
+def export_job(
+    cluster: str | None,
+    mode: str | None,
+    staleness: int | None,
+    shards: str | None = None,
+    elastic: str | None = None,
+) -> ClusterSpec:
+    """Puts the job into the environment ``psworker.connect()`` reads; returns the cluster as
+    this worker sees it (its shards, its id as the task index).
 
-    A spec without a task (Kubernetes: one spec for every pod) names this worker by
+    The shards come from ``shards``, $PS_SHARDS_FILE or the cluster spec; this worker's id and
+    the count from its launcher (``psworker.launchers``). A spec without a task (Kubernetes:
+    one spec for every pod) names this worker by another launcher, else by
     ``pswire.cluster.task_index_from_env`` ($PS_TASK_INDEX, $JOB_COMPLETION_INDEX); the
     exported TF_CONFIG then carries that task.
 
     Raises:
-        ValueError: no cluster anywhere, a malformed one, or one naming a non-worker task.
+        ValueError: no shards anywhere, a malformed spec, one naming a non-worker task,
+            launchers that disagree, or no worker id for a job of several.
     """
     text = cluster
     if text is not None and not text.strip().startswith("{"):
@@ -127,23 +156,52 @@ def export_job(cluster: str | None, mode: str | None, staleness: int | None) -> 
         if not path.is_file():
             raise ValueError(f"--cluster {text!r} is neither JSON nor a readable file")
         text = path.read_text()
-    spec = ClusterSpec.load(text, role="worker")
-    if spec is None:
-        raise ValueError("no cluster: pass --cluster (or $PS_CLUSTER) or set $TF_CONFIG")
-    if spec.task_type != "worker":
-        raise ValueError(f"the cluster spec names a {spec.task_type!r} task; psworker runs workers")
-    if not 0 <= spec.task_index < max(len(spec.workers), 1):
-        raise ValueError(
-            f"the cluster spec names worker {spec.task_index} but lists {len(spec.workers)}"
-        )
+    env = dict(os.environ)
     if text is not None:
-        # The JSON itself, not a path: TF-style code in the entry point reads it as JSON.
-        os.environ["TF_CONFIG"] = text
-    if not json.loads(text if text is not None else _tf_config_text()).get("task"):
-        # The index came from the environment; the entry point must see the same task.
-        os.environ["TF_CONFIG"] = spec.to_json()
-    os.environ["PS_WORKER_ID"] = str(spec.task_index)
-    os.environ["PS_NUM_WORKERS"] = str(len(spec.workers) or 1)
+        env["TF_CONFIG"] = text
+    if shards:
+        env["PS_SHARDS"] = shards
+    found = shard_addresses(None, env)
+    if found is None:
+        raise ValueError(
+            "no cluster: pass --shards (or $PS_SHARDS), $PS_SHARDS_FILE, or --cluster (or "
+            "$PS_CLUSTER) or set $TF_CONFIG"
+        )
+    bounds = parse_bounds(elastic, "--elastic") if elastic else None
+    identity = resolve_identity(None, None, env)
+    spec = ClusterSpec.load(text, role=None)
+    workers = identity.num_workers or 1
+    raw = (text if text is not None else _tf_config_text()) if spec is not None else "{}"
+    has_task = bool(json.loads(raw).get("task"))
+    if spec is not None and has_task:
+        if spec.task_type != "worker":
+            raise ValueError(
+                f"the cluster spec names a {spec.task_type!r} task; psworker runs workers"
+            )
+        if not 0 <= spec.task_index < max(len(spec.workers), 1):
+            raise ValueError(
+                f"the cluster spec names worker {spec.task_index} but lists {len(spec.workers)}"
+            )
+    several = workers > 1 or (bounds is not None and bounds[1] > 1)
+    if identity.worker_id is None and several:
+        raise ValueError(
+            "no worker id: set $PS_WORKER_ID or TF_CONFIG's task, or launch with torchrun, "
+            f"srun or a PyTorchJob ({identity.count_source or '--elastic'} says there are "
+            "several workers)"
+        )
+    worker = identity.worker_id or 0
+    if spec is not None:
+        spec = ClusterSpec(spec.ps, spec.workers, "worker", worker)
+        # The JSON itself, not a path: TF-style code in the entry point reads it as JSON, and
+        # it names this worker's task (derived, when the spec had none).
+        os.environ["TF_CONFIG"] = raw if has_task else spec.to_json()
+    else:
+        spec = ClusterSpec(tuple(found[0]), (), "worker", worker)
+    os.environ["PS_SHARDS"] = ",".join(found[0])
+    os.environ["PS_WORKER_ID"] = str(worker)
+    os.environ["PS_NUM_WORKERS"] = str(workers)
+    if bounds is not None:
+        os.environ["PS_ELASTIC"] = f"{bounds[0]}:{bounds[1]}"
     if mode is not None:
         os.environ["PS_MODE"] = mode
     if staleness is not None:

@@ -4,24 +4,36 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
+from types import MappingProxyType
 from typing import Any, NamedTuple
+
+_NONE: Mapping[int, int] = MappingProxyType({})
 
 
 class Clocks(NamedTuple):
     """What a rule may look at: optimizer updates applied and each worker's finished steps.
 
     Built several times per push, hence a tuple over the shard's live containers (read only,
-    under its lock) rather than copies."""
+    under its lock) rather than copies. The elastic fields keep their defaults in a job of
+    fixed size: every live worker is a member from step 0, and no join is pending."""
 
     updates: int
     finished: Mapping[int, int]  # worker id -> steps it has pushed
     live: AbstractSet[int]
+    joined: Mapping[int, int] = _NONE  # elastic: member -> the step it joined at
+    pending: Mapping[int, int] = _NONE  # elastic: prepared joins, worker -> their step
+    min_workers: int = 0  # elastic: no step opens with fewer members
+    opened: int = -1  # the newest step any worker has read or pushed at
 
     def min_live(self) -> int:
         return min((self.finished.get(w, 0) for w in self.live), default=0)
 
     def laggards(self, below: int) -> list[int]:
         return sorted(w for w in self.live if self.finished.get(w, 0) < below)
+
+    def members(self, step: int) -> list[int]:
+        """The live workers that train at ``step`` (joined at it or before)."""
+        return sorted(w for w in self.live if self.joined.get(w, 0) <= step)
 
 
 class ConsistencyPolicy:
@@ -53,6 +65,20 @@ class ConsistencyPolicy:
     def join_clock(self, clocks: Clocks, worker: int) -> int:
         """The step a worker (re)joining now resumes at."""
         return clocks.finished.get(worker, 0)
+
+    def admits(self, clocks: Clocks, step: int) -> bool:
+        """May ``step`` open (its first read or push)? An elastic job opens a step only with
+        at least its minimum of members and no join prepared for it; a step already open
+        runs to its end with the members that remain. Always True in a job of fixed size."""
+        if step <= clocks.opened:
+            return True
+        if step in clocks.pending.values():
+            return False
+        return len(clocks.members(step)) >= clocks.min_workers
+
+    def join_step(self, clocks: Clocks, worker: int) -> int:
+        """The earliest step an elastic join may take effect at now (see ``join_clock``)."""
+        return self.join_clock(clocks, worker)
 
     def durable_clock(self, updates: int, finished: int) -> int:
         """A worker's finished steps as a checkpoint taken now records them."""

@@ -1,5 +1,10 @@
 """Synchronous rule: one optimizer update per step from the average of every live worker's push.
 
+A step is averaged over the workers that were members when it opened (its first read or push),
+less any that leave or are dropped before pushing it. In an elastic job a worker joining while
+step t is open trains from step t + 1; one joining before t opens trains from t (the two-phase
+join in ``psserver/elastic.py`` makes every shard agree on which).
+
 The round's pushes are held under the shard's lock; the push that completes it averages them
 in worker order (so the result is bit-identical whatever order they arrived in, and a replayed
 round reproduces it exactly), and the shard applies once and advances its clock, which
@@ -36,7 +41,7 @@ class SyncPolicy(ConsistencyPolicy):
         return clocks.updates >= step
 
     def waiting_for(self, clocks: Clocks, step: int) -> str:
-        missing = sorted(clocks.live - self._pushes.keys())
+        missing = [w for w in clocks.members(clocks.updates) if w not in self._pushes]
         need = f"{self.quorum} pushes" if self.quorum else "every live worker's push"
         return (
             f"sync barrier: step {step} needs round {clocks.updates} complete ({need}); "
@@ -53,6 +58,10 @@ class SyncPolicy(ConsistencyPolicy):
 
     def join_clock(self, clocks: Clocks, worker: int) -> int:
         return max(clocks.finished.get(worker, 0), clocks.updates)
+
+    def join_step(self, clocks: Clocks, worker: int) -> int:
+        # The open step's members are fixed: a joiner waits for the next one.
+        return clocks.updates + (1 if clocks.opened >= clocks.updates else 0)
 
     def durable_clock(self, updates: int, finished: int) -> int:
         # Pushes into the open step are not in a checkpoint taken now.
@@ -72,12 +81,18 @@ class SyncPolicy(ConsistencyPolicy):
         return self._close_if_complete(clocks)
 
     def membership_changed(self, clocks: Clocks) -> Mapping[str, Any] | None:
-        return self._close_if_complete(clocks) if self._pushes else None
+        if self._pushes:
+            return self._close_if_complete(clocks)
+        if clocks.joined and clocks.live and not clocks.members(clocks.updates):
+            # Elastic: every member of the open step left before pushing it, and the members
+            # now joined after it: it can never close with a push, so it closes with none.
+            return {}
+        return None
 
     def _close_if_complete(self, clocks: Clocks) -> Mapping[str, Any] | None:
         pushed = self._pushes.keys()
         enough = self.quorum > 0 and len(pushed) >= self.quorum
-        if not (enough or clocks.live <= pushed):
+        if not (enough or self._all_pushed(clocks)):
             return None
         count = len(self._pushes)
         mean: dict[str, np.ndarray] = {}
@@ -114,6 +129,13 @@ class SyncPolicy(ConsistencyPolicy):
         self._pushes = {}
         self._owned = set()
         return update
+
+    def _all_pushed(self, clocks: Clocks) -> bool:
+        """Every member of the open step has pushed it (a job of fixed size: every live one)."""
+        pushed = self._pushes.keys()
+        if not clocks.joined:
+            return clocks.live <= pushed
+        return all(w in pushed for w in clocks.members(clocks.updates))
 
     def pending_bytes(self) -> int:
         return sum(g.nbytes for grads in self._pushes.values() for g in grads.values())

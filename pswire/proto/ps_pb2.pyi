@@ -11,6 +11,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -228,6 +229,8 @@ class JobSpec(_message.Message):
     QUORUM_FIELD_NUMBER: _builtins.int
     JOB_ID_FIELD_NUMBER: _builtins.int
     GROUPS_FIELD_NUMBER: _builtins.int
+    MIN_WORKERS_FIELD_NUMBER: _builtins.int
+    MAX_WORKERS_FIELD_NUMBER: _builtins.int
     mode: _builtins.str
     """"sync", "async" or "ssp" """
     staleness: _builtins.int
@@ -241,6 +244,12 @@ class JobSpec(_message.Message):
     """later ones (backup workers); 0 = every live worker
     the job's identity, fixed at its first init and kept in
     """
+    min_workers: _builtins.int
+    """An elastic job (max_workers > 0): workers join and leave while it runs (Join, Leave); it
+    trains only while it has at least min_workers members, never more than max_workers.
+    Worker ids are in [0, max_workers), and num_workers is max_workers.
+    """
+    max_workers: _builtins.int
     @_builtins.property
     def optimizer(self) -> Global___OptimizerSpec: ...
     @_builtins.property
@@ -266,10 +275,12 @@ class JobSpec(_message.Message):
         quorum: _builtins.int = ...,
         job_id: _builtins.str = ...,
         groups: _abc.Iterable[Global___OptimizerSpec] | None = ...,
+        min_workers: _builtins.int = ...,
+        max_workers: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["optimizer", b"optimizer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "job_id", b"job_id", "mode", b"mode", "model_digest", b"model_digest", "num_workers", b"num_workers", "optimizer", b"optimizer", "quorum", b"quorum", "staleness", b"staleness", "variables", b"variables"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "job_id", b"job_id", "max_workers", b"max_workers", "min_workers", b"min_workers", "mode", b"mode", "model_digest", b"model_digest", "num_workers", b"num_workers", "optimizer", b"optimizer", "quorum", b"quorum", "staleness", b"staleness", "variables", b"variables"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -991,6 +1002,11 @@ class StatusResponse(_message.Message):
     TABLES_FIELD_NUMBER: _builtins.int
     LEFT_WORKERS_FIELD_NUMBER: _builtins.int
     FAILURE_FIELD_NUMBER: _builtins.int
+    HISTORY_FIELD_NUMBER: _builtins.int
+    PENDING_WORKERS_FIELD_NUMBER: _builtins.int
+    JOINS_FIELD_NUMBER: _builtins.int
+    LEAVES_FIELD_NUMBER: _builtins.int
+    DROPS_FIELD_NUMBER: _builtins.int
     initialized: _builtins.bool
     clock: _builtins.int
     """sync: rounds applied; otherwise total pushes applied"""
@@ -1005,6 +1021,12 @@ class StatusResponse(_message.Message):
     checkpoint_age_s: _builtins.float
     failure: _builtins.str
     """set when the shard refused a step it could not apply (e.g. a"""
+    joins: _builtins.int
+    """elastic joins committed (and rejoins of a dropped worker)"""
+    leaves: _builtins.int
+    """clean leaves (the worker closed its client)"""
+    drops: _builtins.int
+    """members dropped for silence, or replaced by a new process"""
     @_builtins.property
     def job(self) -> Global___JobSpec: ...
     @_builtins.property
@@ -1016,6 +1038,16 @@ class StatusResponse(_message.Message):
     @_builtins.property
     def left_workers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """workers that left (closed their client) and are not back"""
+
+    @_builtins.property
+    def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___MembershipEvent]:
+        """non-finite averaged gradient): every later step fails with it
+        Who joined and left, newest last (at most the shard's last 1,000 events).
+        """
+
+    @_builtins.property
+    def pending_workers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """elastic: prepared joins not yet committed"""
 
     def __init__(
         self,
@@ -1035,14 +1067,224 @@ class StatusResponse(_message.Message):
         tables: _abc.Iterable[Global___TableStatus] | None = ...,
         left_workers: _abc.Iterable[_builtins.int] | None = ...,
         failure: _builtins.str = ...,
+        history: _abc.Iterable[Global___MembershipEvent] | None = ...,
+        pending_workers: _abc.Iterable[_builtins.int] | None = ...,
+        joins: _builtins.int = ...,
+        leaves: _builtins.int = ...,
+        drops: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_age_s", b"checkpoint_age_s", "checkpoint_step", b"checkpoint_step", "clock", b"clock", "failure", b"failure", "incarnation", b"incarnation", "initialized", b"initialized", "job", b"job", "left_workers", b"left_workers", "live_workers", b"live_workers", "pushes_applied", b"pushes_applied", "pushes_duplicate", b"pushes_duplicate", "pushes_late", b"pushes_late", "tables", b"tables", "total_bytes", b"total_bytes", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_age_s", b"checkpoint_age_s", "checkpoint_step", b"checkpoint_step", "clock", b"clock", "drops", b"drops", "failure", b"failure", "history", b"history", "incarnation", b"incarnation", "initialized", b"initialized", "job", b"job", "joins", b"joins", "leaves", b"leaves", "left_workers", b"left_workers", "live_workers", b"live_workers", "pending_workers", b"pending_workers", "pushes_applied", b"pushes_applied", "pushes_duplicate", b"pushes_duplicate", "pushes_late", b"pushes_late", "tables", b"tables", "total_bytes", b"total_bytes", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
+
+@_typing.final
+class MembershipEvent(_message.Message):
+    """One change of a job's membership, as a shard saw it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    SECONDS_AGO_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    """sync: the first step the change applies to"""
+    worker_id: _builtins.int
+    kind: _builtins.str
+    """"joined", "rejoined", "left", "dropped" or "replaced" """
+    seconds_ago: _builtins.float
+    @_builtins.property
+    def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """the members after the change"""
+
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        worker_id: _builtins.int = ...,
+        kind: _builtins.str = ...,
+        seconds_ago: _builtins.float = ...,
+        members: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "members", b"members", "seconds_ago", b"seconds_ago", "step", b"step", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MembershipEvent: _TypeAlias = MembershipEvent  # noqa: Y015
+
+@_typing.final
+class JoinRequest(_message.Message):
+    """An elastic join is two-phase, so that every shard counts a joining worker from the same
+    step: PROPOSE asks each shard from which step it could join; PREPARE(step) on every shard
+    holds that step's round from opening (no read or push at it) until COMMIT(step) makes the
+    worker a member from it, or ABORT. A shard refuses PREPARE at a step it has opened already
+    and says which it could take instead (the worker prepares that one everywhere).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Phase:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _PhaseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[JoinRequest._Phase.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        PROPOSE: JoinRequest._Phase.ValueType  # 0
+        PREPARE: JoinRequest._Phase.ValueType  # 1
+        COMMIT: JoinRequest._Phase.ValueType  # 2
+        ABORT: JoinRequest._Phase.ValueType  # 3
+
+    class Phase(_Phase, metaclass=_PhaseEnumTypeWrapper): ...
+    PROPOSE: JoinRequest.Phase.ValueType  # 0
+    PREPARE: JoinRequest.Phase.ValueType  # 1
+    COMMIT: JoinRequest.Phase.ValueType  # 2
+    ABORT: JoinRequest.Phase.ValueType  # 3
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.int
+    session: _builtins.str
+    phase: Global___JoinRequest.Phase.ValueType
+    step: _builtins.int
+    """PREPARE, COMMIT: the step the worker joins at"""
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.int = ...,
+        session: _builtins.str = ...,
+        phase: Global___JoinRequest.Phase.ValueType = ...,
+        step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["phase", b"phase", "session", b"session", "step", b"step", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinRequest: _TypeAlias = JoinRequest  # noqa: Y015
+
+@_typing.final
+class JoinResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCEPTED_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    accepted: _builtins.bool
+    """PREPARE: false when `step` is too early here"""
+    step: _builtins.int
+    """PROPOSE, refused PREPARE: the earliest step this shard takes"""
+    @_builtins.property
+    def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """COMMIT: the members after the join"""
+
+    def __init__(
+        self,
+        *,
+        accepted: _builtins.bool = ...,
+        step: _builtins.int = ...,
+        members: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "members", b"members", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinResponse: _TypeAlias = JoinResponse  # noqa: Y015
+
+@_typing.final
+class ListMembersRequest(_message.Message):
+    """The members of an elastic job's round `step` (sync: as it opened; waits, like a pull at
+    `step`, until it may be read), and every round at which the members changed before it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.int
+    step: _builtins.int
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.int = ...,
+        step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["step", b"step", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListMembersRequest: _TypeAlias = ListMembersRequest  # noqa: Y015
+
+@_typing.final
+class Roster(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    """from this step on ..."""
+    @_builtins.property
+    def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """... these workers train (until the next roster)"""
+
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        members: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["members", b"members", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Roster: _TypeAlias = Roster  # noqa: Y015
+
+@_typing.final
+class ListMembersResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    ROSTERS_FIELD_NUMBER: _builtins.int
+    MIN_WORKERS_FIELD_NUMBER: _builtins.int
+    MAX_WORKERS_FIELD_NUMBER: _builtins.int
+    min_workers: _builtins.int
+    max_workers: _builtins.int
+    @_builtins.property
+    def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def rosters(self) -> _containers.RepeatedCompositeFieldContainer[Global___Roster]:
+        """oldest first; the last one holds at `step`"""
+
+    def __init__(
+        self,
+        *,
+        members: _abc.Iterable[_builtins.int] | None = ...,
+        rosters: _abc.Iterable[Global___Roster] | None = ...,
+        min_workers: _builtins.int = ...,
+        max_workers: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_workers", b"max_workers", "members", b"members", "min_workers", b"min_workers", "rosters", b"rosters"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListMembersResponse: _TypeAlias = ListMembersResponse  # noqa: Y015
 
 @_typing.final
 class TableStatus(_message.Message):

@@ -94,6 +94,16 @@ class ParameterServerStub:
                 request_serializer=pswire_dot_proto_dot_ps__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=pswire_dot_proto_dot_ps__pb2.LeaveResponse.FromString,
                 _registered_method=True)
+        self.Join = channel.unary_unary(
+                '/pswire.v1.ParameterServer/Join',
+                request_serializer=pswire_dot_proto_dot_ps__pb2.JoinRequest.SerializeToString,
+                response_deserializer=pswire_dot_proto_dot_ps__pb2.JoinResponse.FromString,
+                _registered_method=True)
+        self.ListMembers = channel.unary_unary(
+                '/pswire.v1.ParameterServer/ListMembers',
+                request_serializer=pswire_dot_proto_dot_ps__pb2.ListMembersRequest.SerializeToString,
+                response_deserializer=pswire_dot_proto_dot_ps__pb2.ListMembersResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -177,6 +187,18 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Join(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListMembers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -239,6 +261,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=pswire_dot_proto_dot_ps__pb2.LeaveRequest.FromString,
                     response_serializer=pswire_dot_proto_dot_ps__pb2.LeaveResponse.SerializeToString,
+            ),
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=pswire_dot_proto_dot_ps__pb2.JoinRequest.FromString,
+                    response_serializer=pswire_dot_proto_dot_ps__pb2.JoinResponse.SerializeToString,
+            ),
+            'ListMembers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListMembers,
+                    request_deserializer=pswire_dot_proto_dot_ps__pb2.ListMembersRequest.FromString,
+                    response_serializer=pswire_dot_proto_dot_ps__pb2.ListMembersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -565,6 +597,60 @@ class ParameterServer:
             '/pswire.v1.ParameterServer/Leave',
             pswire_dot_proto_dot_ps__pb2.LeaveRequest.SerializeToString,
             pswire_dot_proto_dot_ps__pb2.LeaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pswire.v1.ParameterServer/Join',
+            pswire_dot_proto_dot_ps__pb2.JoinRequest.SerializeToString,
+            pswire_dot_proto_dot_ps__pb2.JoinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListMembers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pswire.v1.ParameterServer/ListMembers',
+            pswire_dot_proto_dot_ps__pb2.ListMembersRequest.SerializeToString,
+            pswire_dot_proto_dot_ps__pb2.ListMembersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -55,6 +55,8 @@ class ParameterServerStub:
     Status: _grpc.UnaryUnaryMultiCallable[_ps_pb2.StatusRequest, _ps_pb2.StatusResponse]
     Checkpoint: _grpc.UnaryUnaryMultiCallable[_ps_pb2.CheckpointRequest, _ps_pb2.CheckpointResponse]
     Leave: _grpc.UnaryUnaryMultiCallable[_ps_pb2.LeaveRequest, _ps_pb2.LeaveResponse]
+    Join: _grpc.UnaryUnaryMultiCallable[_ps_pb2.JoinRequest, _ps_pb2.JoinResponse]
+    ListMembers: _grpc.UnaryUnaryMultiCallable[_ps_pb2.ListMembersRequest, _ps_pb2.ListMembersResponse]
 
 @_typing.type_check_only
 class ParameterServerAsyncStub(ParameterServerStub):
@@ -79,6 +81,8 @@ class ParameterServerAsyncStub(ParameterServerStub):
     Status: _aio.UnaryUnaryMultiCallable[_ps_pb2.StatusRequest, _ps_pb2.StatusResponse]  # type: ignore[assignment]
     Checkpoint: _aio.UnaryUnaryMultiCallable[_ps_pb2.CheckpointRequest, _ps_pb2.CheckpointResponse]  # type: ignore[assignment]
     Leave: _aio.UnaryUnaryMultiCallable[_ps_pb2.LeaveRequest, _ps_pb2.LeaveResponse]  # type: ignore[assignment]
+    Join: _aio.UnaryUnaryMultiCallable[_ps_pb2.JoinRequest, _ps_pb2.JoinResponse]  # type: ignore[assignment]
+    ListMembers: _aio.UnaryUnaryMultiCallable[_ps_pb2.ListMembersRequest, _ps_pb2.ListMembersResponse]  # type: ignore[assignment]
 
 class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -172,5 +176,19 @@ class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
         request: _ps_pb2.LeaveRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_ps_pb2.LeaveResponse, _abc.Awaitable[_ps_pb2.LeaveResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Join(
+        self,
+        request: _ps_pb2.JoinRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ps_pb2.JoinResponse, _abc.Awaitable[_ps_pb2.JoinResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListMembers(
+        self,
+        request: _ps_pb2.ListMembersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ps_pb2.ListMembersResponse, _abc.Awaitable[_ps_pb2.ListMembersResponse]]: ...
 
 def add_ParameterServerServicer_to_server(servicer: ParameterServerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -551,9 +551,10 @@ def state_of(server: RunningServer) -> dict[str, Any]:
     fields = {
         f.name: getattr(status, f.name)
         for f in dataclasses.fields(status)
-        if f.name not in ("workers", "checkpoint_age_s")
+        if f.name not in ("workers", "checkpoint_age_s", "history")
     }
     fields["workers"] = {w: clock for w, (clock, _age) in status.workers.items()}
+    fields["history"] = [event for event, _ago in status.history]
     fields["variables"] = {k: v.tobytes() for k, v in server.shard.snapshot().items()}
     return fields
 
