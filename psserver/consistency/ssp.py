@@ -30,8 +30,16 @@ class StalenessPolicy(ConsistencyPolicy):
         )
 
     def join_clock(self, clocks: Clocks, worker: int) -> int:
-        # A (re)joining worker starts level with the slowest of the others, so it neither
-        # blocks them nor runs ahead of the bound.
-        others = [clocks.finished.get(w, 0) for w in clocks.live if w != worker]
+        # A worker registering for the first time in a job of fixed size starts at its own
+        # step 0: it is credited with no step it never ran (the others wait for it within the
+        # bound, as ssp means). A returning one (dropped, restarted) starts level with the
+        # slowest of the others, so it neither blocks them nor runs ahead of the bound.
+        if worker not in clocks.finished:
+            return 0
+        return self.join_step(clocks, worker)
+
+    def join_step(self, clocks: Clocks, worker: int) -> int:
+        # An elastic joiner counts from its join: level with the slowest member.
         mine = clocks.finished.get(worker, 0)
+        others = [clocks.finished.get(w, 0) for w in clocks.live if w != worker]
         return max(mine, min(others)) if others else mine

@@ -21,6 +21,7 @@ from pswire.errors import (
     StepRefusedError,
     TooLargeError,
     UnavailableError,
+    WaitTimeoutError,
 )
 from pswire.job import Job, VarSpec
 from pswire.optim import SGD
@@ -305,3 +306,20 @@ def test_a_pause_just_under_the_timeout_does_not_drop_a_live_worker():
         clock.now += 5
         shard.heartbeat(0)
     assert shard.expire_silent() == [1]
+
+
+def test_a_worker_registering_late_in_ssp_is_credited_with_no_step_it_never_ran():
+    shard = Shard(Limits(max_wait_s=1), clock=Clock())
+    shard.init(0, job("ssp", 2, staleness=1), VALUES)
+    shard.register_worker(0, 2)
+    for step in range(2):
+        shard.push(0, step, grad(1.0))
+    # Worker 1 first registers now: it starts at 0, and worker 0 waits for it at the gate.
+    assert shard.register_worker(1, 2).clock == 0
+    with pytest.raises(WaitTimeoutError):
+        shard.pull(0, 3, timeout=0.2)
+    shard.push(1, 0, grad(1.0))
+    shard.push(1, 1, grad(1.0))
+    assert shard.pull(0, 3, timeout=0.5)[1] == 4
+    # A worker that comes back (it had registered before) resumes level with the others.
+    assert shard.register_worker(1, 2).clock == 2
