@@ -44,6 +44,7 @@ from psworker.session import (
     Heartbeats,
     JobIdentity,
     LinkConfig,
+    leave_at_exit,
 )
 
 T = TypeVar("T")
@@ -124,6 +125,7 @@ class PSClient(ClientState):
         self._fan = FanOut(len(self.addresses))
         self._beats = Heartbeats(self.links, heartbeat_s, worker_id, self.session)
         self._closed = False
+        leave_at_exit(self)
 
     # -- lifecycle --------------------------------------------------------------------------
 

@@ -10,11 +10,8 @@ and end at their deadline with an error naming who is missing.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import functools
 import logging
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -78,9 +75,6 @@ class ElasticPSClient(PSClient):
         super().__init__(addresses, worker_id, max_workers, **options)
         self.min_workers, self.max_workers = min_workers, max_workers
         self.joined_at: int | None = None
-        # A script that ends without close() still leaves: the others need not wait for the
-        # shards' heartbeat timeout to go on without it.
-        atexit.register(_leave_at_exit, weakref.ref(self))
 
     def init(
         self,
@@ -174,15 +168,3 @@ class ElasticPSClient(PSClient):
             if phase == Phase.ABORT:
                 return ps_pb2.JoinResponse()  # best effort: the shard drops it when silent
             raise
-
-
-def _leave_at_exit(ref: weakref.ref[ElasticPSClient]) -> None:
-    """Leaves the job at interpreter exit, one shard after another (the thread pools that
-    ``close()`` fans out on are shut down by then)."""
-    client = ref()
-    if client is None or client._closed or client.shard_map is None:
-        return
-    for link in client.links:
-        link.leave()
-    with contextlib.suppress(PSError):
-        client.close()

@@ -3,15 +3,18 @@ its heartbeats, and which workers the shards say are absent."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
 
-from pswire.errors import ModelMismatchError
+from pswire.errors import ModelMismatchError, PSError
 from pswire.proto import ps_pb2
 
 log = logging.getLogger(__name__)
@@ -21,6 +24,7 @@ log = logging.getLogger(__name__)
 DEFAULT_REPLAY_BYTES = 64 << 20
 
 if TYPE_CHECKING:
+    from psworker.client import PSClient
     from psworker.link import ShardLink
 
 
@@ -118,3 +122,20 @@ class AbsentWorkers:
         if self.current - absent:
             log.info("workers %s are back in the quorum", sorted(self.current - absent))
         self.current = absent
+
+
+def leave_at_exit(client: PSClient) -> None:
+    """Makes ``client`` leave the job at interpreter exit if the script never closed it: the
+    others need not wait out the shards' heartbeat timeout to go on without this worker."""
+    atexit.register(_leave, weakref.ref(client))
+
+
+def _leave(ref: weakref.ref[PSClient]) -> None:
+    # One shard after another: the thread pools that close() fans out on are shut down by now.
+    client = ref()
+    if client is None or client._closed or client.shard_map is None:
+        return
+    for link in client.links:
+        link.leave()
+    with contextlib.suppress(PSError):
+        client.close()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import gc
 import logging
+import subprocess
+import sys
 import time
 import types
 from pathlib import Path
@@ -221,6 +223,30 @@ def test_in_ssp_the_last_worker_does_not_wait_for_one_that_finished(shards):
             late.push_pull(ones())
         assert time.monotonic() - start < 10  # it used to wait out the heartbeat timeout
     assert server.shard.status().left == {0, 1}
+
+
+def test_a_worker_process_that_exits_without_close_leaves_the_job(shards):
+    (server,) = shards(1, Limits(max_wait_s=60, heartbeat_timeout_s=60))
+    script = (
+        "import sys, numpy as np, psworker\n"
+        "from pswire.optim import SGD\n"
+        "c = psworker.connect([sys.argv[1]], worker_id=1, num_workers=2, mode='ssp', staleness=1)\n"
+        "c.init({'w': np.zeros(4, np.float32)}, SGD(lr=0.1))\n"
+        "c.push_pull({'w': np.ones(4, np.float32)})\n"  # no close(): the script just ends
+    )
+    with psworker.connect(
+        [server.address], worker_id=0, num_workers=2, mode="ssp", staleness=1
+    ) as first:
+        first.init({"w": np.zeros(4, np.float32)}, SGD(lr=0.1))
+        done = subprocess.run(
+            [sys.executable, "-c", script, server.address], timeout=60, capture_output=True
+        )
+        assert done.returncode == 0, done.stderr.decode()
+        assert server.shard.status().left == {1}  # said at exit, not found by a timeout
+        start = time.monotonic()
+        for _ in range(4):  # beyond worker 1's step + staleness: ssp would gate on it
+            first.push_pull({"w": np.ones(4, np.float32)})
+        assert time.monotonic() - start < 10
 
 
 # -- items 12, 13, 14, 15 --------------------------------------------------------------------
