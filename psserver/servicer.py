@@ -29,8 +29,10 @@ from pswire.wiremsg import encode_chunk_messages, varint_field
 DEADLINE_MARGIN_S = 0.25
 
 
-def _row_query(request: ps_pb2.PullRequest) -> list[tuple[str, np.ndarray]]:
-    """(table, ids) pairs of a pull; ids decoded without a copy.
+def _row_query(
+    request: ps_pb2.PullRequest | ps_pb2.PushPullRequest,
+) -> list[tuple[str, np.ndarray]]:
+    """(table, ids) pairs of a pull (or a PushPull's read); ids decoded without a copy.
 
     Raises:
         InvalidRequestError: ids that are not whole int64s.
@@ -255,6 +257,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             session=header.session,
             cancelled=cancelled,
             options=header_options(header),
+            rows=_row_query(request),
         )
         pushed = self._push_response(result)
         return ps_pb2.PushPullResponse(push=pushed, chunks=chunks, clock=clock)

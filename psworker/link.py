@@ -231,9 +231,11 @@ class ShardLink:
         pieces: Mapping[str, np.ndarray | RowSparse],
         into: Mapping[str, np.ndarray] | None = None,
         options: StepOptions | None = None,
+        rows: Sequence[ps_pb2.RowQuery] = (),
     ) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
         """One step as one message each way on the open step stream: the push, then the
-        weights for the step after it (decoded into ``into``'s arrays where given).
+        weights (and the table ``rows`` asked) for the step after it (decoded into ``into``'s
+        arrays where given).
 
         Raises:
             PSError: the call failed (after retries through UNAVAILABLE).
@@ -245,6 +247,7 @@ class ShardLink:
             fused = push_pull_request(
                 self.worker_id, step, pieces, self.incarnation, self.config.session, options
             )
+            fused.rows.extend(rows)
             reply = self.steps.step(fused, self.timeout)
             assembler = ChunkAssembler(into=into)
             for chunk in reply.chunks:
