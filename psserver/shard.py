@@ -379,7 +379,7 @@ class Shard(Roster, Reports, OptimizerSide):
         """
         optimizers, skip = self._steps.pop(self._updates)
         try:
-            self._state.apply(self._require_job(), update, optimizers, skip)
+            self._state.apply(self._require_job(), update, optimizers, skip, summed=sync_round)
         except StepRefusedError as exc:
             if sync_round:
                 self._failure = (

@@ -66,13 +66,16 @@ class Variables:
         update: Mapping[str, Any],
         optimizers: tuple[Optimizer, ...] | None = None,
         skip: bool = False,
+        summed: bool = True,
     ) -> None:
         """One optimizer step with ``update`` (gradients by key; rows for tables).
 
         ``optimizers``: each parameter group's for this update (``Job.step_optimizers``);
         None: as the job started. ``skip``: no optimizer step (a GradScaler found inf/NaN);
         buffers still take their values. A buffer (e.g. BatchNorm running stats) takes the
-        pushed values (averaged over the round in sync mode) with no optimizer.
+        pushed values (averaged over the round in sync mode) with no optimizer. ``summed``:
+        the update sums several pushes (sync), so a table's rows may have overflowed; False:
+        it is one push, whose rows were checked as it arrived.
 
         Nothing non-finite is ever stored: an update whose gradient is not finite (a sum that
         overflowed) is refused before anything changes; one whose inputs are large enough that
@@ -87,6 +90,8 @@ class Variables:
         groups = optimizers or job.optimizers
         specs = job.specs
         for key, grad in update.items():
+            if isinstance(grad, RowSparse) and not summed:
+                continue  # one push's rows, checked as it arrived; the result is checked too
             values = grad.values if isinstance(grad, RowSparse) else grad
             if values.dtype.kind == "f" and not all_finite(values):
                 raise StepRefusedError(

@@ -391,4 +391,5 @@ def _row_ids(name: str, raw: bytes | memoryview, shape: tuple[int, ...]) -> np.n
             f"table '{name}': {len(raw)} bytes of row ids for rows of shape {shape}; expected "
             "a 2-d tensor and 8 bytes (one int64 id) per row"
         )
-    return np.frombuffer(raw, dtype="<i8")
+    ids = np.frombuffer(raw, dtype="<i8")
+    return ids if ids.flags.aligned else ids.copy()  # 8 bytes a row: cheap, and sorts faster

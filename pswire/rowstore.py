@@ -163,14 +163,15 @@ class RowStore:
 
     def _locate(self, ids: np.ndarray) -> np.ndarray:
         if self._index is None:
-            rows = ids - self.spec.row_start
+            rows = ids - self.spec.row_start if self.spec.row_start else ids
             if len(rows) and (rows.min() < 0 or rows.max() >= self.spec.local_rows):
                 raise InvalidRequestError(
                     f"table '{self.spec.key}': ids outside [{self.spec.row_start}, "
                     f"{self.spec.row_end}) reached its rows"
                 )
-            first = np.unique(rows[~self._made[rows]])
-            if len(first):  # first touch: draw the rows, start their optimizer state
+            made = self._made[rows]
+            if not made.all():  # first touch: draw the rows, start their optimizer state
+                first = np.unique(rows[~made])
                 self._start(first, first + self.spec.row_start)
                 self._made[first] = True
             return rows

@@ -12,6 +12,7 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
+from pswire import stepmsg
 from pswire.codec import ChunkAssembler
 from pswire.errors import (
     ClientClosedError,
@@ -22,13 +23,13 @@ from pswire.errors import (
 )
 from pswire.optim import StepOptions
 from pswire.proto import ps_pb2
-from pswire.push import push_pull_request, push_stream
+from pswire.push import push_header, push_stream
 from pswire.rpc_errors import from_rpc_error
 from pswire.security import ClientSecurity
 from pswire.stubs import ParameterServerStub
 from pswire.tables import RowSparse
 from psworker.session import JobIdentity, LinkConfig
-from psworker.stepstream import StepStream
+from psworker.stepstream import StepStream, step_timeout_ms
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -244,10 +245,10 @@ class ShardLink:
 
         def run(_: ParameterServerStub) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
             # Built per attempt: a retry after a restart carries the new incarnation.
-            fused = push_pull_request(
-                self.worker_id, step, pieces, self.incarnation, self.config.session, options
+            header = push_header(
+                self.worker_id, step, self.incarnation, options, self.config.session
             )
-            fused.rows.extend(rows)
+            fused = stepmsg.request(header, pieces, rows, step_timeout_ms(self.timeout))
             reply = self.steps.step(fused, self.timeout)
             assembler = ChunkAssembler(into=into)
             for chunk in reply.chunks:

@@ -136,9 +136,12 @@ def split_rows(
     if values.dtype.kind == "f" and not all_finite(values):
         raise InvalidRequestError(f"table '{table}': push sent rows with NaN or Inf values")
     values = compress(values, compression)
+    if layout.num_shards == 1:
+        return [RowSparse(ids, values) if len(ids) else None]
     owner = layout.shard_of(ids)
     parts: list[RowSparse | None] = []
     for shard in range(layout.num_shards):
-        mask = owner == shard
-        parts.append(RowSparse(ids[mask], values[mask]) if mask.any() else None)
+        where = np.flatnonzero(owner == shard)
+        rows = np.take(values, where, axis=0, mode="clip")  # positions: in range
+        parts.append(RowSparse(ids[where], rows) if len(where) else None)
     return parts
