@@ -96,9 +96,10 @@ class Phases:
 
 
 def batches(cfg: Config, count: int = BATCHES) -> list[np.ndarray]:
-    """``count`` batches of ``cfg.batch`` distinct random ids, drawn before any timing."""
+    """``count`` batches of ``cfg.batch`` distinct random ids, drawn before any timing, sorted
+    as ``Embedding`` sends them (its forward asks for ``np.unique`` of the batch)."""
     rng = np.random.default_rng(0)
-    return [rng.choice(cfg.num_rows, cfg.batch, replace=False) for _ in range(count)]
+    return [np.sort(rng.choice(cfg.num_rows, cfg.batch, replace=False)) for _ in range(count)]
 
 
 def connect(addresses: list[str], stack: contextlib.ExitStack) -> psworker.PSClient:
@@ -346,7 +347,8 @@ def measure(
             "pulls the whole table (what a worker without sparse support must do).",
             f"ms: median over rounds of the mean step in a round ({WARMUP} warm-up round "
             f"untimed); peer/ours: {PEER}'s median over ours, same group and shard count "
-            "(>1: ours faster). Batches of distinct random ids, the same for every system. "
+            "(>1: ours faster). Batches of distinct random ids, sorted as Embedding sends "
+            "them, the same for every system. "
             f"1-minute load average after each group: {', '.join(f'{x:.1f}' for x in loads)}.",
         ],
         ratios=ratios,

@@ -103,7 +103,8 @@ class Variables:
             for k, g in update.items()
             if not skip and not isinstance(g, RowSparse) and not specs[k].average
         ]
-        backup = self._backup(trained) if self._risky(groups, update, trained) else None
+        risky = bool(trained) and self._risky(groups, update, trained)  # tables: never backed up
+        backup = self._backup(trained) if risky else None
         refused: list[str] = []  # tables: a non-finite result is never written
         with np.errstate(over="ignore", invalid="ignore"):  # non-finite results: see below
             for key, grad in update.items():

@@ -171,7 +171,7 @@ def check_rows(spec: TableSlice, ids: np.ndarray, values: np.ndarray | None, wha
                     f"{where}: {what} touches {distinct} rows, over this shard's capacity of "
                     f"{spec.capacity}"
                 )
-    elif len(ids):
+    elif len(ids) and (ids.min() < spec.row_start or ids.max() >= spec.row_end):
         bad = (ids < spec.row_start) | (ids >= spec.row_end)
         if bad.any():
             raise InvalidRequestError(

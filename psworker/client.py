@@ -6,6 +6,7 @@ import hashlib
 import logging
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 from typing import TypeVar
 
 import grpc
@@ -330,29 +331,36 @@ class PSClient(ClientState, TableReads):
         into = shard_map.destinations(wanted, out)
         pull_bytes = shard_map.shard_bytes()
 
-        def one(shard: int) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
-            link = self.links[shard]
+        plans = []  # each shard's (row reads, where its reply goes, whether one message fits)
+        for shard in range(len(self.links)):
             queries = [q for r in reads.values() if (q := r.query(shard)) is not None]
-            targets = into_with_rows(into, reads, shard)
             row_bytes = sum(r.nbytes(shard) for r in reads.values())
             push_bytes = sum(p.nbytes for p in pieces[shard].values())
-            if max(push_bytes, pull_bytes[shard] + row_bytes) <= self.chunk_bytes:
-                pushed, arrays = link.push_pull(step, pieces[shard], targets, options, queries)
-            else:  # Too big for one message each way: stream the push, then the pull.
-                pushed = link.push(step, pieces[shard], options)
-                after = max(self.step, int(pushed.next_step))
-                request = ps_pb2.PullRequest(
-                    worker_id=self.worker_id,
-                    step=after,
-                    names=keys_by_shard[shard] if queries else (),
-                    rows=queries,
-                )
-                arrays = link.pull(request, targets)
-                pushed.skipped = pushed.skipped or link.pull_skipped
-            place_rows(reads, shard, arrays, link.where("PushPull"))
-            return pushed, arrays
+            fits = max(push_bytes, pull_bytes[shard] + row_bytes) <= self.chunk_bytes
+            plans.append((queries, into_with_rows(into, reads, shard), fits))
 
-        results = self._push_all(step, one)
+        def start(shard: int) -> Callable[[], tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]]:
+            link, (queries, targets, fits) = self.links[shard], plans[shard]
+            if fits:
+                finish = link.start_push_pull(step, pieces[shard], targets, options, queries)
+            else:  # Too big for one message each way: stream the push, then the pull.
+                names = keys_by_shard[shard] if queries else []
+                pull = ps_pb2.PullRequest(
+                    worker_id=self.worker_id, step=self.step, names=names, rows=queries
+                )
+                finish = partial(link.push_then_pull, step, pieces[shard], options, pull, targets)
+
+            def done() -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
+                pushed, arrays = finish()
+                place_rows(reads, shard, arrays, link.where("PushPull"))
+                return pushed, arrays
+
+            return done
+
+        if all(fits for *_, fits in plans):  # every shard sent its part before any is awaited
+            results = self._settled(step, *self._fan.settle_started(start))
+        else:
+            results = self._push_all(step, lambda shard: start(shard)())
         self._pushed(step, [r for r, _ in results])
         self.last_skipped = any(r.skipped for r, _ in results) or bool(options and options.skip)
         merged: dict[str, np.ndarray] = {}
@@ -453,12 +461,15 @@ class PSClient(ClientState, TableReads):
         return self.shard_map
 
     def _push_all(self, step: int, fn: Callable[[int], T]) -> list[T]:
-        """``fn`` on every shard, all run to the end; see ``fanout.partial_failure``.
+        """``fn`` on every shard, all run to the end; see ``_settled``."""
+        return self._settled(step, *self._fan.settle(fn))
+
+    def _settled(self, step: int, done: list[T], failed: list[tuple[int, Exception]]) -> list[T]:
+        """Every shard's result, or the failure to raise; see ``fanout.partial_failure``.
 
         Raises:
             PSError: the first shard's error.
         """
-        done, failed = self._fan.settle(fn)
         if not failed:
             return done
         partial = partial_failure(step, failed, len(self.links))

@@ -45,6 +45,27 @@ class FanOut:
         failed = [(s, value) for s, (ok, value) in enumerate(outcomes) if not ok]
         return done, failed  # type: ignore[return-value]
 
+    def settle_started(
+        self, start: Callable[[int], Callable[[], T]]
+    ) -> tuple[list[T], list[tuple[int, Exception]]]:
+        """As ``settle``, for calls in two halves: ``start(shard)`` sends and returns what
+        waits for the reply. Every shard is started, then each waited for in shard order, all
+        in the calling thread: the shards work at once with no thread hand-off."""
+        started: list[tuple[int, Callable[[], T]]] = []
+        failed: list[tuple[int, Exception]] = []
+        for shard in range(self.shards):
+            try:
+                started.append((shard, start(shard)))
+            except Exception as exc:
+                failed.append((shard, exc))
+        done: list[T] = []
+        for shard, finish in started:
+            try:
+                done.append(finish())
+            except Exception as exc:
+                failed.append((shard, exc))
+        return done, sorted(failed, key=lambda f: f[0])
+
     def _submit(self, fn: Callable[[int], T]) -> list[Future[T]]:
         """Shards 1.. submitted to the pool."""
         try:

@@ -61,21 +61,47 @@ class StepStream:
             WaitTimeoutError: no reply within ``timeout`` seconds.
             UnavailableError: the shard ended the call without an answer.
         """
+        self.send(request, timeout)
+        return self.receive(request, timeout)
+
+    def send(self, request: ps_pb2.PushPullRequest | bytes, timeout: float) -> None:
+        """``step``'s first half: sends the request. The stream is this step's until
+        ``receive`` (which must follow) returns or raises.
+
+        Raises:
+            grpc.RpcError: the call could not be opened.
+        """
         if not isinstance(request, bytes):
             request.timeout_ms = step_timeout_ms(timeout)
-        with self._lock:
+        self._lock.acquire()
+        try:
             if self._call is not None and time.monotonic() - self._last > IDLE_REOPEN_S:
                 self._end()
+            self._put(request, timeout)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def receive(self, request: ps_pb2.PushPullRequest | bytes, timeout: float) -> Any:
+        """``step``'s second half: the reply to the request ``send`` sent.
+
+        Raises:
+            as ``step``.
+        """
+        try:
             try:
-                return self._send(request, timeout)
+                return self._reply(timeout)
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.CANCELLED:
                     raise
                 # The shard cancelled the call as idle just as this step went out: the step is
                 # sent again on a new call (a push it had taken is acknowledged as a retry).
-                return self._send(request, timeout)
+                self._put(request, timeout)
+                return self._reply(timeout)
+        finally:
+            self._lock.release()
 
-    def _send(self, request: ps_pb2.PushPullRequest | bytes, timeout: float) -> Any:
+    def _put(self, request: ps_pb2.PushPullRequest | bytes, timeout: float) -> None:
         if self._call is None:
             self._open()
         assert self._requests is not None
@@ -83,6 +109,8 @@ class StepStream:
         self._steps += 1
         self._requests.put(request)
         _WATCHDOG.watch(self, time.monotonic() + timeout, self._steps)
+
+    def _reply(self, timeout: float) -> Any:
         try:
             reply = next(self._call)
             self._last = time.monotonic()
