@@ -335,7 +335,11 @@ class PSClient(ClientState, TableReads):
         for shard in range(len(self.links)):
             queries = [q for r in reads.values() if (q := r.query(shard)) is not None]
             row_bytes = sum(r.nbytes(shard) for r in reads.values())
-            push_bytes = sum(p.nbytes for p in pieces[shard].values())
+            # A table's ids ride along uncounted: 4096 rows of dim 256 are still one message.
+            push_bytes = sum(
+                p.values.nbytes if isinstance(p, RowSparse) else p.nbytes
+                for p in pieces[shard].values()
+            )
             fits = max(push_bytes, pull_bytes[shard] + row_bytes) <= self.chunk_bytes
             plans.append((queries, into_with_rows(into, reads, shard), fits))
 
