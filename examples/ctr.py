@@ -9,9 +9,10 @@ prints both.
 The model is a factorization machine over one embedding table indexed by feature hashes
 (``hash(field, value)``, the hashing trick): by default 2**26 hash buckets of 9 floats, 2.25 GiB
 of rows plus as much again of Adagrad state, which live only on the shards; each step moves
-only the batch's rows. ``--table-rows 0`` makes the table dynamic instead: any 64-bit hash is
-an id and the shards make a row the first time a worker touches it. As a parameter-server job
-(``psctl status`` shows the table per shard meanwhile)::
+only the batch's rows, and the next batch's rows come back with the step's push
+(``Embedding.prefetch``): one round trip per shard per step. ``--table-rows 0`` makes the table
+dynamic instead: any 64-bit hash is an id and the shards make a row the first time a worker
+touches it. As a parameter-server job (``psctl status`` shows the table per shard meanwhile)::
 
     psctl local --servers 2 --workers 2 -- python examples/ctr.py
 
@@ -23,6 +24,7 @@ Alone it trains in one process (``mode local``), which then holds the whole tabl
 from __future__ import annotations
 
 import argparse
+import time
 
 import numpy as np
 import torch
@@ -109,6 +111,12 @@ def main() -> None:
     parser.add_argument(
         "--table-rows", type=int, default=1 << 26, help="hash buckets; 0: a dynamic table"
     )
+    parser.add_argument(
+        "--no-prefetch",
+        dest="prefetch",
+        action="store_false",
+        help="pull each batch's rows in its forward, not with the step before",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)  # copies of this script share the machine's cores
@@ -128,17 +136,27 @@ def main() -> None:
     opt = DistributedOptimizer(model, client, psworker.Adagrad(lr=args.lr))
     loss_fn = torch.nn.BCEWithLogitsLoss()
     for epoch in range(args.epochs):
-        for ids, clicks in psworker.shard(loader, client):
+        started, samples = time.perf_counter(), 0
+        batches = iter(psworker.shard(loader, client))
+        batch = next(batches, None)
+        while batch is not None:
+            ids, clicks = batch
+            batch = next(batches, None)  # the loader knows the next batch's ids: its rows
+            if batch is not None and args.prefetch:  # come back with this step's push
+                model.features.prefetch(batch[0])
             opt.zero_grad()
             loss = loss_fn(model(ids), clicks)
             loss.backward()
             opt.step()
+            samples += len(ids)
+        rate = samples / (time.perf_counter() - started)
         with torch.no_grad():
             scores = torch.cat([model(chunk) for chunk in torch.from_numpy(test_ids).split(8192)])
         got = auc(scores.numpy(), test_clicks)
         print(
             f"epoch {epoch}: loss {loss.item():.4f}, test AUC {got:.4f} "
-            f"(the generator's own logit: {best:.4f}, gap {100 * (best - got):.1f} points)",
+            f"(the generator's own logit: {best:.4f}, gap {100 * (best - got):.1f} points); "
+            f"{rate:.0f} samples/s",
             flush=True,
         )
     rows = [(s.tables[0].rows, s.tables[0].bytes) for s in client.status() if s.tables]

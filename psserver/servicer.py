@@ -15,7 +15,8 @@ import numpy as np
 from psserver.admission import DEFAULT_THREADS, Admission
 from psserver.records import PushResult
 from psserver.shard import Shard
-from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler, tensor_to_proto
+from pswire import stepmsg
+from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler
 from pswire.errors import InvalidRequestError, NotInitializedError
 from pswire.job import job_from_proto, job_to_proto
 from pswire.optstate import split_state, state_arrays
@@ -29,8 +30,10 @@ from pswire.wiremsg import encode_chunk_messages, varint_field
 DEADLINE_MARGIN_S = 0.25
 
 
-def _row_query(request: ps_pb2.PullRequest) -> list[tuple[str, np.ndarray]]:
-    """(table, ids) pairs of a pull; ids decoded without a copy.
+def _row_query(
+    request: ps_pb2.PullRequest | ps_pb2.PushPullRequest | stepmsg.StepRequest,
+) -> list[tuple[str, np.ndarray]]:
+    """(table, ids) pairs of a pull (or a PushPull's read); ids decoded without a copy.
 
     Raises:
         InvalidRequestError: ids that are not whole int64s.
@@ -41,7 +44,8 @@ def _row_query(request: ps_pb2.PullRequest) -> list[tuple[str, np.ndarray]]:
             raise InvalidRequestError(
                 f"table '{q.table}': row ids are {len(q.ids)} bytes, not a whole number of int64s"
             )
-        rows.append((q.table, np.frombuffer(q.ids, dtype="<i8")))
+        ids = np.frombuffer(q.ids, dtype="<i8")
+        rows.append((q.table, ids if ids.flags.aligned else ids.copy()))
     return rows
 
 
@@ -263,25 +267,31 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def _push_pull(
         self,
-        request: ps_pb2.PushPullRequest,
+        request: ps_pb2.PushPullRequest | stepmsg.StepRequest,
         timeout: float | None,
         cancelled: threading.Event,
-    ) -> ps_pb2.PushPullResponse:
+    ) -> bytes | ps_pb2.PushPullResponse:
         header = request.header
-        result, chunks, clock = self.shard.push_pull(
+        rows = _row_query(request)
+        gathered = frozenset(table for table, _ in rows)  # copies made for this reply
+
+        def encode(arrays: Mapping[str, np.ndarray], clock: int) -> stepmsg.ReplyTensors:
+            return stepmsg.reply_tensors(arrays, gathered)  # under the lock: the snapshot
+
+        result, tensors, clock = self.shard.push_pull(
             header.worker_id,
             header.step,
             push_pull_grads(request, self.shard.limits.max_request_bytes),
             timeout=timeout,
             incarnation=header.incarnation,
             take=True,
-            encode=_whole_chunks,
+            encode=encode,
             session=header.session,
             cancelled=cancelled,
             options=header_options(header),
+            rows=rows,
         )
-        pushed = self._push_response(result)
-        return ps_pb2.PushPullResponse(push=pushed, chunks=chunks, clock=clock)
+        return stepmsg.reply(self._push_response(result), tensors, clock)
 
     def _push_response(self, result: PushResult) -> ps_pb2.PushResponse:
         return ps_pb2.PushResponse(
@@ -368,9 +378,3 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             )
         path, step = self.save_checkpoint()
         return ps_pb2.CheckpointResponse(path=path, step=step)
-
-
-def _whole_chunks(arrays: Mapping[str, np.ndarray], clock: int) -> list[ps_pb2.TensorChunk]:
-    """A PushPull reply's tensors, each whole; under the shard's lock (the chunks' bytes are
-    the snapshot: one copy)."""
-    return [tensor_to_proto(key, array) for key, array in arrays.items()]

@@ -296,10 +296,11 @@ class Shard(Roster, Joins, Reports, OptimizerSide):
         session: str = "",
         cancelled: threading.Event | None = None,
         options: StepOptions = NO_OPTIONS,
+        rows: Sequence[tuple[str, np.ndarray]] = (),
     ) -> tuple[PushResult, Any, int]:
-        """``push``, then ``pull`` of every variable that is not a table at the step the
-        worker goes on to (``PushResult.next_step``): (the push's result, ``encode``'s
-        snapshot, the clock it was read at).
+        """``push``, then ``pull`` of every variable that is not a table, and of ``rows``
+        ((table, ids) pairs: the next batch's rows), at the step the worker goes on to
+        (``PushResult.next_step``): (the push's result, the snapshot, the clock read at).
 
         Raises:
             as ``push`` and ``pull``.
@@ -307,11 +308,15 @@ class Shard(Roster, Joins, Reports, OptimizerSide):
         result = self.push(
             worker_id, step, grads, timeout, incarnation, take, session, cancelled, options
         )
+        # With rows, a pull reads only what it names: name every dense variable too.
+        names = self._require_job().pull_keys((), ()) if rows else ()
         snapshot, clock = self.pull(
             worker_id,
             result.next_step,
+            names,
             timeout=timeout,
             encode=encode,
+            rows=rows,
             incarnation=incarnation,
             cancelled=cancelled,
         )
@@ -383,7 +388,7 @@ class Shard(Roster, Joins, Reports, OptimizerSide):
         """
         optimizers, skip = self._steps.pop(self._updates)
         try:
-            self._state.apply(self._require_job(), update, optimizers, skip)
+            self._state.apply(self._require_job(), update, optimizers, skip, summed=sync_round)
         except StepRefusedError as exc:
             if sync_round:
                 self._failure = (

@@ -66,13 +66,16 @@ class Variables:
         update: Mapping[str, Any],
         optimizers: tuple[Optimizer, ...] | None = None,
         skip: bool = False,
+        summed: bool = True,
     ) -> None:
         """One optimizer step with ``update`` (gradients by key; rows for tables).
 
         ``optimizers``: each parameter group's for this update (``Job.step_optimizers``);
         None: as the job started. ``skip``: no optimizer step (a GradScaler found inf/NaN);
         buffers still take their values. A buffer (e.g. BatchNorm running stats) takes the
-        pushed values (averaged over the round in sync mode) with no optimizer.
+        pushed values (averaged over the round in sync mode) with no optimizer. ``summed``:
+        the update sums several pushes (sync), so a table's rows may have overflowed; False:
+        it is one push, whose rows were checked as it arrived.
 
         Nothing non-finite is ever stored: an update whose gradient is not finite (a sum that
         overflowed) is refused before anything changes; one whose inputs are large enough that
@@ -80,12 +83,15 @@ class Variables:
         result is not finite.
 
         Raises:
-            StepRefusedError: a gradient or a result is not finite; nothing changed (but for
-                a table, whose touched rows are then named as changed).
+            StepRefusedError: a gradient or a result is not finite; nothing changed (a table
+                whose result is not finite keeps its rows; dense variables are restored when
+                their inputs were large enough to be backed up, else named as changed).
         """
         groups = optimizers or job.optimizers
         specs = job.specs
         for key, grad in update.items():
+            if isinstance(grad, RowSparse) and not summed:
+                continue  # one push's rows, checked as it arrived; the result is checked too
             values = grad.values if isinstance(grad, RowSparse) else grad
             if values.dtype.kind == "f" and not all_finite(values):
                 raise StepRefusedError(
@@ -97,7 +103,9 @@ class Variables:
             for k, g in update.items()
             if not skip and not isinstance(g, RowSparse) and not specs[k].average
         ]
-        backup = self._backup(trained) if self._risky(groups, update, trained) else None
+        risky = bool(trained) and self._risky(groups, update, trained)  # tables: never backed up
+        backup = self._backup(trained) if risky else None
+        refused: list[str] = []  # tables: a non-finite result is never written
         with np.errstate(over="ignore", invalid="ignore"):  # non-finite results: see below
             for key, grad in update.items():
                 spec = specs[key]
@@ -106,27 +114,25 @@ class Variables:
                 elif skip:
                     continue
                 elif isinstance(grad, RowSparse):
-                    self.tables[key].apply(grad.ids, grad.values, groups[spec.group])
+                    if not self.tables[key].apply(grad.ids, grad.values, groups[spec.group]):
+                        refused.append(key)
                 else:
                     groups[spec.group].apply_blocked(self.values[key], grad, self.slots[key])
         bad = [k for k in trained if not self._measure(k)]
-        bad += [
-            k
-            for k, g in update.items()
-            if not skip
-            and isinstance(g, RowSparse)
-            and not all_finite(self.tables[k].gather(g.ids))
-        ]
-        if not bad:
+        if not bad and not refused:
             return
         if backup is not None:
             for key, (value, slots) in backup.items():
                 self.values[key], self.slots[key] = value, slots
                 self._measure(key)
-        kept = "the variables were left as before" if backup is not None else "state changed"
+        kept = (
+            "the variables were left as before"
+            if backup is not None or not bad
+            else ("state changed")
+        )
         raise StepRefusedError(
-            f"the optimizer step made {bad} non-finite (values or optimizer state overflowed); "
-            f"{kept}"
+            f"the optimizer step made {bad + refused} non-finite (values or optimizer state "
+            f"overflowed); {kept}"
         )
 
     def _risky(

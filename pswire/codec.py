@@ -96,10 +96,17 @@ def tensor_nbytes(name: str, dtype: str, shape: Iterable[int], limit: int | None
 
 
 def all_finite(array: np.ndarray) -> bool:
-    """Whether a float array holds no NaN or Inf. A large float32/float64 array is first
-    dotted with itself (one BLAS pass, no temporary): a finite result proves it; a NaN or Inf
-    anywhere, or finite values large enough to overflow, fall through to the exact check."""
-    if array.size >= 1 << 16 and array.dtype in (np.float32, np.float64):
+    """Whether a float array holds no NaN or Inf. A large, aligned float32/float64 array is
+    first dotted with itself (one BLAS pass, no temporary): a finite result proves it; a NaN
+    or Inf anywhere, or finite values large enough to overflow, fall through to the exact
+    check. (Unaligned data, such as a tensor decoded in place from a message, would take
+    numpy's non-BLAS loop: 847 us against 18 us for 1 MiB, bench/NOTES.md 19.)"""
+    if (
+        array.size >= 1 << 16
+        and array.dtype in (np.float32, np.float64)
+        and array.flags.aligned
+        and array.flags.c_contiguous
+    ):
         flat = array.reshape(-1)
         with np.errstate(over="ignore", invalid="ignore"):
             if np.isfinite(np.dot(flat, flat)):
@@ -391,4 +398,5 @@ def _row_ids(name: str, raw: bytes | memoryview, shape: tuple[int, ...]) -> np.n
             f"table '{name}': {len(raw)} bytes of row ids for rows of shape {shape}; expected "
             "a 2-d tensor and 8 bytes (one int64 id) per row"
         )
-    return np.frombuffer(raw, dtype="<i8")
+    ids = np.frombuffer(raw, dtype="<i8")
+    return ids if ids.flags.aligned else ids.copy()  # 8 bytes a row: cheap, and sorts faster

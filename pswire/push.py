@@ -129,8 +129,9 @@ def assembled_grads(assembler: ChunkAssembler) -> Grads:
     return {k: RowSparse(rows[k], a) if k in rows else a for k, a in assembler.finish().items()}
 
 
-def push_pull_grads(request: ps_pb2.PushPullRequest, max_bytes: int) -> Grads:
-    """The gradients of a PushPullRequest (every tensor whole).
+def push_pull_grads(request: Any, max_bytes: int) -> Grads:
+    """The gradients of a PushPullRequest, a protobuf object or one read by hand (every
+    tensor whole).
 
     Raises:
         InvalidRequestError, TooLargeError: malformed or oversized tensors.

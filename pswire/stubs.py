@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 
+from pswire import stepmsg
 from pswire.proto import ps_pb2, ps_pb2_grpc
 from pswire.wiremsg import WireChunk, parse_chunk, parse_message
 
@@ -98,9 +99,9 @@ class ParameterServerStub(ps_pb2_grpc.ParameterServerStub):
     """The generated stub with Init, Push and Pull carrying pre-encoded / lazily parsed data.
 
     ``Init``/``Push`` take an iterator of bytes (or protobuf messages); ``Pull`` yields
-    ``PullReply`` objects whose chunk data views the received bytes. ``PushPull`` and
-    ``PushPullStream`` (small messages, where protobuf's C parser beats hand-coding) are the
-    generated ones.
+    ``PullReply`` objects whose chunk data views the received bytes. ``PushPullStream`` takes
+    and gives ``pswire.stepmsg`` messages (protobuf objects when small, bytes when large);
+    the unary ``PushPull`` is the generated one.
     """
 
     def __init__(self, channel: grpc.Channel) -> None:
@@ -130,6 +131,11 @@ class ParameterServerStub(ps_pb2_grpc.ParameterServerStub):
             request_serializer=as_bytes,
             response_deserializer=ps_pb2.LoadStateResponse.FromString,
         )
+        self.PushPullStream = channel.stream_stream(
+            f"/{SERVICE}/PushPullStream",
+            request_serializer=as_bytes,
+            response_deserializer=stepmsg.parse_reply,
+        )
 
 
 def add_servicer(
@@ -155,7 +161,6 @@ def add_servicer(
         for name in (
             "RegisterWorker",
             "Heartbeat",
-            "PushPull",
             "Status",
             "Checkpoint",
             "Leave",
@@ -163,10 +168,16 @@ def add_servicer(
             "ListMembers",
         )
     }
+    # A step's reply is a protobuf object when small, hand-built bytes when large (stepmsg).
+    handlers["PushPull"] = grpc.unary_unary_rpc_method_handler(
+        servicer.PushPull,
+        request_deserializer=ps_pb2.PushPullRequest.FromString,
+        response_serializer=as_bytes,
+    )
     handlers["PushPullStream"] = grpc.stream_stream_rpc_method_handler(
         servicer.PushPullStream,
-        request_deserializer=ps_pb2.PushPullRequest.FromString,
-        response_serializer=ps_pb2.PushPullResponse.SerializeToString,
+        request_deserializer=stepmsg.parse_request,
+        response_serializer=as_bytes,
     )
     handlers["Init"] = grpc.stream_unary_rpc_method_handler(
         servicer.Init,

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from pswire.codec import all_finite
 from pswire.errors import ConfigError, InvalidRequestError, TooLargeError
 from pswire.optim import Optimizer
 from pswire.proto import ps_pb2
@@ -170,7 +171,7 @@ def check_rows(spec: TableSlice, ids: np.ndarray, values: np.ndarray | None, wha
                     f"{where}: {what} touches {distinct} rows, over this shard's capacity of "
                     f"{spec.capacity}"
                 )
-    elif len(ids):
+    elif len(ids) and (ids.min() < spec.row_start or ids.max() >= spec.row_end):
         bad = (ids < spec.row_start) | (ids >= spec.row_end)
         if bad.any():
             raise InvalidRequestError(
@@ -188,7 +189,7 @@ def check_rows(spec: TableSlice, ids: np.ndarray, values: np.ndarray | None, wha
             f"{where}: {what} sent {len(ids)} ids but rows of shape {values.shape}; expected "
             f"({len(ids)}, {spec.dim})"
         )
-    if not np.isfinite(values).all():
+    if values.dtype.kind == "f" and not all_finite(values):
         bad_row = int(np.argmax(~np.isfinite(values).all(axis=1)))
         raise InvalidRequestError(
             f"{where}: {what} has non-finite values (NaN or Inf) in the row of id "
@@ -297,13 +298,26 @@ def init_rows(
     return out
 
 
+def scatter_rows(target: np.ndarray, rows: np.ndarray, source: np.ndarray) -> None:
+    """``target[rows] = source`` for distinct ``rows`` of a 2-d array, each row moved as one
+    block of bytes (numpy copies a row of 64 float32 a third faster so than element-wise)."""
+    same = source.dtype == target.dtype and source.shape[1:] == target.shape[1:]
+    if same and target.ndim == 2 and target.flags.c_contiguous and source.flags.c_contiguous:
+        block = np.dtype((np.void, target.shape[1] * target.itemsize))
+        target.view(block).reshape(-1)[rows] = source.view(block).reshape(-1)
+    else:
+        target[rows] = source
+
+
 def sum_duplicates(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(sorted unique ids, their summed rows); duplicates add in the order given."""
-    if len(ids) == 0:
+    """(unique ids, their summed rows): sorted, duplicates added in the order given, when any
+    id repeats; ``ids`` and ``values`` themselves (no copy) when none does."""
+    if len(ids) < 2:
+        return ids, values
+    ordered = np.sort(ids)  # 10x faster than a stable argsort: most pushes repeat no id
+    if (ordered[1:] != ordered[:-1]).all():
         return ids, values
     order = np.argsort(ids, kind="stable")
     sorted_ids = ids[order]
     starts = np.flatnonzero(np.concatenate(([True], sorted_ids[1:] != sorted_ids[:-1])))
-    if len(starts) == len(ids):
-        return sorted_ids, values[order]
     return sorted_ids[starts], np.add.reduceat(values[order], starts, axis=0)

@@ -16,6 +16,10 @@ import numpy as np
 from pswire.codec import DEFAULT_CHUNK_BYTES, indices_bytes, wire_bytes
 
 _WIRE_VARINT, _WIRE_LEN = 0, 2
+# whole_chunk_parts(at=...): tensor bytes start this aligned within their message, behind a
+# padding field, reserved in ps.proto (TensorChunk, PushPullResponse) and skipped by readers.
+ALIGN = 16
+PAD_FIELD = 41
 
 
 def _varint(value: int) -> bytes:
@@ -60,14 +64,69 @@ def encode_chunk_messages(
         ValueError, InvalidRequestError: as ``tensor_to_chunks``.
     """
     ids = indices_bytes(indices) if indices is not None and len(indices) else b""
-    for chunk in _chunk_fields(name, array, chunk_bytes, bfloat16):
-        head, data = chunk
-        data_field = _tag(6, _WIRE_LEN) + _varint(len(data)) if len(data) else b""
-        ids_field = _len_field(7, ids) if ids else b""
+    for head, data in _chunk_fields(name, array, chunk_bytes, bfloat16):
+        yield b"".join((*_chunk_parts(outer_field, head, data, ids), trailer))
         ids = b""  # first chunk only
-        inner_len = len(head) + len(data_field) + len(data) + len(ids_field)
-        outer = _tag(outer_field, _WIRE_LEN) + _varint(inner_len)
-        yield b"".join((outer, head, data_field, data, ids_field, trailer))
+
+
+def whole_chunk_parts(
+    name: str,
+    array: np.ndarray,
+    outer_field: int,
+    bfloat16: bool = False,
+    indices: np.ndarray | None = None,
+    at: int | None = None,
+) -> list[bytes | memoryview]:
+    """The pieces of one field ``outer_field`` holding ``array`` whole as one TensorChunk (the
+    first message ``encode_chunk_messages`` would make with no chunk limit), not yet joined:
+    the array's bytes are a view of it, so a message joining pieces of several tensors copies
+    each byte once.
+
+    ``at``: where the field starts in its message. The array's bytes then start at a multiple
+    of ``ALIGN`` bytes from the message's start, behind a padding field (number
+    ``PAD_FIELD``, which readers skip as an unknown field): a receiver decoding them in place
+    gets an aligned array (numpy's BLAS and fast loops need one; bench/NOTES.md 19).
+
+    Raises:
+        ValueError, InvalidRequestError: as ``tensor_to_chunks``.
+    """
+    ids = indices_bytes(indices) if indices is not None and len(indices) else b""
+    ((head, data),) = _chunk_fields(name, array, max(1, array.nbytes), bfloat16)
+    if at is None or not len(data):
+        return _chunk_parts(outer_field, head, data, ids)
+    plain = _chunk_parts(outer_field, head, data, ids)
+    inner = sum(len(p) for p in plain[1:])
+    before = at + len(plain[1]) + len(plain[2])  # where the data starts, but for the outer
+    tag = len(_tag(outer_field, _WIRE_LEN))
+    if (before + tag + _varint_size(inner)) % ALIGN == 0:
+        return plain
+    for size in range(2 * ALIGN):  # a padding field of ``size`` zeros: 3 + size bytes
+        pad = _PAD_TAG_SIZE + _varint_size(size) + size
+        if (before + pad + tag + _varint_size(inner + pad)) % ALIGN == 0:
+            return _chunk_parts(outer_field, head + padding(size), data, ids)
+    raise AssertionError("unreachable: one of 2 * ALIGN paddings aligns the data")
+
+
+def padding(size: int) -> bytes:
+    """A field of ``size`` zero bytes numbered ``PAD_FIELD``, which readers skip."""
+    return _len_field(PAD_FIELD, bytes(size))
+
+
+_PAD_TAG_SIZE = len(_tag(PAD_FIELD, _WIRE_LEN))
+
+
+def _varint_size(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
+
+
+def _chunk_parts(
+    outer_field: int, head: bytes, data: memoryview, ids: bytes
+) -> list[bytes | memoryview]:
+    data_field = _tag(6, _WIRE_LEN) + _varint(len(data)) if len(data) else b""
+    ids_field = _len_field(7, ids) if ids else b""
+    inner_len = len(head) + len(data_field) + len(data) + len(ids_field)
+    outer = _tag(outer_field, _WIRE_LEN) + _varint(inner_len)
+    return [outer, head, data_field, data, ids_field]
 
 
 def _chunk_fields(

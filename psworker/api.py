@@ -76,9 +76,10 @@ class Client(Protocol):
         step: int | None = None,
         out: Mapping[str, np.ndarray] | None = None,
         options: StepOptions | None = None,
+        rows: Mapping[str, np.ndarray | Sequence[int]] | None = None,
     ) -> dict[str, np.ndarray]:
-        """``push(grads, step, options)`` then ``pull(out=out)``, in one round trip where it
-        can."""
+        """``push(grads, step, options)`` then ``pull(out=out)`` and ``pull_rows`` of ``rows``
+        (table -> ids, returned under the table's name), in one round trip where it can."""
         ...
 
     def optimizer_state(self) -> dict[str, dict[str, Any]]:
@@ -153,6 +154,9 @@ class PushThenPull:
     ) -> bool:
         raise NotImplementedError
 
+    def pull_rows(self, table: str, ids: np.ndarray | Sequence[int]) -> np.ndarray:
+        raise NotImplementedError
+
     def pull(
         self, names: Sequence[str] | None = None, out: Mapping[str, np.ndarray] | None = None
     ) -> dict[str, np.ndarray]:
@@ -164,11 +168,14 @@ class PushThenPull:
         step: int | None = None,
         out: Mapping[str, np.ndarray] | None = None,
         options: StepOptions | None = None,
+        rows: Mapping[str, np.ndarray | Sequence[int]] | None = None,
     ) -> dict[str, np.ndarray]:
-        """``push(grads, step, options)``, then ``pull(out=out)``.
+        """``push(grads, step, options)``, then ``pull(out=out)`` and each table's
+        ``pull_rows`` of ``rows``, under the table's name.
 
         Raises:
-            as ``push`` and ``pull``.
+            as ``push``, ``pull`` and ``pull_rows``.
         """
         self.push(grads, step, options)
-        return self.pull(out=out)
+        weights = self.pull(out=out)
+        return {**weights, **{t: self.pull_rows(t, ids) for t, ids in (rows or {}).items()}}

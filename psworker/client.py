@@ -6,6 +6,7 @@ import hashlib
 import logging
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 from typing import Self, TypeVar
 
 import grpc
@@ -24,7 +25,7 @@ from pswire.job import MODES, Job, job_to_proto
 from pswire.optim import Optimizer, StepOptions, resolve_groups
 from pswire.proto import ps_pb2
 from pswire.security import ClientSecurity
-from pswire.tables import RowSparse, Table, as_ids
+from pswire.tables import RowSparse, Table
 from pswire.wiremsg import encode_chunk_messages
 from psworker.client_state import ClientState
 from psworker.fanout import FanOut, partial_failure
@@ -46,6 +47,7 @@ from psworker.session import (
     LinkConfig,
     leave_at_exit,
 )
+from psworker.tables_client import TableReads, into_with_rows, place_rows
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 120.0
@@ -53,7 +55,7 @@ DEFAULT_HEARTBEAT_S = 2.0  # well inside the shards' default 30 s heartbeat time
 log = logging.getLogger(__name__)
 
 
-class PSClient(ClientState):
+class PSClient(ClientState, TableReads):
     """A worker's connection to the parameter-server shards of one job.
 
     Every call fans out to all shards in parallel and has a deadline (``timeout`` seconds);
@@ -276,37 +278,6 @@ class PSClient(ClientState):
             merged.update(part)
         return shard_map.join(merged, wanted, into, out)
 
-    def pull_rows(self, table: str, ids: np.ndarray | Sequence[int]) -> np.ndarray:
-        """Rows ``ids`` of an embedding table, shape ``(len(ids), dim)``, in the order asked.
-
-        Ids are deduplicated before they travel; each shard is asked only for its own rows, in
-        parallel, once the consistency rule lets this worker read (as ``pull``). A dynamic
-        table makes a row the first time any worker touches it.
-
-        Raises:
-            UnknownVariableError: no such table.
-            InvalidRequestError: ids that are not integers, or outside a fixed table's rows.
-        """
-        layout = self._layout(table)
-        ids = as_ids(table, ids)
-        layout.check_ids(ids, "pull")
-        unique, inverse = np.unique(ids, return_inverse=True)
-        owner = layout.shard_of(unique)
-
-        def pull_one(shard: int) -> np.ndarray | None:
-            mine = unique[owner == shard]
-            if not len(mine):
-                return None
-            query = ps_pb2.RowQuery(table=table, ids=mine.astype("<i8").tobytes())
-            request = ps_pb2.PullRequest(worker_id=self.worker_id, step=self.step, rows=[query])
-            return self.links[shard].pull(request)[table]
-
-        out = np.empty((len(unique), layout.table.dim), dtype=layout.table.dtype)
-        for shard, rows in enumerate(self._fan_out(pull_one)):
-            if rows is not None:
-                out[owner == shard] = rows
-        return out[inverse.reshape(-1)]
-
     def push(
         self,
         grads: Mapping[str, np.ndarray | RowSparse],
@@ -339,43 +310,67 @@ class PSClient(ClientState):
         step: int | None = None,
         out: Mapping[str, np.ndarray] | None = None,
         options: StepOptions | None = None,
+        rows: Mapping[str, np.ndarray | Sequence[int]] | None = None,
     ) -> dict[str, np.ndarray]:
-        """``push(grads, step, options)`` then ``pull(out=out)``: one message each way per shard
-        on a call kept open across steps when the shard's part of each fits in ``chunk_bytes``,
-        else a streamed push, then a streamed pull. The weights are what ``pull()`` would
-        return at the next step.
+        """``push(grads, step, options)`` then ``pull(out=out)``, and ``rows`` (table -> ids:
+        the next batch's rows, returned under the table's name, as ``pull_rows``): one
+        message each way per shard on a call kept open across steps when the shard's part of
+        each fits in ``chunk_bytes``, else a streamed push, then a streamed pull. The weights
+        and rows are what ``pull()`` and ``pull_rows`` would return at the next step.
 
         Raises:
-            as ``push`` and ``pull``.
+            as ``push``, ``pull`` and ``pull_rows``.
         """
         shard_map = self._require_map()
         step = self.step if step is None else step
         pieces = self._pieces(grads)
-        wanted, _ = self._keys(None)
+        reads = self._reads(rows)
+        wanted, keys_by_shard = self._keys(None)
         shard_map.check_out(out, wanted)
         into = shard_map.destinations(wanted, out)
         pull_bytes = shard_map.shard_bytes()
 
-        def one(shard: int) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
-            link = self.links[shard]
-            push_bytes = sum(p.nbytes for p in pieces[shard].values())
-            if max(push_bytes, pull_bytes[shard]) <= self.chunk_bytes:
-                return link.push_pull(step, pieces[shard], into, options)
-            # Too big for one message each way: stream the push, then the pull.
-            pushed = link.push(step, pieces[shard], options)
-            after = max(self.step, int(pushed.next_step))
-            request = ps_pb2.PullRequest(worker_id=self.worker_id, step=after)
-            arrays = link.pull(request, into)
-            pushed.skipped = pushed.skipped or link.pull_skipped
-            return pushed, arrays
+        plans = []  # each shard's (row reads, where its reply goes, whether one message fits)
+        for shard in range(len(self.links)):
+            queries = [q for r in reads.values() if (q := r.query(shard)) is not None]
+            row_bytes = sum(r.nbytes(shard) for r in reads.values())
+            # A table's ids ride along uncounted: 4096 rows of dim 256 are still one message.
+            push_bytes = sum(
+                p.values.nbytes if isinstance(p, RowSparse) else p.nbytes
+                for p in pieces[shard].values()
+            )
+            fits = max(push_bytes, pull_bytes[shard] + row_bytes) <= self.chunk_bytes
+            plans.append((queries, into_with_rows(into, reads, shard), fits))
 
-        results = self._push_all(step, one)
+        def start(shard: int) -> Callable[[], tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]]:
+            link, (queries, targets, fits) = self.links[shard], plans[shard]
+            if fits:
+                finish = link.start_push_pull(step, pieces[shard], targets, options, queries)
+            else:  # Too big for one message each way: stream the push, then the pull.
+                names = keys_by_shard[shard] if queries else []
+                pull = ps_pb2.PullRequest(
+                    worker_id=self.worker_id, step=self.step, names=names, rows=queries
+                )
+                finish = partial(link.push_then_pull, step, pieces[shard], options, pull, targets)
+
+            def done() -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
+                pushed, arrays = finish()
+                place_rows(reads, shard, arrays, link.where("PushPull"))
+                return pushed, arrays
+
+            return done
+
+        if all(fits for *_, fits in plans):  # every shard sent its part before any is awaited
+            results = self._settled(step, *self._fan.settle_started(start))
+        else:
+            results = self._push_all(step, lambda shard: start(shard)())
         self._pushed(step, [r for r, _ in results])
         self.last_skipped = any(r.skipped for r, _ in results) or bool(options and options.skip)
         merged: dict[str, np.ndarray] = {}
         for _, arrays in results:
             merged.update(arrays)
-        return shard_map.join(merged, wanted, into, out)
+        weights = shard_map.join(merged, wanted, into, out)
+        return {**weights, **{t: r.result() for t, r in reads.items()}}
 
     def _keys(self, names: Sequence[str] | None) -> tuple[list[str], list[list[str]]]:
         """(the variables asked for, each shard's piece keys of them).
@@ -462,13 +457,6 @@ class PSClient(ClientState):
 
     # -- internals --------------------------------------------------------------------------
 
-    def _layout(self, table: str) -> TableLayout:
-        self._require_map()
-        layout = self.tables.get(table)
-        if layout is None:
-            raise not_in_model(table, self.tables, "table")
-        return layout
-
     def _require_map(self) -> ShardMap:
         self._require_open()
         if self.shard_map is None:
@@ -476,12 +464,15 @@ class PSClient(ClientState):
         return self.shard_map
 
     def _push_all(self, step: int, fn: Callable[[int], T]) -> list[T]:
-        """``fn`` on every shard, all run to the end; see ``fanout.partial_failure``.
+        """``fn`` on every shard, all run to the end; see ``_settled``."""
+        return self._settled(step, *self._fan.settle(fn))
+
+    def _settled(self, step: int, done: list[T], failed: list[tuple[int, Exception]]) -> list[T]:
+        """Every shard's result, or the failure to raise; see ``fanout.partial_failure``.
 
         Raises:
             PSError: the first shard's error.
         """
-        done, failed = self._fan.settle(fn)
         if not failed:
             return done
         partial = partial_failure(step, failed, len(self.links))

@@ -20,25 +20,56 @@ class FanOut:
 
     def each(self, fn: Callable[[int], T]) -> list[T]:
         """Every shard's result, in shard order; the first error (by shard) is raised."""
-        if self.shards == 1:
-            return [fn(0)]
-        return [f.result() for f in self._submit(fn)]
+        done, failed = self.settle(fn)
+        if failed:
+            raise failed[0][1]
+        return done
 
     def settle(self, fn: Callable[[int], T]) -> tuple[list[T], list[tuple[int, Exception]]]:
-        """Every shard's call run to its end: (the results, (shard, error) of those failed)."""
+        """Every shard's call run to its end: (the results, (shard, error) of those failed).
+
+        Shard 0's call runs in the calling thread while the pool runs the others: one thread
+        hand-off fewer per call (none with one shard)."""
         futures = self._submit(fn)
-        done: list[T] = []
-        failed: list[tuple[int, Exception]] = []
-        for shard, future in enumerate(futures):
+        outcomes: list[tuple[bool, T | Exception]] = []
+        try:
+            outcomes.append((True, fn(0)))
+        except Exception as exc:
+            outcomes.append((False, exc))
+        for future in futures:
             try:
-                done.append(future.result())
+                outcomes.append((True, future.result()))
+            except Exception as exc:
+                outcomes.append((False, exc))
+        done = [value for ok, value in outcomes if ok]
+        failed = [(s, value) for s, (ok, value) in enumerate(outcomes) if not ok]
+        return done, failed  # type: ignore[return-value]
+
+    def settle_started(
+        self, start: Callable[[int], Callable[[], T]]
+    ) -> tuple[list[T], list[tuple[int, Exception]]]:
+        """As ``settle``, for calls in two halves: ``start(shard)`` sends and returns what
+        waits for the reply. Every shard is started, then each waited for in shard order, all
+        in the calling thread: the shards work at once with no thread hand-off."""
+        started: list[tuple[int, Callable[[], T]]] = []
+        failed: list[tuple[int, Exception]] = []
+        for shard in range(self.shards):
+            try:
+                started.append((shard, start(shard)))
             except Exception as exc:
                 failed.append((shard, exc))
-        return done, failed
+        done: list[T] = []
+        for shard, finish in started:
+            try:
+                done.append(finish())
+            except Exception as exc:
+                failed.append((shard, exc))
+        return done, sorted(failed, key=lambda f: f[0])
 
     def _submit(self, fn: Callable[[int], T]) -> list[Future[T]]:
+        """Shards 1.. submitted to the pool."""
         try:
-            return [self._pool.submit(fn, s) for s in range(self.shards)]
+            return [self._pool.submit(fn, s) for s in range(1, self.shards)]
         except RuntimeError:  # shut down by another thread just now
             raise ClientClosedError("the client is closed: connect again") from None
 

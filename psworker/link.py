@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
+from pswire import stepmsg
 from pswire.codec import ChunkAssembler
 from pswire.errors import (
     ClientClosedError,
@@ -22,13 +24,13 @@ from pswire.errors import (
 )
 from pswire.optim import StepOptions
 from pswire.proto import ps_pb2
-from pswire.push import push_pull_request, push_stream
+from pswire.push import push_header, push_stream
 from pswire.rpc_errors import from_rpc_error
 from pswire.security import ClientSecurity
 from pswire.stubs import ParameterServerStub
 from pswire.tables import RowSparse
 from psworker.session import JobIdentity, LinkConfig
-from psworker.stepstream import StepStream
+from psworker.stepstream import StepStream, step_timeout_ms
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -231,28 +233,83 @@ class ShardLink:
         pieces: Mapping[str, np.ndarray | RowSparse],
         into: Mapping[str, np.ndarray] | None = None,
         options: StepOptions | None = None,
+        rows: Sequence[ps_pb2.RowQuery] = (),
     ) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
         """One step as one message each way on the open step stream: the push, then the
-        weights for the step after it (decoded into ``into``'s arrays where given).
+        weights (and the table ``rows`` asked) for the step after it (decoded into ``into``'s
+        arrays where given).
 
         Raises:
             PSError: the call failed (after retries through UNAVAILABLE).
         """
+        return self.start_push_pull(step, pieces, into, options, rows)()
+
+    def start_push_pull(
+        self,
+        step: int,
+        pieces: Mapping[str, np.ndarray | RowSparse],
+        into: Mapping[str, np.ndarray] | None = None,
+        options: StepOptions | None = None,
+        rows: Sequence[ps_pb2.RowQuery] = (),
+    ) -> Callable[[], tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]]:
+        """``push_pull`` in two halves: sends the step now and returns the call that waits for
+        its reply, so a worker sends every shard its step before it waits for any (one thread,
+        no hand-offs). If the first try fails, the returned call retries as ``push_pull``.
+
+        Raises (the returned call):
+            PSError: as ``push_pull``.
+        """
         self.note_push(step, pieces, options)
 
-        def run(_: ParameterServerStub) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
+        def request() -> ps_pb2.PushPullRequest | bytes:
             # Built per attempt: a retry after a restart carries the new incarnation.
-            fused = push_pull_request(
-                self.worker_id, step, pieces, self.incarnation, self.config.session, options
+            header = push_header(
+                self.worker_id, step, self.incarnation, options, self.config.session
             )
-            reply = self.steps.step(fused, self.timeout)
+            return stepmsg.request(header, pieces, rows, step_timeout_ms(self.timeout))
+
+        def decoded(reply: Any) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
             assembler = ChunkAssembler(into=into)
             for chunk in reply.chunks:
                 assembler.add(chunk)
             return reply.push, assembler.finish()
 
-        pushed, arrays = self.call("PushPull", run)
-        self.note_reply(pushed)
+        def run(_: ParameterServerStub) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
+            return decoded(self.steps.step(request(), self.timeout))
+
+        def finish() -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
+            result = None
+            if sent is not None:
+                try:
+                    result = decoded(self.steps.receive(sent, self.timeout))
+                except grpc.RpcError as exc:
+                    if exc.code() not in _RECOVERABLE:
+                        raise self._failure(exc, "PushPull", 0.0, 1) from None
+            if result is None:  # not sent, or unreachable: the retrying path starts over
+                result = self.call("PushPull", run)
+            self.note_reply(result[0])
+            return result
+
+        sent: ps_pb2.PushPullRequest | bytes | None = None
+        with contextlib.suppress(grpc.RpcError):  # unsent: ``finish`` takes the retrying path
+            if not self._closed.is_set():
+                self.steps.send(first := request(), self.timeout)
+                sent = first
+        return finish
+
+    def push_then_pull(
+        self,
+        step: int,
+        pieces: Mapping[str, np.ndarray | RowSparse],
+        options: StepOptions | None,
+        pull: ps_pb2.PullRequest,
+        into: Mapping[str, np.ndarray],
+    ) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
+        """A streamed push, then ``pull``, at least at the step the push's reply says is next."""
+        pushed = self.push(step, pieces, options)
+        pull.step = max(pull.step, int(pushed.next_step))
+        arrays = self.pull(pull, into)
+        pushed.skipped = pushed.skipped or self.pull_skipped
         return pushed, arrays
 
     def register(self) -> ps_pb2.RegisterWorkerResponse:

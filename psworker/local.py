@@ -8,7 +8,13 @@ from typing import Any
 import numpy as np
 
 from pswire.codec import check_tensor
-from pswire.errors import ClientClosedError, InvalidRequestError, NotInitializedError, not_in_model
+from pswire.errors import (
+    ClientClosedError,
+    InvalidRequestError,
+    NotInitializedError,
+    StepRefusedError,
+    not_in_model,
+)
 from pswire.optim import Optimizer, StepOptions, group_optimizers, resolve_groups
 from pswire.rowstore import RowStore
 from pswire.tables import RowSparse, Table, as_ids, check_rows
@@ -154,8 +160,11 @@ class LocalClient(PushThenPull):
                 raise not_in_model(name, self._vars)
             check_tensor(name, var.shape, var.dtype.name, np.asarray(grad), "push")
         for name, (store, ids, values) in rows.items():
-            if not skip:
-                store.apply(ids, values, optimizers[self._group[name]])
+            if not skip and not store.apply(ids, values, optimizers[self._group[name]]):
+                raise StepRefusedError(
+                    f"the optimizer step made table '{name}' non-finite (rows or optimizer "
+                    "state overflowed); its rows were left as before"
+                )
         for name, grad in grads.items():
             if isinstance(grad, RowSparse):
                 continue

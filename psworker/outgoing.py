@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence, Set
+from itertools import pairwise
 
 import numpy as np
 
@@ -136,9 +137,15 @@ def split_rows(
     if values.dtype.kind == "f" and not all_finite(values):
         raise InvalidRequestError(f"table '{table}': push sent rows with NaN or Inf values")
     values = compress(values, compression)
+    if layout.num_shards == 1:
+        return [RowSparse(ids, values) if len(ids) else None]
+    if layout.bounds and (ids[1:] >= ids[:-1]).all():  # sorted (as Embedding's): slices
+        cuts = [0, *np.searchsorted(ids, np.asarray(layout.bounds[1:-1])).tolist(), len(ids)]
+        return [RowSparse(ids[a:b], values[a:b]) if b > a else None for a, b in pairwise(cuts)]
     owner = layout.shard_of(ids)
     parts: list[RowSparse | None] = []
     for shard in range(layout.num_shards):
-        mask = owner == shard
-        parts.append(RowSparse(ids[mask], values[mask]) if mask.any() else None)
+        where = np.flatnonzero(owner == shard)
+        rows = np.take(values, where, axis=0, mode="clip")  # positions: in range
+        parts.append(RowSparse(ids[where], rows) if len(where) else None)
     return parts

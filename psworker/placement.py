@@ -287,6 +287,8 @@ class TableLayout:
         """Raises InvalidRequestError naming the table and the first out-of-range id."""
         if self.table.num_rows is None or len(ids) == 0:
             return
+        if ids.min() >= 0 and ids.max() < self.table.num_rows:  # two passes, no temporaries
+            return
         bad = (ids < 0) | (ids >= self.table.num_rows)
         if bad.any():
             raise InvalidRequestError(

@@ -25,6 +25,11 @@ MAX_STEP_S = (2**32 - 1) / 1000
 IDLE_REOPEN_S = 60.0
 
 
+def step_timeout_ms(timeout: float) -> int:
+    """A step's own deadline as its request carries it."""
+    return max(1, round(min(timeout, MAX_STEP_S) * 1000))
+
+
 class StepStream:
     """Small steps as messages on one open ``PushPullStream`` call to a shard.
 
@@ -40,34 +45,63 @@ class StepStream:
         self._stub = stub
         self._where = where
         self._lock = threading.Lock()
-        self._requests: queue.SimpleQueue[ps_pb2.PushPullRequest | None] | None = None
+        self._requests: queue.SimpleQueue[ps_pb2.PushPullRequest | bytes | None] | None = None
         self._call: Any = None
         self._expired = False
         self._steps = 0  # steps sent: which one the watchdog means
         self._last = 0.0  # when the open call last answered
 
-    def step(self, request: ps_pb2.PushPullRequest, timeout: float) -> ps_pb2.PushPullResponse:
-        """Sends one step's request; returns its reply.
+    def step(self, request: ps_pb2.PushPullRequest | bytes, timeout: float) -> Any:
+        """Sends one step's request (a protobuf object, whose ``timeout_ms`` is set here, or
+        bytes from ``pswire.stepmsg.request`` carrying ``step_timeout_ms(timeout)``); returns
+        its reply (``pswire.stepmsg.parse_reply``'s).
 
         Raises:
             grpc.RpcError: the call failed (it is closed: the next step opens a new one).
             WaitTimeoutError: no reply within ``timeout`` seconds.
             UnavailableError: the shard ended the call without an answer.
         """
-        request.timeout_ms = max(1, round(min(timeout, MAX_STEP_S) * 1000))
-        with self._lock:
+        self.send(request, timeout)
+        return self.receive(request, timeout)
+
+    def send(self, request: ps_pb2.PushPullRequest | bytes, timeout: float) -> None:
+        """``step``'s first half: sends the request. The stream is this step's until
+        ``receive`` (which must follow) returns or raises.
+
+        Raises:
+            grpc.RpcError: the call could not be opened.
+        """
+        if not isinstance(request, bytes):
+            request.timeout_ms = step_timeout_ms(timeout)
+        self._lock.acquire()
+        try:
             if self._call is not None and time.monotonic() - self._last > IDLE_REOPEN_S:
                 self._end()
+            self._put(request, timeout)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def receive(self, request: ps_pb2.PushPullRequest | bytes, timeout: float) -> Any:
+        """``step``'s second half: the reply to the request ``send`` sent.
+
+        Raises:
+            as ``step``.
+        """
+        try:
             try:
-                return self._send(request, timeout)
+                return self._reply(timeout)
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.CANCELLED:
                     raise
                 # The shard cancelled the call as idle just as this step went out: the step is
                 # sent again on a new call (a push it had taken is acknowledged as a retry).
-                return self._send(request, timeout)
+                self._put(request, timeout)
+                return self._reply(timeout)
+        finally:
+            self._lock.release()
 
-    def _send(self, request: ps_pb2.PushPullRequest, timeout: float) -> ps_pb2.PushPullResponse:
+    def _put(self, request: ps_pb2.PushPullRequest | bytes, timeout: float) -> None:
         if self._call is None:
             self._open()
         assert self._requests is not None
@@ -75,6 +109,8 @@ class StepStream:
         self._steps += 1
         self._requests.put(request)
         _WATCHDOG.watch(self, time.monotonic() + timeout, self._steps)
+
+    def _reply(self, timeout: float) -> Any:
         try:
             reply = next(self._call)
             self._last = time.monotonic()
@@ -105,9 +141,9 @@ class StepStream:
             call.cancel()
 
     def _open(self) -> None:
-        requests: queue.SimpleQueue[ps_pb2.PushPullRequest | None] = queue.SimpleQueue()
+        requests: queue.SimpleQueue[ps_pb2.PushPullRequest | bytes | None] = queue.SimpleQueue()
 
-        def messages() -> Iterator[ps_pb2.PushPullRequest]:
+        def messages() -> Iterator[ps_pb2.PushPullRequest | bytes]:
             # Consumed by grpc's sending thread; None ends the stream.
             while (request := requests.get()) is not None:
                 yield request

@@ -242,11 +242,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # One round trip per shard per step, decoded straight into the model (or its
             # pinned staging): no second copy.
             out = self._staging.receivers(targets)
+            # Tables' prefetched ids (the next batch's): their rows come back with the weights.
+            ahead = {n: i for n, t in self._tables.items() if (i := t.take_prefetch()) is not None}
             weights = self.client.push_pull(
                 {**outgoing, **({} if skip else rows)},
                 out=out,
                 options=StepOptions(values, skip),
+                rows=ahead or None,
             )
+            for name, table in self._tables.items():
+                table.prefetched(ahead.get(name), weights.pop(name, None))
             self._staging.to_device(weights, targets)
         if grad_scaler is not None and self.client.last_skipped and not skip:
             _found_inf(grad_scaler, self)  # another worker skipped: back off as it does

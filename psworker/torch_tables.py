@@ -40,6 +40,8 @@ class _RemoteTable(torch.nn.Module):
         self.name = name
         self.device = torch.device(device or "cpu")
         self._pending: list[tuple[np.ndarray, torch.Tensor]] = []
+        self._ahead: np.ndarray | None = None  # the next batch's distinct ids (prefetch)
+        self._ready: tuple[np.ndarray, np.ndarray] | None = None  # (ids, rows) fetched
         # Stands for the table in parameter groups; never trained, never in state_dict.
         self.handle = torch.nn.Parameter(torch.zeros(0, device=self.device))
 
@@ -65,13 +67,42 @@ class _RemoteTable(torch.nn.Module):
             f", capacity={t.capacity}" if t.capacity else ""
         )
 
-    def _rows(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the batch's distinct rows, pulled; each input position's index into them)."""
+    def prefetch(self, input: torch.Tensor) -> None:
+        """Asks for the rows of ``input`` (the next batch's ids, which the data loader knows)
+        with the next ``DistributedOptimizer.step()``: its push then brings them back in the
+        same round trip, read after the push as a pull at the next step would read them, and
+        the next forward of exactly these ids uses them instead of pulling. A forward of other
+        ids pulls as usual.
+
+        Raises:
+            TypeError: ids that are not integers.
+        """
+        self._ahead = np.unique(self._ids(input))
+
+    def take_prefetch(self) -> np.ndarray | None:
+        """The ids ``prefetch`` asked for (None: none), forgotten: the step carries them."""
+        ahead, self._ahead = self._ahead, None
+        return ahead
+
+    def prefetched(self, ids: np.ndarray | None, rows: np.ndarray | None) -> None:
+        """The rows a step brought back for ``ids`` (None: none), for the next forward."""
+        self._ready = None if ids is None or rows is None else (ids, rows)
+
+    def _ids(self, input: torch.Tensor) -> np.ndarray:
         if input.dtype.is_floating_point or input.dtype.is_complex:
             raise TypeError(f"table '{self.name}' takes integer ids, got {input.dtype}")
-        ids = input.detach().cpu().numpy().astype(np.int64, copy=False).reshape(-1)
-        unique, inverse = np.unique(ids, return_inverse=True)
-        rows = torch.from_numpy(self.client.pull_rows(self.name, unique)).to(self.device)
+        return input.detach().cpu().numpy().astype(np.int64, copy=False).reshape(-1)
+
+    def _rows(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the batch's distinct rows, pulled or prefetched; each input position's index
+        into them)."""
+        unique, inverse = np.unique(self._ids(input), return_inverse=True)
+        ready, self._ready = self._ready, None  # rows of one step serve one forward
+        if ready is not None and np.array_equal(ready[0], unique):
+            pulled = ready[1]
+        else:
+            pulled = self.client.pull_rows(self.name, unique)
+        rows = torch.from_numpy(pulled).to(self.device)
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
             self._pending.append((unique, rows))

@@ -795,6 +795,7 @@ class PushPullRequest(_message.Message):
     HEADER_FIELD_NUMBER: _builtins.int
     CHUNKS_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
     timeout_ms: _builtins.int
     """On PushPullStream, where the call's deadline spans many steps: this step's own (0: the
     shard's longest wait). Ignored on the unary PushPull, whose call deadline is the step's.
@@ -803,16 +804,24 @@ class PushPullRequest(_message.Message):
     def header(self) -> Global___PushHeader: ...
     @_builtins.property
     def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorChunk]: ...
+    @_builtins.property
+    def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___RowQuery]:
+        """Rows of embedding tables to read with the weights, after the push (the next batch's: one
+        round trip per shard per step). Each table's rows come back in PushPullResponse.chunks as
+        one tensor named after the table, shape [len(ids), dim], in the order of the ids asked.
+        """
+
     def __init__(
         self,
         *,
         header: Global___PushHeader | None = ...,
         chunks: _abc.Iterable[Global___TensorChunk] | None = ...,
         timeout_ms: _builtins.int = ...,
+        rows: _abc.Iterable[Global___RowQuery] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "header", b"header", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "header", b"header", "rows", b"rows", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
