@@ -52,8 +52,9 @@ class Membership:
     @property
     def dead_air_s(self) -> float:
         """A silence from every worker longer than this is the shard's own (paused, cut off):
-        workers heartbeat every 2 s by default, far more often than half the timeout. A shorter
-        stall cannot make a live worker look silent for a whole timeout."""
+        workers heartbeat every 2 s by default and at least four times per timeout (they learn
+        it when they register). A shorter stall cannot make a live worker look silent for a
+        whole timeout."""
         return self.timeout_s / 2
 
     def clocks(self, updates: int, finished: Mapping[int, int], opened: int) -> Clocks:

@@ -134,6 +134,14 @@ class Roster:
             self._membership_changed()
         return changed
 
+    def _absent(self) -> tuple[int, ...]:
+        """The job's workers out of the quorum now (sync and ssp jobs of fixed size)."""
+        job = self._agreement.job
+        if job is None or job.mode == "async" or job.elastic:
+            return ()
+        live = self._members.live_view
+        return tuple(w for w in range(job.num_workers) if w not in live)
+
     def _touch(self, worker_id: int) -> None:
         raise NotImplementedError
 

@@ -121,6 +121,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             durable_step=reg.durable_step,
             checkpointing=self.shard.checkpointing,
             job_id=reg.job_id,
+            heartbeat_timeout_s=self.shard.limits.heartbeat_timeout_s,
         )
 
     @rpc_errors

@@ -320,6 +320,8 @@ class Shard(Roster, Joins, Reports, OptimizerSide):
             incarnation=incarnation,
             cancelled=cancelled,
         )
+        with self._cond:  # who was missing by the time the step could be read
+            result.absent = self._absent()
         result.skipped = options.skip or self.step_skipped(step)
         return result, snapshot, clock
 
@@ -371,10 +373,7 @@ class Shard(Roster, Joins, Reports, OptimizerSide):
         # After a late sync push the worker moves on to the step the shard is in.
         after = max(step + 1, self._updates) if reason == "late" else step + 1
         job = self._job
-        absent: tuple[int, ...] = ()
-        if job is not None and job.mode != "async" and not job.elastic:
-            live = self._members.live_view
-            absent = tuple(w for w in range(job.num_workers) if w not in live)
+        absent = self._absent()
         durable = self._durable.get(worker_id, 0)
         job_id = job.job_id if job is not None else ""
         return PushResult(applied, reason, self._updates, durable, after, absent, job_id)

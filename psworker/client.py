@@ -241,7 +241,7 @@ class PSClient(ClientState, TableReads):
         self.shard_map = shard_map
         self.tables = layouts
         self.step = min(int(r.clock) for r in registered)
-        self._beats.start()
+        self._beats.start(min((r.heartbeat_timeout_s for r in registered), default=0.0))
 
     def pull(
         self, names: Sequence[str] | None = None, out: Mapping[str, np.ndarray] | None = None

@@ -82,7 +82,18 @@ class Heartbeats:
         self._thread: threading.Thread | None = None
         self._name = f"ps-heartbeat-{worker}"
 
-    def start(self) -> None:
+    def start(self, shard_timeout_s: float = 0.0) -> None:
+        """Starts beating, at least four times per the shards' heartbeat timeout (the shortest
+        of them, 0: none), so that a shard's rule for its own stalls (it heard nobody for half
+        the timeout) never mistakes this worker's quiet for one."""
+        if 0 < shard_timeout_s / 4 < self._interval:
+            log.info(
+                "heartbeat every %.2fs, not %.2fs: a quarter of the shards' %.1fs timeout",
+                shard_timeout_s / 4,
+                self._interval,
+                shard_timeout_s,
+            )
+            self._interval = shard_timeout_s / 4
         if self._interval > 0 and self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()

@@ -367,6 +367,7 @@ class RegisterWorkerResponse(_message.Message):
     DURABLE_STEP_FIELD_NUMBER: _builtins.int
     CHECKPOINTING_FIELD_NUMBER: _builtins.int
     JOB_ID_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _builtins.int
     clock: _builtins.int
     """the step this worker (re)joins at on this shard"""
     initialized: _builtins.bool
@@ -379,6 +380,8 @@ class RegisterWorkerResponse(_message.Message):
     """the shard checkpoints: keep pushes after durable_step to replay"""
     job_id: _builtins.str
     """the job this shard holds ("" before its first init)"""
+    heartbeat_timeout_s: _builtins.float
+    """The shard drops a worker silent this long (0: never); a worker heartbeats well within it."""
     def __init__(
         self,
         *,
@@ -388,10 +391,11 @@ class RegisterWorkerResponse(_message.Message):
         durable_step: _builtins.int = ...,
         checkpointing: _builtins.bool = ...,
         job_id: _builtins.str = ...,
+        heartbeat_timeout_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpointing", b"checkpointing", "clock", b"clock", "durable_step", b"durable_step", "incarnation", b"incarnation", "initialized", b"initialized", "job_id", b"job_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpointing", b"checkpointing", "clock", b"clock", "durable_step", b"durable_step", "heartbeat_timeout_s", b"heartbeat_timeout_s", "incarnation", b"incarnation", "initialized", b"initialized", "job_id", b"job_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -206,6 +206,21 @@ def test_several_workers_need_ids_and_a_second_process_cannot_take_a_live_ones(s
 # -- item 8: a finished worker leaves -------------------------------------------------------
 
 
+@pytest.mark.timeout(60)
+def test_a_sync_worker_that_never_starts_is_dropped_under_a_short_heartbeat_timeout(shards):
+    # 3 s: under the clients' default 2 s beat, a shard used to take each gap between two of
+    # worker 0's beats for its own stall (it heard nobody for half the timeout) and never
+    # dropped worker 1, so worker 0 waited out its whole timeout.
+    (server,) = shards(1, Limits(max_wait_s=60, heartbeat_timeout_s=3))
+    with psworker.connect([server.address], worker_id=0, num_workers=2, timeout=30) as alone:
+        alone.init(values(), SGD(lr=0.1))
+        start = time.monotonic()
+        alone.push_pull(ones())
+        assert time.monotonic() - start < 15
+        assert alone.absent == {1}  # the step's result says who was missing
+    assert 1 not in server.shard.status().live
+
+
 def test_in_ssp_the_last_worker_does_not_wait_for_one_that_finished(shards):
     (server,) = shards(1, Limits(max_wait_s=60, heartbeat_timeout_s=60))
     address = [server.address]
