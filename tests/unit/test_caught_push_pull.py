@@ -11,6 +11,7 @@ import threading
 
 import numpy as np
 import pytest
+from hand_clock import Clock
 
 from psserver.records import Limits
 from psserver.shard import Shard
@@ -32,27 +33,8 @@ START = {"w": np.array([1.0, 2.0], np.float32)}
 HEARTBEAT_S = 10.0
 
 
-class Clock:
-    """The shard's clock, moved by hand; tells who read it (a waiting call reads it)."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-        self.readers: set[int] = set()
-        self.read = threading.Condition()
-
-    def __call__(self) -> float:
-        with self.read:
-            self.readers.add(threading.get_ident())
-            self.read.notify_all()
-        return self.now
-
-    def wait_for_reader(self, thread: threading.Thread) -> None:
-        with self.read:
-            assert self.read.wait_for(lambda: thread.ident in self.readers, 5)
-
-
 def shard_for(mode: str, workers: int, ahead: int = 16) -> tuple[Shard, Clock]:
-    clock = Clock()
+    clock = Clock(100.0)
     limits = Limits(max_wait_s=5.0, heartbeat_timeout_s=HEARTBEAT_S, max_step_ahead=ahead)
     shard = Shard(limits, clock=clock)
     job = Job(mode, 0, workers, SGD(lr=1.0), SPECS, "m", job_id="job-7")

@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+from hand_clock import Clock
 
 from psserver.records import Limits
 from psserver.shard import Shard
@@ -19,25 +20,6 @@ from pswire.optim import SGD
 HEARTBEAT_S = 10.0
 SPECS = (VarSpec("w", (3,), "float32"), VarSpec("b", (2,), "float32"))
 START = {"w": np.zeros(3, np.float32), "b": np.zeros(2, np.float32)}
-
-
-class Clock:
-    """The shard's clock, moved by hand; remembers which threads read it."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-        self.readers: set[int] = set()
-        self.read = threading.Condition()
-
-    def __call__(self) -> float:
-        with self.read:
-            self.readers.add(threading.get_ident())
-            self.read.notify_all()
-        return self.now
-
-    def wait_for_reader(self, thread: threading.Thread, timeout: float = 10.0) -> None:
-        with self.read:
-            assert self.read.wait_for(lambda: thread.ident in self.readers, timeout)
 
 
 def shard_for(mode: str, workers: int, staleness: int = 0, quorum: int = 0) -> tuple[Shard, Clock]:

@@ -9,6 +9,7 @@ import threading
 
 import numpy as np
 import pytest
+from hand_clock import Clock
 
 from psserver.records import Limits
 from psserver.shard import Shard
@@ -28,25 +29,12 @@ START = {"w": np.array([1.0, 2.0], np.float32), "b": np.zeros(3, np.float32)}
 MAX_WAIT_S = 3.0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 500.0
-        self.readers: set[int] = set()
-        self.read = threading.Condition()
-
-    def __call__(self) -> float:
-        with self.read:
-            self.readers.add(threading.get_ident())
-            self.read.notify_all()
-        return self.now
-
-
 def job(mode: str = "sync", workers: int = 1, quorum: int = 0, specs=SPECS) -> Job:
     return Job(mode, 0, workers, SGD(lr=1.0), specs, "m", quorum=quorum)
 
 
 def ready(mode: str = "sync", workers: int = 1, quorum: int = 0) -> tuple[Shard, Clock]:
-    clock = Clock()
+    clock = Clock(500.0)
     shard = Shard(Limits(max_wait_s=MAX_WAIT_S, heartbeat_timeout_s=10), clock=clock)
     assert shard.init(0, job(mode, workers, quorum), START)
     return shard, clock
