@@ -14,13 +14,10 @@ naming the one it could take instead, which the worker then prepares everywhere.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from psserver.consistency import Clocks, ConsistencyPolicy
-from psserver.history import MembershipHistory
-from psserver.membership import Membership
-from psserver.records import Limits
+from psserver.consistency import ConsistencyPolicy
+from psserver.shard_parts import ShardParts
 from pswire.errors import InvalidRequestError, WorkerDroppedError
 from pswire.job import OBSERVER, Job
 
@@ -45,18 +42,9 @@ class MembersView:
     max_workers: int
 
 
-class Joins:
+class Joins(ShardParts):
     """The elastic side of a ``Shard``: joins, members per step, the push check, the waits'
     messages (its lock held)."""
-
-    _cond: threading.Condition
-    _now: Callable[[], float]
-    _members: Membership
-    _history: MembershipHistory
-    _finished: dict[int, int]
-    _opened: int
-    _policy: ConsistencyPolicy | None
-    limits: Limits
 
     def join(self, worker_id: int, session: str, phase: str, step: int = 0) -> JoinResult:
         """One phase of an elastic join (see the module's docstring).
@@ -254,30 +242,3 @@ class Joins:
         if not (reader and worker_id == OBSERVER):
             self._check_worker(worker_id, job.num_workers, "join")
         return job
-
-    def _require_job(self) -> Job:
-        raise NotImplementedError
-
-    def _require_policy(self) -> ConsistencyPolicy:
-        raise NotImplementedError
-
-    def _check_worker(self, worker_id: int, num_workers: int, what: str) -> None:
-        raise NotImplementedError
-
-    def _touch(self, worker_id: int) -> None:
-        raise NotImplementedError
-
-    def _clocks(self) -> Clocks:
-        raise NotImplementedError
-
-    def _membership_changed(self) -> None:
-        raise NotImplementedError
-
-    def _wait(
-        self,
-        ready: Callable[[], bool],
-        timeout: float | None,
-        cancelled: threading.Event | None,
-        describe: Callable[[], str],
-    ) -> None:
-        raise NotImplementedError

@@ -3,40 +3,18 @@ restore from one. A part of ``Shard`` (its base class), kept apart to keep each 
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
 
 import numpy as np
 
-from psserver.agreement import JobAgreement
-from psserver.consistency import ConsistencyPolicy, make_policy
-from psserver.history import MembershipHistory
-from psserver.membership import Membership
+from psserver.consistency import make_policy
 from psserver.records import ShardState, ShardStatus
+from psserver.shard_parts import ShardParts
 from psserver.variables import Variables
-from pswire.job import Job
 
 
-class Reports:
+class Reports(ShardParts):
     """Status, snapshot, export and restore of a ``Shard``'s state (under its lock)."""
-
-    _cond: threading.Condition
-    _now: Callable[[], float]
-    _agreement: JobAgreement
-    _policy: ConsistencyPolicy | None
-    _state: Variables
-    _finished: dict[int, int]
-    _members: Membership
-    _history: MembershipHistory
-    _ready: bool
-    _updates: int
-    _counters: dict[str, int]
-    _durable: dict[int, int]
-    _checkpoint_step: int
-    _checkpoint_time: float | None
-    _failure: str
-    _start_optimizer_side: Callable[[Job | None], None]  # OptimizerSide's
 
     def status(self) -> ShardStatus:
         """What the shard holds and who it counts, read without changing anything."""

@@ -3,29 +3,13 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-
-from psserver.agreement import JobAgreement
-from psserver.consistency import Clocks, ConsistencyPolicy
-from psserver.membership import Membership
-from psserver.records import Limits, Registration
+from psserver.records import Registration
+from psserver.shard_parts import ShardParts
 from pswire.errors import InvalidRequestError, ModelMismatchError, TooLargeError
 
 
-class Roster:
+class Roster(ShardParts):
     """Registration, heartbeats, leaving and expiry of a ``Shard``'s workers (its lock held)."""
-
-    limits: Limits
-    _cond: threading.Condition
-    _now: Callable[[], float]
-    _agreement: JobAgreement
-    _policy: ConsistencyPolicy | None
-    _finished: dict[int, int]
-    _members: Membership
-    _ready: bool
-    _durable: dict[int, int]
-    _record: Callable[[int, int, str], None]  # Joins'
 
     def register_worker(self, worker_id: int, num_workers: int, session: str = "") -> Registration:
         """Records a worker (new, restarted or reconnecting); says where it (re)joins.
@@ -141,15 +125,3 @@ class Roster:
             return ()
         live = self._members.live_view
         return tuple(w for w in range(job.num_workers) if w not in live)
-
-    def _touch(self, worker_id: int) -> None:
-        raise NotImplementedError
-
-    def _clocks(self) -> Clocks:
-        raise NotImplementedError
-
-    def _check_worker(self, worker_id: int, num_workers: int, what: str) -> None:
-        raise NotImplementedError
-
-    def _membership_changed(self) -> None:
-        raise NotImplementedError

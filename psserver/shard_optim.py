@@ -3,14 +3,13 @@ the optimizer state (a mixin of ``Shard``, which holds the lock, the job and the
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from psserver.variables import Variables
+from psserver.shard_parts import ShardParts
 from pswire.errors import HyperParameterMismatchError, InvalidRequestError, ModelMismatchError
 from pswire.job import Job
 from pswire.optim import NO_OPTIONS, Optimizer, StepOptions
@@ -87,29 +86,8 @@ def _disagreement(
     )
 
 
-class OptimizerSide:
+class OptimizerSide(ShardParts):
     """``Shard``'s methods for per-update hyper-parameters, skips and optimizer state."""
-
-    # Provided by Shard.
-    _cond: threading.Condition
-    _state: Variables
-    _ready: bool
-    _updates: int
-
-    def _require_job(self) -> Job:
-        raise NotImplementedError
-
-    def _wait(
-        self,
-        ready: Callable[[], bool],
-        timeout: float | None,
-        cancelled: threading.Event | None,
-        describe: Callable[[], str],
-    ) -> None:
-        raise NotImplementedError
-
-    def _wait_values(self, timeout: float | None, cancelled: threading.Event | None) -> None:
-        raise NotImplementedError
 
     def _start_optimizer_side(self, job: Job | None) -> None:
         """Fresh per-update settings and no loaded state, for a job now starting."""
