@@ -17,6 +17,8 @@ from pswire.security import ServerSecurity, read_token_file
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS = ("text", "json")
 _DEFAULT_LIMITS = Limits()
+# A shorter heartbeat timeout would have every worker heartbeat this shard many times a second.
+MIN_HEARTBEAT_TIMEOUT_S = 1.0
 log = logging.getLogger(__name__)
 
 
@@ -57,9 +59,12 @@ class ServerConfig:
             problems.append(f"max-variables must be >= 1, got {self.limits.max_variables}")
         if self.limits.max_request_bytes < 1:
             problems.append(f"max-request-bytes must be >= 1, got {self.limits.max_request_bytes}")
-        if not self.limits.heartbeat_timeout_s >= 0:
+        timeout = self.limits.heartbeat_timeout_s
+        if not (timeout == 0 or timeout >= MIN_HEARTBEAT_TIMEOUT_S):
             problems.append(
-                f"heartbeat-timeout must be >= 0 seconds, got {self.limits.heartbeat_timeout_s}"
+                f"heartbeat-timeout must be 0 (never drop a worker) or >= "
+                f"{MIN_HEARTBEAT_TIMEOUT_S:g} seconds, got {timeout} (workers beat four times "
+                "per timeout)"
             )
         if not self.limits.max_wait_s > 0:
             problems.append(f"max-wait must be > 0 seconds, got {self.limits.max_wait_s}")
@@ -201,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
         env="PS_HEARTBEAT_TIMEOUT",
         type=float,
         default=_DEFAULT_LIMITS.heartbeat_timeout_s,
-        help="seconds a silent worker stays in the sync/ssp quorum (0: forever)",
+        help="seconds a silent worker stays in the sync/ssp quorum (0: forever; else >= 1)",
     )
     cli.add(
         parser,

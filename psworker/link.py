@@ -233,16 +233,14 @@ class ShardLink:
         pieces: Mapping[str, np.ndarray | RowSparse],
         into: Mapping[str, np.ndarray] | None = None,
         options: StepOptions | None = None,
-        rows: Sequence[ps_pb2.RowQuery] = (),
     ) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
         """One step as one message each way on the open step stream: the push, then the
-        weights (and the table ``rows`` asked) for the step after it (decoded into ``into``'s
-        arrays where given).
+        weights for the step after it (decoded into ``into``'s arrays where given).
 
         Raises:
             PSError: the call failed (after retries through UNAVAILABLE).
         """
-        return self.start_push_pull(step, pieces, into, options, rows)()
+        return self.start_push_pull(step, pieces, into, options)()
 
     def start_push_pull(
         self,

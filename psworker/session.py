@@ -70,13 +70,17 @@ class JobIdentity:
                 )
 
 
+# The most often a worker heartbeats, whatever timeout a shard has (20 calls/s per shard).
+MIN_HEARTBEAT_S = 0.05
+
+
 class Heartbeats:
     """A background thread telling every shard, every ``interval`` seconds, that this worker
     is alive (0: none)."""
 
     def __init__(self, links: Sequence[ShardLink], interval: float, worker: int, session: str):
         self._links = links
-        self._interval = interval
+        self.interval = interval
         self._request = ps_pb2.HeartbeatRequest(worker_id=worker, session=session)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -85,16 +89,18 @@ class Heartbeats:
     def start(self, shard_timeout_s: float = 0.0) -> None:
         """Starts beating, at least four times per the shards' heartbeat timeout (the shortest
         of them, 0: none), so that a shard's rule for its own stalls (it heard nobody for half
-        the timeout) never mistakes this worker's quiet for one."""
-        if 0 < shard_timeout_s / 4 < self._interval:
+        the timeout) never mistakes this worker's quiet for one; never more often than every
+        ``MIN_HEARTBEAT_S``, whatever a shard asks."""
+        quarter = max(MIN_HEARTBEAT_S, shard_timeout_s / 4)
+        if shard_timeout_s > 0 and quarter < self.interval:
             log.info(
-                "heartbeat every %.2fs, not %.2fs: a quarter of the shards' %.1fs timeout",
-                shard_timeout_s / 4,
-                self._interval,
+                "heartbeat every %.2fs, not %.2fs: a quarter of the shards' %.2fs timeout",
+                quarter,
+                self.interval,
                 shard_timeout_s,
             )
-            self._interval = shard_timeout_s / 4
-        if self._interval > 0 and self._thread is None:
+            self.interval = quarter
+        if self.interval > 0 and self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
 
@@ -104,10 +110,10 @@ class Heartbeats:
             self._thread.join(timeout=2.0)
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):
+        while not self._stop.wait(self.interval):
             for link in self._links:
                 try:
-                    link.stub.Heartbeat(self._request, timeout=max(1.0, self._interval))
+                    link.stub.Heartbeat(self._request, timeout=max(1.0, self.interval))
                 except grpc.RpcError as exc:  # the training calls report and recover
                     log.debug("heartbeat to shard %d failed: %s", link.index, exc.code())
 

@@ -7,16 +7,12 @@ from __future__ import annotations
 import logging
 import random
 import re
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from faults import FaultPlan
+from link_cluster import grad, pull_request
 
-import psworker
-from psserver.records import Limits, ShardState
-from psserver.server import RunningServer, start_server
-from psserver.shard import Shard
 from pswire.errors import (
     InvalidRequestError,
     ShapeMismatchError,
@@ -24,85 +20,8 @@ from pswire.errors import (
     UnknownVariableError,
     WaitTimeoutError,
 )
-from pswire.optim import SGD
 from pswire.proto import ps_pb2
-from psworker.link import BACKOFF_BASE_S, BACKOFF_CAP_S, ShardLink, backoff
-
-LIMITS = Limits(max_wait_s=5)
-
-
-def grad(step: int) -> dict[str, np.ndarray]:
-    return {"w": np.full(2, step + 1, np.float32)}
-
-
-def served(shard: Shard, port: int = 0) -> RunningServer:
-    shard.checkpointing = True  # as a CheckpointScheduler marks it: workers keep a replay log
-    return start_server(shard, port=port)
-
-
-class Cluster:
-    """One shard server and a worker's link to it, on a channel with fault plans."""
-
-    def __init__(
-        self,
-        *plans: FaultPlan,
-        retry_s: float = 10.0,
-        mode: str = "async",
-        workers: int = 1,
-        timeout: float = 5.0,
-        worker: int = 0,
-    ) -> None:
-        self.server = served(Shard(LIMITS))
-        self.port = int(self.server.address.rsplit(":", 1)[1])
-        values = {"w": np.zeros(2, np.float32)}
-        if worker:  # worker 0 sends the initial values first
-            with psworker.PSClient(
-                [self.server.address], 0, workers, mode=mode, heartbeat_s=0
-            ) as chief:
-                chief.init(values, SGD(lr=1.0))
-        self.client = psworker.PSClient(
-            [self.server.address],
-            worker,
-            workers,
-            mode=mode,
-            timeout=timeout,
-            retry_s=retry_s,
-            heartbeat_s=0,
-            interceptors=plans,
-        )
-        self.client.init(values, SGD(lr=1.0))
-        self.link: ShardLink = self.client.links[0]
-        for plan in plans:  # count from here: the calls init made are not the test's
-            plan.calls = plan.fired = 0
-
-    def restart(self, state: ShardState | None) -> None:
-        """As kill -9 and a restart on the same port: from ``state``, or with nothing."""
-        self.server.stop(grace=0)
-        shard = Shard(LIMITS)
-        if state is not None:
-            shard.restore(state)
-        self.server = served(shard, self.port)
-
-    def weights(self) -> np.ndarray:
-        return self.server.shard.snapshot()["w"]
-
-    def close(self) -> None:
-        self.client.close()
-        self.server.stop(grace=0)
-
-
-@pytest.fixture
-def cluster() -> Iterator[type[Cluster]]:
-    made: list[Cluster] = []
-
-    class Made(Cluster):
-        def __init__(self, *plans: FaultPlan, **options) -> None:
-            super().__init__(*plans, **options)
-            made.append(self)
-
-    yield Made
-    for c in made:
-        c.close()
+from psworker.link import BACKOFF_BASE_S, BACKOFF_CAP_S, backoff
 
 
 def test_backoff_doubles_from_the_base_to_the_cap_with_jitter() -> None:
@@ -155,7 +74,7 @@ def test_a_shard_restarted_from_its_checkpoint_gets_the_lost_pushes_replayed(
     np.testing.assert_array_equal(c.weights(), -np.full(2, 1 + 2 + 3 + 4 + 5 + 6))
     status = c.server.shard.status()
     assert status.pushes_applied == 6 and status.workers[worker][0] == 6  # replayed as itself
-    pulled = c.link.pull(_pull_request())  # reads carry the new incarnation too
+    pulled = c.link.pull(pull_request())  # reads carry the new incarnation too
     np.testing.assert_array_equal(pulled["w"], c.weights())
 
 
@@ -169,7 +88,7 @@ def test_a_restart_found_by_a_pull_replays_too_and_decodes_into_the_callers_arra
     c.link.push(0, grad(0))
     c.restart(state)
     into = {"w": np.empty(2, np.float32)}
-    pulled = c.link.pull(_pull_request(step=1), into=into)
+    pulled = c.link.pull(pull_request(step=1), into=into)
     assert c.link.recoveries == 1
     np.testing.assert_array_equal(pulled["w"], [-1, -1])
     assert pulled["w"] is into["w"] or np.shares_memory(pulled["w"], into["w"])
@@ -214,7 +133,7 @@ def test_a_restart_right_after_a_checkpoint_replays_nothing_and_says_so(cluster,
     old = c.link.incarnation
     c.restart(state)  # nothing pushed since: the log is empty
     with caplog.at_level(logging.WARNING, logger="psworker.link"):
-        pulled = c.link.pull(_pull_request())
+        pulled = c.link.pull(pull_request())
     assert c.link.recoveries == 1 and not c.link.log
     np.testing.assert_array_equal(pulled["w"], [0, 0])
     said = (
@@ -242,7 +161,7 @@ def test_calls_name_their_rpc_and_wait_no_longer_than_the_links_timeout(cluster)
     sync = cluster(mode="sync", workers=2, timeout=2.0)
     sync.link.push(0, grad(0))
     for call in (
-        lambda: sync.link.pull(_pull_request(step=1)),
+        lambda: sync.link.pull(pull_request(step=1)),
         lambda: sync.link.push(1, grad(1)),
     ):
         with pytest.raises(WaitTimeoutError, match=r"gave up after 1\.\ds"):
@@ -293,10 +212,6 @@ def test_the_fused_step_recovers_like_the_others(cluster) -> None:
     pushed, pulled = c.link.push_pull(1, grad(1))
     assert (pushed.reason, c.link.recoveries) == ("duplicate", 1)  # replayed first
     np.testing.assert_array_equal(pulled["w"], [-3, -3])
-
-
-def _pull_request(step: int = 0):
-    return ps_pb2.PullRequest(worker_id=0, step=step, names=["w"])
 
 
 def test_a_fused_step_to_a_shard_replaced_while_no_stream_was_open_is_refused_and_replayed(

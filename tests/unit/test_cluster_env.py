@@ -10,6 +10,7 @@ import pytest
 from psserver.config import parse_config
 from pswire.cluster import ClusterSpec, task_index_from_env
 from psworker.main import export_job
+from psworker.session import MIN_HEARTBEAT_S, Heartbeats
 
 SHARED = json.dumps({"cluster": {"ps": ["ps-0.ps:7000", "ps-1.ps:7001"], "worker": ["a", "b"]}})
 INDEX_VARS = ("PS_TASK_INDEX", "JOB_COMPLETION_INDEX")
@@ -90,3 +91,26 @@ def test_psworker_run_exports_the_task_it_derived(monkeypatch: pytest.MonkeyPatc
     assert exported["task"] == {"type": "worker", "index": 1}
     assert exported["cluster"]["ps"] == ["ps-0.ps:7000", "ps-1.ps:7001"]
     assert os.environ["PS_WORKER_ID"] == "1"
+
+
+def test_psserver_refuses_a_heartbeat_timeout_under_a_second_but_takes_0(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert parse_config(["--heartbeat-timeout", "0"]).limits.heartbeat_timeout_s == 0
+    assert parse_config(["--heartbeat-timeout", "1"]).limits.heartbeat_timeout_s == 1
+    for bad in ("0.01", "0.99", "-1"):
+        with pytest.raises(SystemExit):
+            parse_config(["--heartbeat-timeout", bad])
+        assert (
+            "heartbeat-timeout must be 0 (never drop a worker) or >= 1 seconds, got "
+            f"{float(bad)} (workers beat four times per timeout)"
+        ) in capsys.readouterr().err
+
+
+def test_workers_beat_four_times_per_shard_timeout_but_at_most_every_50_ms() -> None:
+    for shard_timeout, interval in ((0.0, 2.0), (8.0, 2.0), (2.0, 0.5), (0.1, 0.05), (0.01, 0.05)):
+        beats = Heartbeats([], 2.0, worker=0, session="s")
+        beats.start(shard_timeout)
+        beats.stop()
+        assert beats.interval == pytest.approx(interval), shard_timeout
+    assert MIN_HEARTBEAT_S == 0.05
