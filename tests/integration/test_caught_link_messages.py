@@ -95,11 +95,31 @@ def test_a_warning_without_a_likely_cause_ends_with_grpcs_details(refused) -> No
     assert link._unreachable(bare, "Push", waited=0.0, left=5.0).endswith(": socket gone")
 
 
-def test_a_host_that_does_not_resolve_is_named_in_the_warning(refused) -> None:
+def test_a_host_that_does_not_resolve_is_named_in_the_warning_and_the_error(refused) -> None:
     link, _ = refused
     lookup = InjectedUnavailable("DNS resolution failed: Domain name not found")
-    said = link._unreachable(lookup, "Push", waited=0.0, left=5.0)
-    assert said.endswith(f". Likely cause: the host name in {link.address!r} does not resolve")
+    cause = f". Likely cause: the host name in {link.address!r} does not resolve"
+    assert link._unreachable(lookup, "Push", waited=0.0, left=5.0).endswith(cause)
+    assert str(link._failure(lookup, "Push", 30.0, 9)).endswith(cause)
+
+
+def test_the_error_of_an_unreachable_shard_adds_only_a_cause_it_knows(refused) -> None:
+    link, error = refused
+    where = f"Push on shard 0 ({link.address})"
+    failure = link._failure(error, "Push", 30.04, 9)
+    assert isinstance(failure, UnavailableError)
+    assert str(failure) == (
+        f"{where}: shard unreachable for 30.0s (9 attempts, retry_s=30): {error.details()}. "
+        f"Likely cause: {NOTHING_LISTENS}"
+    )
+    reset = link._failure(InjectedUnavailable("the connection was reset"), "Push", 1.0, 2)
+    assert str(reset) == (
+        f"{where}: shard unreachable for 1.0s (2 attempts, retry_s=30): the connection was reset"
+    )
+    silent = link._failure(InjectedUnavailable(""), "Push", 1.0, 2)
+    assert str(silent) == f"{where}: shard unreachable for 1.0s (2 attempts, retry_s=30): "
+    # An RpcError that is not a call (no code(), no details()): reported as it is.
+    assert str(link._failure(grpc.RpcError("socket gone"), "Push", 0.0, 1)).startswith(f"{where}: ")
 
 
 def test_shard_status_names_the_shard_and_the_likely_cause() -> None:
@@ -171,6 +191,12 @@ def test_no_call_waits_forever_on_a_shard_that_never_answers(silent: str) -> Non
     client = psworker.PSClient([silent], 0, 1, timeout=0.5, retry_s=0.5, heartbeat_s=0)
     try:
         link = client.links[0]
+        with pytest.raises(WaitTimeoutError) as timed_out:
+            link.call("Status", lambda stub: stub.Status(ps_pb2.StatusRequest(), timeout=0.5))
+        assert str(timed_out.value) == (
+            f"Status on shard 0 ({silent}): no answer within timeout=0.5s (the shard neither "
+            "answered nor said what it waits for: is it overloaded or stuck?)"
+        )
         with pytest.raises(grpc.RpcError) as info:
             link.register()
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -178,4 +204,4 @@ def test_no_call_waits_forever_on_a_shard_that_never_answers(silent: str) -> Non
             link._make_room(limit=1)  # a full replay log asks the shard to checkpoint
     finally:
         client.close()
-    assert time.monotonic() - start < 15  # three deadlines of 0.5 s, not a hang
+    assert time.monotonic() - start < 15  # four deadlines of 0.5 s, not a hang

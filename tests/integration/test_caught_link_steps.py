@@ -60,22 +60,45 @@ def test_a_fused_step_waits_at_the_shard_no_longer_than_the_links_timeout(cluste
             c.link.push_pull(0, {"w": np.ones(size, np.float32)})
 
 
-def test_a_fused_step_carries_the_client_process_session(cluster) -> None:
+def test_a_step_carries_the_client_process_session(cluster) -> None:
     c = cluster()
     channel = grpc.insecure_channel(c.server.address)
     try:
-        # Another process using this worker's id, past registration: its step is refused.
-        config = dataclasses.replace(c.link.config, session="another-process")
+        # Another process using this worker's id, past registration: its steps are refused.
+        config = dataclasses.replace(c.link.config, session="another-process", retry_s=0.5)
         intruder = ShardLink(0, c.server.address, channel, config)
         intruder.incarnation = c.link.incarnation
         with pytest.raises(DuplicateWorkerError, match="worker id 0"):
             intruder.push_pull(0, grad(0))
+        with pytest.raises(DuplicateWorkerError, match="worker id 0"):
+            intruder.push(0, grad(0))
         intruder.close()
     finally:
         channel.close()
     assert c.server.shard.status().pushes_applied == 0
-    c.link.push_pull(0, grad(0))  # the holder's own step goes through
-    assert c.server.shard.status().pushes_applied == 1
+    c.link.push_pull(0, grad(0))  # the holder's own steps go through
+    c.link.push(1, grad(1))
+    assert c.server.shard.status().pushes_applied == 2
+
+
+def test_a_streamed_pushs_options_reach_the_shard_and_the_replay_log(cluster) -> None:
+    c = cluster()
+    c.link.push(0, grad(0), HALF_LR)
+    np.testing.assert_array_equal(c.weights(), [-0.5, -0.5])
+    assert c.link.logged_options == {0: HALF_LR}
+
+
+def test_a_replayed_push_is_applied_with_its_own_options(cluster) -> None:
+    c = cluster()
+    state = c.server.shard.export_state()
+    assert state is not None
+    c.server.shard.mark_checkpoint(state)
+    c.link.push(0, grad(0), HALF_LR)  # lost with the shard, then replayed at lr 0.5
+    c.link.push(1, grad(1))
+    c.restart(state)
+    c.link.push(2, grad(2))
+    assert c.link.recoveries == 1
+    np.testing.assert_array_equal(c.weights(), [-(0.5 + 2 + 3)] * 2)
 
 
 def test_a_fused_step_that_finds_no_shard_names_the_call_when_it_gives_up(cluster) -> None:
