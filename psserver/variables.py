@@ -6,7 +6,7 @@ rule about when anything happens (the shard and its consistency policy decide th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -77,15 +77,17 @@ class Variables:
         the update sums several pushes (sync), so a table's rows may have overflowed; False:
         it is one push, whose rows were checked as it arrived.
 
-        Nothing non-finite is ever stored: an update whose gradient is not finite (a sum that
-        overflowed) is refused before anything changes; one whose inputs are large enough that
-        the optimizer could overflow is computed with the old values kept, and undone when any
-        result is not finite.
+        Nothing non-finite is ever stored, and a refused update changes nothing: one whose
+        gradient is not finite (a sum that overflowed) is refused before anything changes;
+        tables' rows are computed first and stored last, once every result is known to be
+        finite; dense variables whose inputs are large enough that the optimizer could overflow
+        are computed with the old values kept, and restored when any result is not finite;
+        buffers take their values last.
 
         Raises:
-            StepRefusedError: a gradient or a result is not finite; nothing changed (a table
-                whose result is not finite keeps its rows; dense variables are restored when
-                their inputs were large enough to be backed up, else named as changed).
+            StepRefusedError: a gradient or a result is not finite; nothing changed (dense
+                variables whose inputs were too small to be backed up, yet overflowed, are
+                named as changed).
         """
         groups = optimizers or job.optimizers
         specs = job.specs
@@ -103,37 +105,43 @@ class Variables:
             for k, g in update.items()
             if not skip and not isinstance(g, RowSparse) and not specs[k].average
         ]
-        risky = bool(trained) and self._risky(groups, update, trained)  # tables: never backed up
-        backup = self._backup(trained) if risky else None
-        refused: list[str] = []  # tables: a non-finite result is never written
-        with np.errstate(over="ignore", invalid="ignore"):  # non-finite results: see below
-            for key, grad in update.items():
-                spec = specs[key]
-                if spec.average:
-                    np.copyto(self.values[key], grad, casting="unsafe")
-                elif skip:
-                    continue
-                elif isinstance(grad, RowSparse):
-                    if not self.tables[key].apply(grad.ids, grad.values, groups[spec.group]):
-                        refused.append(key)
+        # Tables first, computed but not stored: a refusal then changes nothing anywhere.
+        stores: list[Callable[[], None]] = []
+        refused: list[str] = []
+        for key, grad in update.items():
+            if isinstance(grad, RowSparse) and not skip and not specs[key].average:
+                store = self.tables[key].step(grad.ids, grad.values, groups[specs[key].group])
+                if store is None:
+                    refused.append(key)
                 else:
-                    groups[spec.group].apply_blocked(self.values[key], grad, self.slots[key])
+                    stores.append(store)
+        if refused:
+            raise StepRefusedError(
+                f"the optimizer step made {refused} non-finite (values or optimizer state "
+                "overflowed); the variables were left as before"
+            )
+        risky = bool(trained) and self._risky(groups, update, trained)
+        backup = self._backup(trained) if risky else None
+        with np.errstate(over="ignore", invalid="ignore"):  # non-finite results: see below
+            for key in trained:
+                spec = specs[key]
+                groups[spec.group].apply_blocked(self.values[key], update[key], self.slots[key])
         bad = [k for k in trained if not self._measure(k)]
-        if not bad and not refused:
-            return
-        if backup is not None:
-            for key, (value, slots) in backup.items():
-                self.values[key], self.slots[key] = value, slots
-                self._measure(key)
-        kept = (
-            "the variables were left as before"
-            if backup is not None or not bad
-            else ("state changed")
-        )
-        raise StepRefusedError(
-            f"the optimizer step made {bad + refused} non-finite (values or optimizer state "
-            f"overflowed); {kept}"
-        )
+        if bad:
+            if backup is not None:
+                for key, (value, slots) in backup.items():
+                    self.values[key], self.slots[key] = value, slots
+                    self._measure(key)
+            kept = "the variables were left as before" if backup is not None else "state changed"
+            raise StepRefusedError(
+                f"the optimizer step made {bad} non-finite (values or optimizer state "
+                f"overflowed); {kept}"
+            )
+        for key, grad in update.items():
+            if specs[key].average:
+                np.copyto(self.values[key], grad, casting="unsafe")
+        for store in stores:
+            store()
 
     def _risky(
         self, groups: tuple[Optimizer, ...], update: Mapping[str, Any], trained: list[str]

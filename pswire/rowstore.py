@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,10 +88,23 @@ class RowStore:
 
         ``optimizer``: this update's hyper-parameters (a scheduler's lr, ...), with the slots
         of the one the store was made with; None: that one."""
+        store = self.step(ids, grad, optimizer)
+        if store is None:
+            return False
+        store()
+        return True
+
+    def step(
+        self, ids: np.ndarray, grad: np.ndarray, optimizer: Optimizer | None = None
+    ) -> Callable[[], None] | None:
+        """``apply`` in two halves: computes the step, changing no row or slot, and returns
+        the call that stores it (to be made before this store's next step), or None when the
+        result would not be finite. So an update of several variables stores nothing until
+        every part of it is known to be finite."""
         ids, grad = sum_duplicates(ids, grad)
         rows = self._locate(ids)
         if not len(rows):
-            return True
+            return _nothing
         part = self._gathered("values", self.values, rows)
         sub = {
             k: self._gathered(k, v, rows) if isinstance(v, np.ndarray) else v
@@ -100,14 +114,17 @@ class RowStore:
             (optimizer or self.optimizer).apply(part, np.asarray(grad, self.values.dtype), sub)
         arrays = [part, *(v for v in sub.values() if isinstance(v, np.ndarray))]
         if not all(all_finite(a) for a in arrays):
-            return False
-        scatter_rows(self.values, rows, part)
-        for key, value in sub.items():
-            if isinstance(self.slots[key], np.ndarray):
-                scatter_rows(self.slots[key], rows, value)
-            else:
-                self.slots[key] = value
-        return True
+            return None
+
+        def store() -> None:
+            scatter_rows(self.values, rows, part)
+            for key, value in sub.items():
+                if isinstance(self.slots[key], np.ndarray):
+                    scatter_rows(self.slots[key], rows, value)
+                else:
+                    self.slots[key] = value
+
+        return store
 
     def export(self) -> TableState:
         if self._index is None:
@@ -226,3 +243,7 @@ def _resized(array: np.ndarray, rows: int) -> np.ndarray:
 
 def _take(value: Any, index: Any) -> Any:
     return value[index].copy() if isinstance(value, np.ndarray) else value
+
+
+def _nothing() -> None:
+    """The store of a step that touched no row."""

@@ -121,10 +121,12 @@ class SyncPolicy(ConsistencyPolicy):
         for key, parts in rows.items():
             # A row only some workers touched averages with zeros from the rest, exactly as a
             # dense gradient would.
-            ids, values = sum_duplicates(
-                np.concatenate([p.ids for p in parts]), np.concatenate([p.values for p in parts])
-            )
-            values /= values.dtype.type(count)
+            with np.errstate(over="ignore"):  # an overflow is refused when applied
+                ids, values = sum_duplicates(
+                    np.concatenate([p.ids for p in parts]),
+                    np.concatenate([p.values for p in parts]),
+                )
+                values /= values.dtype.type(count)
             update[key] = RowSparse(ids, values)
         self._pushes = {}
         self._owned = set()

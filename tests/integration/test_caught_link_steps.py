@@ -19,12 +19,14 @@ import psworker
 from pswire.errors import (
     ClientClosedError,
     DuplicateWorkerError,
+    ModelMismatchError,
     TooLargeError,
     UnavailableError,
     WaitTimeoutError,
 )
 from pswire.optim import SGD, StepOptions
 from pswire.stepmsg import SMALL_BYTES
+from pswire.tables import RowSparse
 from psworker.link import ShardLink
 
 HALF_LR = StepOptions(values={0: {"lr": 0.5}})  # the job's lr is 1
@@ -179,3 +181,30 @@ def test_a_full_replay_log_the_shard_cannot_checkpoint_is_an_error_naming_the_pu
         str(info.value),
     ), str(info.value)
     assert sorted(c.link.log) == [0, 1, 2, 3] and c.server.shard.status().pushes_applied == 4
+
+
+def test_a_reply_from_a_shard_holding_another_job_is_refused_naming_it(cluster) -> None:
+    c = cluster()
+    job = c.link.identity.value
+    assert job  # learnt at registration
+    c.link.identity.value = "another-run"  # as if this worker had trained another run
+    with pytest.raises(ModelMismatchError) as info:
+        c.link.push(0, grad(0))
+    assert str(info.value).startswith(
+        f"shard 0 ({c.server.address}) holds job {job}, but this worker trains job another-run"
+    )
+
+
+def test_the_replay_log_counts_the_bytes_it_holds_as_it_forgets(cluster) -> None:
+    c = cluster()
+    rows = RowSparse(np.array([1, 2], np.int64), np.ones((2, 3), np.float32))
+    c.link.note_push(0, grad(0))  # 8 bytes
+    c.link.note_push(1, {"t": rows})  # 16 bytes of ids, 24 of rows
+    c.link.note_push(2, grad(2))
+    assert c.link.log_bytes == 8 + 40 + 8
+    c.link.durable = 1
+    c.link._forget()
+    assert (sorted(c.link.log), c.link.log_bytes) == ([1, 2], 40 + 8)
+    c.link.durable = 2
+    c.link._forget()
+    assert (sorted(c.link.log), c.link.log_bytes) == ([2], 8)

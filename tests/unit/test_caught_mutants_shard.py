@@ -7,6 +7,7 @@ reports. Unit level, on a Shard with an injected clock; every wait is bounded.""
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -169,9 +170,6 @@ def table_values(shard: Shard, table: str) -> np.ndarray:
     return state.tables[table].values
 
 
-# The round's row sum (pswire.tables.sum_duplicates) overflows outside any np.errstate, unlike
-# the dense sum: numpy warns there. Not what this test guards.
-@pytest.mark.filterwarnings("ignore:overflow encountered in reduceat:RuntimeWarning")
 def test_a_sync_round_whose_summed_rows_overflow_is_refused_before_anything_changes():
     # Guards Shard._apply passing summed=sync_round: a round's rows are checked before the
     # dense variables move, so a refusal leaves every variable as it was.
@@ -184,12 +182,51 @@ def test_a_sync_round_whose_summed_rows_overflow_is_refused_before_anything_chan
     def pushed():
         return {**grad(1.0), "emb": RowSparse(np.array([1]), np.full((1, 3), HUGE, np.float32))}
 
-    assert shard.push(0, 0, pushed()).applied
-    with pytest.raises(StepRefusedError, match="the gradient to apply to 'emb' is not finite"):
-        shard.push(1, 0, pushed())
+    with warnings.catch_warnings():  # the refusal is the report: no numpy warning besides
+        warnings.simplefilter("error")
+        assert shard.push(0, 0, pushed()).applied
+        with pytest.raises(StepRefusedError, match="the gradient to apply to 'emb' is not finite"):
+            shard.push(1, 0, pushed())
     np.testing.assert_array_equal(shard.snapshot()["w"], START["w"])
     assert shard.status().clock == 0
     np.testing.assert_array_equal(table_values(shard, "emb"), rows_before)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_an_update_a_table_refuses_changes_no_variable_buffer_or_row(mode):
+    # A table's result is known only after its optimizer step; the dense variables and buffers
+    # of the same update must not have moved by then (found by a mutation run: they had).
+    table = TableSlice("emb", 3, num_rows=4, row_start=0, row_end=4)
+    specs = (
+        *SPECS,
+        VarSpec("bn", (2,), "float32", average=True),
+        VarSpec("emb", (4, 3), "float32", table=table),
+    )
+    start = {**START, "bn": np.zeros(2, np.float32)}
+    shard = Shard(Limits(max_wait_s=5.0, heartbeat_timeout_s=HEARTBEAT_S), clock=Clock())
+    shard.init(0, Job(mode, 0, 1, SGD(lr=2.0), specs, "m"), start)
+    rows_before = table_values(shard, "emb").copy()
+    # lr 2 x 3e38 overflows float32 in the step itself; the gradient alone is finite.
+    pushed = {
+        **grad(1.0),
+        "bn": np.ones(2, np.float32),
+        "emb": RowSparse(np.array([1]), np.full((1, 3), HUGE, np.float32)),
+    }
+    with pytest.raises(StepRefusedError, match=r"made \['emb'\] non-finite .* left as before"):
+        shard.push(0, 0, pushed)
+    after = shard.snapshot()
+    np.testing.assert_array_equal(after["w"], START["w"])
+    np.testing.assert_array_equal(after["bn"], [0, 0])
+    np.testing.assert_array_equal(table_values(shard, "emb"), rows_before)
+    assert (shard.status().clock, shard.status().pushes_applied) == (0, 0)
+    if mode == "sync":
+        return  # a refused sync step fails every later one (test above)
+    pushed["emb"] = RowSparse(np.array([1]), np.ones((1, 3), np.float32))
+    assert shard.push(0, 0, pushed).applied  # the same step, finite: every part moves
+    after = shard.snapshot()
+    np.testing.assert_array_equal(after["w"], START["w"] - 2)
+    np.testing.assert_array_equal(after["bn"], [1, 1])
+    np.testing.assert_array_equal(table_values(shard, "emb")[1], rows_before[1] - 2)
 
 
 def test_an_overflowing_sync_sum_is_refused_without_a_numpy_warning():
@@ -347,3 +384,22 @@ def test_push_pull_reports_a_step_another_worker_skipped():
     result, snapshot, _ = shard.push_pull(0, 0, grad(1.0), keep, timeout=SHORT_S)
     assert result.applied and result.skipped
     np.testing.assert_array_equal(snapshot["w"], START["w"])  # no optimizer step
+
+
+def test_a_wait_without_a_heartbeat_timeout_sleeps_instead_of_spinning():
+    # Guards Shard._wait's tick when heartbeat_timeout_s is 0 (no silent-worker checks): a
+    # zero tick would wake the wait continuously until its deadline, burning a core.
+    reads = 0
+
+    def clock() -> float:
+        nonlocal reads
+        reads += 1
+        return time.monotonic()
+
+    shard = Shard(Limits(max_wait_s=5.0, heartbeat_timeout_s=0), clock=clock)
+    shard.init(0, make_job("sync", 2), START)
+    assert shard.push(0, 0, grad(1.0)).applied
+    reads = 0
+    with pytest.raises(WaitTimeoutError):
+        shard.pull(0, 1, timeout=0.3)  # worker 1 never pushes
+    assert reads < 50, f"the wait read the clock {reads} times in 0.3 s"
