@@ -364,10 +364,7 @@ class ShardLink:
             return
         if options is not None:
             self.logged_options[step] = options
-        nbytes = sum(
-            v.ids.nbytes + v.values.nbytes if isinstance(v, RowSparse) else v.nbytes
-            for v in pieces.values()
-        )
+        nbytes = sum(v.nbytes for v in pieces.values())  # a RowSparse's: its ids and rows
         # At least a few pushes fit, so a large model does not checkpoint every step.
         limit = max(self.config.replay_bytes, 4 * nbytes)
         if self.log and self.log_bytes + nbytes > limit:
@@ -412,10 +409,7 @@ class ShardLink:
     def _forget(self) -> None:
         for step in [s for s in self.log if s < self.durable]:
             pushed = self.log.pop(step)
-            self.log_bytes -= sum(
-                v.ids.nbytes + v.values.nbytes if isinstance(v, RowSparse) else v.nbytes
-                for v in pushed.values()
-            )
+            self.log_bytes -= sum(v.nbytes for v in pushed.values())
             self.logged_options.pop(step, None)
 
     def _resync(self) -> None:

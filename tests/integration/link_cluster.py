@@ -40,11 +40,12 @@ class Cluster:
         timeout: float = 5.0,
         worker: int = 0,
         size: int = 2,
+        limits: Limits = LIMITS,
         **server: Any,
     ) -> None:
-        """``size``: of the model's one variable ``w``; ``server``: start_server's options
-        (e.g. ``stream_idle_s``)."""
-        self.server = served(Shard(LIMITS), **server)
+        """``size``: of the model's one variable ``w``; ``limits``: the shard's; ``server``:
+        start_server's options (e.g. ``stream_idle_s``)."""
+        self.server = served(Shard(limits), **server)
         self.port = int(self.server.address.rsplit(":", 1)[1])
         values = {"w": np.zeros(size, np.float32)}
         if worker:  # worker 0 sends the initial values first

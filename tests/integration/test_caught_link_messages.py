@@ -5,21 +5,26 @@ takes the call and never answers."""
 
 from __future__ import annotations
 
+import logging
 import re
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
-from faults import InjectedUnavailable
+from faults import FaultPlan, InjectedUnavailable
+from link_cluster import grad
 
 import psworker
 from pswire.errors import TooLargeError, UnavailableError, WaitTimeoutError
 from pswire.proto import ps_pb2
+from pswire.security import ClientSecurity
 from psworker.link import ShardLink, shard_status
+from psworker.session import LinkConfig
 
 NOTHING_LISTENS = "nothing accepts connections there: is the shard running, on that host and port?"
 
@@ -162,8 +167,8 @@ def test_shard_status_adds_no_cause_it_does_not_know() -> None:
 
 @pytest.fixture
 def silent() -> Iterator[str]:
-    """The address of a server that takes Status, RegisterWorker and Checkpoint calls and
-    never answers them (until the test ends)."""
+    """The address of a server that takes Status, RegisterWorker, Checkpoint and Leave calls
+    and never answers them (until the test ends)."""
     release = threading.Event()
 
     def hang(request: bytes, context: grpc.ServicerContext) -> bytes:
@@ -172,7 +177,7 @@ def silent() -> Iterator[str]:
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     handler = grpc.unary_unary_rpc_method_handler(hang)
-    methods = {m: handler for m in ("Status", "RegisterWorker", "Checkpoint")}
+    methods = {m: handler for m in ("Status", "RegisterWorker", "Checkpoint", "Leave")}
     server.add_generic_rpc_handlers(
         [grpc.method_handlers_generic_handler("pswire.v1.ParameterServer", methods)]
     )
@@ -184,7 +189,9 @@ def silent() -> Iterator[str]:
 
 
 @pytest.mark.timeout(20)  # a call without a deadline hangs until then
-def test_no_call_waits_forever_on_a_shard_that_never_answers(silent: str) -> None:
+def test_no_call_waits_forever_on_a_shard_that_never_answers(
+    silent: str, caplog: pytest.LogCaptureFixture
+) -> None:
     start = time.monotonic()
     with pytest.raises(WaitTimeoutError, match=r"^Status on shard 0 .*Deadline Exceeded"):
         shard_status([silent], timeout=0.5)
@@ -202,6 +209,93 @@ def test_no_call_waits_forever_on_a_shard_that_never_answers(silent: str) -> Non
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         with pytest.raises(TooLargeError, match="could not checkpoint"):
             link._make_room(limit=1)  # a full replay log asks the shard to checkpoint
+        with caplog.at_level(logging.DEBUG, logger="psworker.link"):
+            link.leave()  # best effort: it gives up, and says so only at DEBUG
+        assert [r.getMessage() for r in caplog.records if "Leave" in r.getMessage()] == [
+            f"Leave on shard 0 ({silent}) failed: StatusCode.DEADLINE_EXCEEDED"
+        ]
     finally:
         client.close()
-    assert time.monotonic() - start < 15  # four deadlines of 0.5 s, not a hang
+    assert time.monotonic() - start < 15  # five deadlines of 0.5 s, not a hang
+
+
+def test_giving_up_on_an_unreachable_shard_says_for_how_long_and_how_many_attempts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    address = refused_address()
+    client = psworker.PSClient([address], 0, 1, timeout=2.0, retry_s=0.6, heartbeat_s=0)
+    link = client.links[0]
+    try:
+        with (
+            caplog.at_level(logging.INFO, logger="psworker.link"),
+            pytest.raises(UnavailableError) as info,
+        ):
+            link.call("Status", lambda stub: stub.Status(ps_pb2.StatusRequest(), timeout=2.0))
+    finally:
+        client.close()
+    retries = [r for r in caplog.records if "; retry " in r.getMessage()]
+    m = re.match(
+        rf"{re.escape(f'Status on shard 0 ({address})')}: shard unreachable for (\d+\.\d)s "
+        r"\((\d+) attempts, retry_s=0\.6\): ",
+        str(info.value),
+    )
+    assert m, str(info.value)
+    assert 0.6 <= float(m.group(1)) < 10
+    assert int(m.group(2)) == len(retries) + 1 >= 2  # every try, the first and each retry
+
+
+def test_a_shard_back_after_a_warning_is_said_to_be_reachable_and_only_then(
+    cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    c = cluster(FaultPlan("Push", {2, 3, 4}, "drop"))  # retry_s=10
+    with caplog.at_level(logging.WARNING, logger="psworker.link"):
+        c.link.push(0, grad(0))  # answered at once: nothing to say
+        assert not caplog.records
+        c.link.push(1, grad(1))  # dropped three times (one warning), then answered
+    said = [r.getMessage() for r in caplog.records]
+    where = f"Push on shard 0 ({c.server.address})"
+    assert len(said) == 2, said
+    assert said[0].startswith(f"{where}: shard unreachable; retrying for up to 10s, until ")
+    assert said[1] == f"{where}: shard reachable again"
+
+
+def test_a_call_the_client_closes_under_ends_saying_so(refused) -> None:
+    link, _ = refused
+
+    def closed_while_in_flight(stub):
+        link.close()
+        raise InjectedUnavailable("the channel went down with the client")
+
+    with pytest.raises(psworker.ClientClosedError) as info:
+        link.call("Push", closed_while_in_flight)
+    assert str(info.value) == f"Push on shard 0 ({link.address}): the client was closed"
+
+
+def test_an_rpc_error_that_is_not_a_call_is_reported_not_crashed_on(refused) -> None:
+    link, _ = refused
+
+    def fails(stub):
+        raise grpc.RpcError("socket gone")
+
+    with pytest.raises(psworker.PSError) as info:
+        link.call("Push", fails)
+    assert str(info.value) == f"Push on shard 0 ({link.address}): socket gone"
+
+
+def test_the_likely_cause_follows_the_clients_own_tls_settings() -> None:
+    channel = grpc.insecure_channel(refused_address())  # never called
+    try:
+        config = LinkConfig(
+            worker_id=0, num_workers=1, timeout=1.0, retry_s=1.0, chunk_bytes=1 << 20
+        )
+        link = ShardLink(
+            0, "shard:7001", channel, config, security=ClientSecurity(ca=Path("ca.pem"))
+        )
+        handshake = InjectedUnavailable("Tls handshake failed: WRONG_VERSION_NUMBER")
+        assert str(link._failure(handshake, "Push", 1.0, 2)).endswith(
+            ". Likely cause: TLS mismatch: this client expects TLS (tls_ca='ca.pem') but the "
+            "shard answers in plaintext; start the shard with --tls-cert/--tls-key, or connect "
+            "without tls_ca / $PS_TLS_CA"
+        )
+    finally:
+        channel.close()

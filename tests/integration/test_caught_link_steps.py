@@ -6,6 +6,7 @@ after its push; a skipped sync step is reported by every read of it."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import time
 
@@ -16,6 +17,7 @@ from faults import FaultPlan
 from link_cluster import grad, pull_request
 
 import psworker
+from psserver.records import Limits
 from pswire.errors import (
     ClientClosedError,
     DuplicateWorkerError,
@@ -198,13 +200,61 @@ def test_a_reply_from_a_shard_holding_another_job_is_refused_naming_it(cluster) 
 def test_the_replay_log_counts_the_bytes_it_holds_as_it_forgets(cluster) -> None:
     c = cluster()
     rows = RowSparse(np.array([1, 2], np.int64), np.ones((2, 3), np.float32))
-    c.link.note_push(0, grad(0))  # 8 bytes
+    c.link.note_push(0, grad(0), HALF_LR)  # 8 bytes
     c.link.note_push(1, {"t": rows})  # 16 bytes of ids, 24 of rows
-    c.link.note_push(2, grad(2))
+    c.link.note_push(2, grad(2), HALF_LR)
     assert c.link.log_bytes == 8 + 40 + 8
     c.link.durable = 1
     c.link._forget()
     assert (sorted(c.link.log), c.link.log_bytes) == ([1, 2], 40 + 8)
+    assert c.link.logged_options == {2: HALF_LR}  # forgotten with their pushes
     c.link.durable = 2
     c.link._forget()
     assert (sorted(c.link.log), c.link.log_bytes) == ([2], 8)
+
+
+def test_a_process_that_lost_its_worker_id_cannot_make_the_new_holder_leave(cluster) -> None:
+    c = cluster(limits=Limits(max_wait_s=5, claim_grace_s=0.2))
+    time.sleep(0.5)  # this process is silent past the claim grace (no heartbeats here)
+    channel = grpc.insecure_channel(c.server.address)
+    try:
+        config = dataclasses.replace(c.link.config, session="restarted-process")
+        successor = ShardLink(0, c.server.address, channel, config)
+        successor.register()  # takes worker 0 over
+        c.link.leave()  # the old process's leave is refused (and only logged)
+        assert 0 not in c.server.shard.status().left
+        successor.leave()
+        assert 0 in c.server.shard.status().left
+        successor.close()
+    finally:
+        channel.close()
+
+
+def test_registering_with_a_shard_that_holds_another_job_is_refused_naming_it(cluster) -> None:
+    c = cluster()
+    job = c.link.identity.value
+    c.link.identity.value = "another-run"
+    with pytest.raises(ModelMismatchError) as info:
+        c.link.register()
+    assert str(info.value).startswith(
+        f"shard 0 ({c.server.address}) holds job {job}, but this worker trains job another-run"
+    )
+
+
+def test_a_restarted_process_waits_for_its_old_claim_to_lapse_and_says_so(
+    cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    c = cluster(limits=Limits(max_wait_s=5, claim_grace_s=1.0))
+    channel = grpc.insecure_channel(c.server.address)
+    try:
+        config = dataclasses.replace(c.link.config, session="restarted-process")
+        successor = ShardLink(0, c.server.address, channel, config)
+        with caplog.at_level(logging.WARNING, logger="psworker.link"):
+            assert successor.register().job_id == c.link.identity.value  # after the grace
+        said = {r.getMessage() for r in caplog.records if r.name == "psworker.link"}
+        assert said == {
+            f"Register on shard 0 ({c.server.address}): waiting for the old claim to lapse"
+        }
+        successor.close()
+    finally:
+        channel.close()
