@@ -83,15 +83,20 @@ def test_an_ssp_worker_registering_again_before_the_others_started_resumes_at_it
     assert shard.status().workers[0][0] == 0
 
 
-def test_an_async_elastic_worker_rejoining_is_offered_the_step_after_its_own_pushes():
-    # Guards ConsistencyPolicy.join_step: it asks join_clock about the joining worker itself.
-    clock = Clock(100.0)
-    shard = Shard(Limits(max_wait_s=5.0), clock=clock)
-    shard.init(0, make_job("async", 2, min_workers=1, max_workers=2), START)
+def elastic_shard(mode: str, workers: int, min_workers: int) -> Shard:
+    """An elastic job of up to ``workers`` that workers 0 and 1 have joined at step 0."""
+    shard = Shard(Limits(max_wait_s=5.0), clock=Clock(100.0))
+    shard.init(0, make_job(mode, workers, min_workers=min_workers, max_workers=workers), START)
     for w in (0, 1):
-        shard.register_worker(w, 2)
+        shard.register_worker(w, workers)
         assert shard.join(w, "", "prepare", 0).accepted
         assert shard.join(w, "", "commit", 0).accepted
+    return shard
+
+
+def test_an_async_elastic_worker_rejoining_is_offered_the_step_after_its_own_pushes():
+    # Guards ConsistencyPolicy.join_step: it asks join_clock about the joining worker itself.
+    shard = elastic_shard("async", 2, min_workers=1)
     for step in range(3):
         assert shard.push(1, step, grad(1.0)).applied
     shard.leave(1)
@@ -101,13 +106,7 @@ def test_an_async_elastic_worker_rejoining_is_offered_the_step_after_its_own_pus
 
 def test_an_open_elastic_step_runs_to_its_end_after_a_member_leaves_below_the_minimum():
     # Guards ConsistencyPolicy.admits: a step already open is admitted whatever the members.
-    clock = Clock(100.0)
-    shard = Shard(Limits(max_wait_s=5.0), clock=clock)
-    shard.init(0, make_job("sync", 3, min_workers=2, max_workers=3), START)
-    for w in (0, 1):
-        shard.register_worker(w, 3)
-        assert shard.join(w, "", "prepare", 0).accepted
-        assert shard.join(w, "", "commit", 0).accepted
+    shard = elastic_shard("sync", 3, min_workers=2)
     shard.pull(0, 0, timeout=SHORT_S)  # step 0 opens with two members
     shard.leave(1)
     result = shard.push(0, 0, grad(1.0), timeout=SHORT_S)
