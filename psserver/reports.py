@@ -7,10 +7,10 @@ import time
 
 import numpy as np
 
+from pscore.variables import Variables
 from psserver.consistency import make_policy
 from psserver.records import ShardState, ShardStatus
 from psserver.shard_parts import ShardParts
-from psserver.variables import Variables
 
 
 class Reports(ShardParts):

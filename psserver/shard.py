@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from pscore.variables import Variables
 from psserver.agreement import JobAgreement
 from psserver.consistency import Clocks, ConsistencyPolicy, make_policy
 from psserver.elastic import Joins
@@ -26,7 +27,6 @@ from psserver.records import Limits, PushResult
 from psserver.reports import Reports
 from psserver.roster import Roster
 from psserver.shard_optim import NO_OPTIONS, OptimizerSide, StepOptions
-from psserver.variables import Variables
 from pswire.errors import (
     CallCancelledError,
     InvalidRequestError,

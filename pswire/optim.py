@@ -72,22 +72,6 @@ class Optimizer:
         state.update(after)
         state.update({k: whole.reshape(param.shape) for k, whole in made.items()})
 
-    def apply_rows(
-        self, param: np.ndarray, rows: np.ndarray, grad: np.ndarray, state: dict[str, Any]
-    ) -> None:
-        """A row-sparse step: ``apply``'s math on rows ``rows`` (unique) of ``param`` and of its
-        slot arrays; other rows and their slots stay as they are (lazy, like
-        ``torch.optim.SparseAdam``); scalar slots such as the step count advance once."""
-        part = param[rows]
-        sub = {k: (v[rows] if isinstance(v, np.ndarray) else v) for k, v in state.items()}
-        self.apply(part, np.asarray(grad, dtype=param.dtype), sub)
-        param[rows] = part
-        for key, value in sub.items():
-            if isinstance(state[key], np.ndarray):
-                state[key][rows] = value
-            else:
-                state[key] = value
-
 
 @dataclass(frozen=True)
 class SGD(Optimizer):

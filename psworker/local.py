@@ -1,4 +1,9 @@
-"""``mode="local"``: one process, no network; the optimizer runs in place with the shards' math."""
+"""``mode="local"``: one process, no network; a one-shard job's state applied in place.
+
+The client holds what a single shard would (``pscore.variables.Variables`` under a ``Job`` of
+one shard) and applies every push through the same checks and the same ``Variables.apply`` as
+a shard, so ``local`` is the reference by construction.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from pswire.codec import check_tensor
-from pswire.errors import (
-    ClientClosedError,
-    InvalidRequestError,
-    NotInitializedError,
-    StepRefusedError,
-    not_in_model,
-)
-from pswire.optim import Optimizer, StepOptions, group_optimizers, resolve_groups
+from pscore.variables import Variables
+from pswire.errors import ClientClosedError, NotInitializedError, not_in_model
+from pswire.job import Job, VarSpec
+from pswire.optim import Optimizer, StepOptions, resolve_groups
 from pswire.rowstore import RowStore
-from pswire.tables import RowSparse, Table, as_ids, check_rows
+from pswire.tables import RowSparse, Table, as_ids
 from psworker.api import PushThenPull
 from psworker.placement import TableLayout, check_out
 
@@ -25,8 +25,8 @@ from psworker.placement import TableLayout, check_out
 class LocalClient(PushThenPull):
     """The ``Client`` role for a single worker: the reference every mode is tested against.
 
-    Pushes are applied at once, like a one-worker ``sync`` job, with the same optimizer code the
-    shards run.
+    Pushes are applied at once, like a one-worker ``sync`` job, through the shards' own step
+    (``Job.checked_grads``, ``Job.step_optimizers``, ``Variables.apply``).
     """
 
     mode = "local"
@@ -38,12 +38,9 @@ class LocalClient(PushThenPull):
     def __init__(self) -> None:
         self.step = 0
         self.last_skipped = False  # the step last pushed had no optimizer update
-        self._vars: dict[str, np.ndarray] = {}
-        self._slots: dict[str, dict] = {}
-        self._buffers: set[str] = set()
-        self._optimizers: tuple[Optimizer, ...] = ()  # one per parameter group
-        self._group: dict[str, int] = {}  # variable or table -> its group
-        self._tables: dict[str, tuple[TableLayout, RowStore]] = {}
+        self._job: Job | None = None
+        self._state = Variables()
+        self._layouts: dict[str, TableLayout] = {}
         self._closed = False
 
     def __enter__(self) -> LocalClient:
@@ -65,7 +62,7 @@ class LocalClient(PushThenPull):
         groups: Mapping[str, int] | None = None,
     ) -> None:
         """Copies the starting values and creates the optimizer state; ``tables`` are made
-        here with the shards' seeded rows (a fixed table in full, so it must fit).
+        here with the shards' seeded rows (a fixed table's rows as they are first touched).
         ``optimizer`` and ``groups`` as ``PSClient.init``.
 
         Raises:
@@ -75,19 +72,16 @@ class LocalClient(PushThenPull):
         self._require_open()
         tables = tables or {}
         optimizers, group = resolve_groups(optimizer, groups, [*variables, *tables])
-        self._tables = {}
-        for name, table in tables.items():
-            layout = TableLayout.build(name, table, 1)
-            store = RowStore(layout.slice_for(0), optimizers[group[name]])
-            self._tables[name] = (layout, store)
-        self._vars = {k: np.array(v, copy=True) for k, v in variables.items()}
-        self._buffers = set(buffers)
-        self._optimizers, self._group = optimizers, group
-        self._slots = {
-            k: optimizers[group[k]].make_state(v)
-            for k, v in self._vars.items()
-            if k not in self._buffers
-        }
+        arrays = {k: np.asarray(v) for k, v in variables.items()}
+        self._layouts = {n: TableLayout.build(n, t, 1) for n, t in tables.items()}
+        specs = [
+            VarSpec(k, tuple(a.shape), a.dtype.name, k in buffers, group=group[k])
+            for k, a in arrays.items()
+        ] + [VarSpec.of_table(t.slice_for(0), group[n]) for n, t in self._layouts.items()]
+        job = Job(self.mode, 0, 1, optimizers[0], tuple(specs), "", groups=tuple(optimizers[1:]))
+        state = Variables()
+        state.install(job, arrays, take=False)
+        self._job, self._state = job, state
 
     def pull(
         self, names: Sequence[str] | None = None, out: Mapping[str, np.ndarray] | None = None
@@ -100,16 +94,17 @@ class LocalClient(PushThenPull):
             InvalidRequestError: an ``out`` array of the wrong shape or dtype, or read-only.
         """
         self._require_init()
-        wanted = list(names) if names is not None else list(self._vars)
+        values = self._state.values
+        wanted = list(names) if names is not None else list(values)
         for name in wanted:
-            if name not in self._vars:
-                raise not_in_model(name, self._vars)
+            if name not in values:
+                raise not_in_model(name, values)
         if not out:
-            return {k: self._vars[k].copy() for k in wanted}
-        check_out(out, {k: (self._vars[k].shape, self._vars[k].dtype.name) for k in wanted})
+            return {k: values[k].copy() for k in wanted}
+        check_out(out, {k: (values[k].shape, values[k].dtype.name) for k in wanted})
         for name, array in out.items():
-            np.copyto(array, self._vars[name])
-        return {k: out[k] if k in out else self._vars[k].copy() for k in wanted}
+            np.copyto(array, values[name])
+        return {k: out[k] if k in out else values[k].copy() for k in wanted}
 
     def pull_rows(self, table: str, ids: np.ndarray | Sequence[int]) -> np.ndarray:
         """Rows ``ids`` of a table, as ``PSClient.pull_rows``.
@@ -133,46 +128,26 @@ class LocalClient(PushThenPull):
         ``options``' hyper-parameters; a skip (``options.skip``) stores buffers only.
 
         Raises:
-            UnknownVariableError, InvalidRequestError: as a shard would; nothing changes then.
+            UnknownVariableError, ShapeMismatchError, InvalidRequestError: as a shard would
+                (the same checks); nothing changes then.
+            StepRefusedError: the result would not be finite; nothing changed.
         """
-        self._require_init()
-        optimizers = group_optimizers(self._optimizers, options)
-        skip = bool(options and options.skip)
-        for name, opt in self._table_optimizers(optimizers).items():
-            self._tables[name][1].spec.check(opt)
+        job = self._require_init()
         step = self.step if step is None else step
         if step < self.step:
             return False  # already applied, as a shard acknowledges a retried push
-        # Each table's (store, ids, rows), checked before anything is applied.
-        rows: dict[str, tuple[RowStore, np.ndarray, np.ndarray]] = {}
+        wire: dict[str, np.ndarray | RowSparse] = {}
         for name, grad in grads.items():
             if isinstance(grad, RowSparse):
-                layout, store = self._table(name)
-                ids, values = as_ids(name, grad.ids), np.asarray(grad.values)
-                layout.check_ids(ids, "push")
-                check_rows(store.spec, ids, values, "push")
-                rows[name] = store, ids, values
-        for name, grad in grads.items():
-            if isinstance(grad, RowSparse):
-                continue
-            var = self._vars.get(name)
-            if var is None:
-                raise not_in_model(name, self._vars)
-            check_tensor(name, var.shape, var.dtype.name, np.asarray(grad), "push")
-        for name, (store, ids, values) in rows.items():
-            if not skip and not store.apply(ids, values, optimizers[self._group[name]]):
-                raise StepRefusedError(
-                    f"the optimizer step made table '{name}' non-finite (rows or optimizer "
-                    "state overflowed); its rows were left as before"
-                )
-        for name, grad in grads.items():
-            if isinstance(grad, RowSparse):
-                continue
-            if name in self._buffers:
-                np.copyto(self._vars[name], grad, casting="unsafe")
-            elif not skip:
-                opt = optimizers[self._group[name]]
-                opt.apply(self._vars[name], np.asarray(grad), self._slots[name])
+                ids = as_ids(name, grad.ids)
+                self._table(name)[0].check_ids(ids, "push")  # a client's check, as PSClient's
+                wire[name] = RowSparse(ids, np.asarray(grad.values))
+            else:
+                wire[name] = np.asarray(grad)
+        checked = job.checked_grads(wire)
+        optimizers = job.step_optimizers(options)
+        skip = bool(options and options.skip)
+        self._state.apply(job, checked, optimizers, skip=skip, summed=False)
         self.step = step + 1
         self.last_skipped = skip
         return True
@@ -180,14 +155,7 @@ class LocalClient(PushThenPull):
     def optimizer_state(self) -> dict[str, dict[str, Any]]:
         """Copies of every trained variable's optimizer slots (slots not made yet left out)."""
         self._require_init()
-        return {
-            k: {
-                n: v.copy() if isinstance(v, np.ndarray) else v
-                for n, v in s.items()
-                if v is not None
-            }
-            for k, s in self._slots.items()
-        }
+        return self._state.optimizer_state()
 
     def load_state(
         self,
@@ -201,54 +169,8 @@ class LocalClient(PushThenPull):
         Raises:
             UnknownVariableError, InvalidRequestError: a bad state; nothing changed then.
         """
-        self._require_init()
-        self._slots = self._loaded_slots(values or {}, slots)
-        for name, value in (values or {}).items():
-            np.copyto(self._vars[name], value, casting="unsafe")
-
-    def _loaded_slots(
-        self, values: Mapping[str, np.ndarray], slots: Mapping[str, Mapping[str, Any]]
-    ) -> dict[str, dict]:
-        """Every trained variable's slots after a load, checked (nothing is changed here).
-
-        Raises:
-            UnknownVariableError, InvalidRequestError: as ``load_state``.
-        """
-        for name, value in values.items():
-            var = self._vars.get(name)
-            if var is None:
-                raise not_in_model(name, self._vars)
-            check_tensor(name, var.shape, var.dtype.name, np.asarray(value), "loaded value")
-        for name in slots:
-            if name not in self._slots:
-                raise not_in_model(name, self._slots, "trained variable")
-        out = {}
-        for name, var in self._vars.items():
-            if name in self._buffers:
-                continue
-            opt = self._optimizers[self._group[name]]
-            fresh = opt.make_state(var)
-            for slot, value in slots.get(name, {}).items():
-                if slot not in fresh:
-                    raise InvalidRequestError(
-                        f"optimizer state of '{name}' has slot '{slot}'; {opt.name} keeps "
-                        f"{sorted(fresh)}"
-                    )
-                if isinstance(fresh[slot], int):
-                    fresh[slot] = int(value)
-                else:
-                    check_tensor(f"{name}:{slot}", var.shape, var.dtype.name, value, "loaded slot")
-                    fresh[slot] = np.array(value, dtype=var.dtype, copy=True)
-            out[name] = fresh
-        return out
-
-    def _table_optimizers(self, optimizers: tuple[Optimizer, ...]) -> dict[str, Optimizer]:
-        """The tables whose group's optimizer differs from the one they were made with."""
-        return {
-            n: optimizers[self._group[n]]
-            for n in self._tables
-            if optimizers[self._group[n]] is not self._optimizers[self._group[n]]
-        }
+        job = self._require_init()
+        self._state.load(job, values or {}, slots)
 
     def heartbeat(self) -> None:
         """No servers to tell."""
@@ -257,16 +179,17 @@ class LocalClient(PushThenPull):
         return []
 
     def _table(self, name: str) -> tuple[TableLayout, RowStore]:
-        found = self._tables.get(name)
-        if found is None:
-            raise not_in_model(name, self._tables, "table")
-        return found
+        layout = self._layouts.get(name)
+        if layout is None:
+            raise not_in_model(name, self._layouts, "table")
+        return layout, self._state.tables[name]
 
     def _require_open(self) -> None:
         if self._closed:
             raise ClientClosedError("the client is closed: connect again")
 
-    def _require_init(self) -> None:
+    def _require_init(self) -> Job:
         self._require_open()
-        if not self._optimizers:
+        if self._job is None:
             raise NotInitializedError("call client.init(variables, optimizer) before pull or push")
+        return self._job

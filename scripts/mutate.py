@@ -29,7 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "scripts" / "mutate.toml"
-PACKAGES = ["pswire", "psserver", "psworker", "psctl"]
+PACKAGES = ["pswire", "pscore", "psserver", "psworker", "psctl"]
 # A mutant counts as caught when a test failed, hung past its timeout, or crashed the run.
 CAUGHT = {"killed", "timeout", "segfault", "caught by type check"}
 # Not tried at all (mutmut stopped before them): left out of the score, and reported.

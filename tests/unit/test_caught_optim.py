@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from pswire.optim import SGD, Adagrad, Adam, AdamW, Optimizer, RMSprop
+from pswire.rowstore import RowStore
+from pswire.tables import TableSlice
 
 # torch.optim's defaults (torch 2.x), by our names; checked against torch itself below.
 TORCH_DEFAULTS: dict[type[Optimizer], dict[str, float]] = {
@@ -162,25 +164,29 @@ def test_blocked_apply_of_small_and_strided_variables_equals_apply(opt: Optimize
 
 
 @pytest.mark.parametrize("opt", [SGD(lr=0.1, momentum=0.9), Adam(lr=0.1), Adagrad(lr=0.1)])
-def test_apply_rows_is_apply_on_those_rows_and_leaves_the_rest(opt: Optimizer) -> None:
-    rng = np.random.default_rng(4)
-    param = rng.standard_normal((5, 3)).astype(np.float32)
+def test_a_table_step_is_apply_on_those_rows_and_leaves_the_rest(opt: Optimizer) -> None:
+    # RowStore.step is the one row-sparse step (a shard's and the local client's).
+    store = RowStore(TableSlice("t", 3, num_rows=5, row_end=5, seed=4), opt)
+    everything = np.arange(5)
+    param = store.gather(everything)
     # Slots as a table holds them: arrays from the start (a momentum buffer at zero).
     fresh = {k: np.zeros_like(param) if v is None else v for k, v in opt.make_state(param).items()}
-    state = {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in fresh.items()}
     rows = np.array([3, 1])
     expected = param[rows].copy()
     expected_state = {k: v[rows] if isinstance(v, np.ndarray) else v for k, v in fresh.items()}
     untouched = param[[0, 2, 4]].copy()
+    rng = np.random.default_rng(4)
     for _ in range(2):
         grad = rng.standard_normal((2, 3)).astype(np.float64)  # widened to the table's dtype
         opt.apply(expected, grad.astype(np.float32), expected_state)
-        opt.apply_rows(param, rows, grad, state)
-    np.testing.assert_array_equal(param[rows], expected)
-    np.testing.assert_array_equal(param[[0, 2, 4]], untouched)
+        assert store.apply(rows, grad)
+    after = store.gather(everything)
+    np.testing.assert_array_equal(after[rows], expected)
+    np.testing.assert_array_equal(after[[0, 2, 4]], untouched)
+    slots = store.export().slots
     for key, value in expected_state.items():
         if isinstance(value, np.ndarray):
-            np.testing.assert_array_equal(state[key][rows], value)
-            np.testing.assert_array_equal(state[key][[0, 2, 4]], fresh[key][[0, 2, 4]])
+            np.testing.assert_array_equal(slots[key][rows], value)
+            np.testing.assert_array_equal(slots[key][[0, 2, 4]], fresh[key][[0, 2, 4]])
         else:
-            assert state[key] == value == 2  # the step count advanced once per step
+            assert slots[key] == value == 2  # the step count advanced once per step

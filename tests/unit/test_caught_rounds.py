@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from hand_clock import Clock
 
+from pscore.variables import Variables
 from psserver.records import Limits
 from psserver.shard import Shard
-from psserver.variables import Variables
 from pswire.errors import WaitTimeoutError
 from pswire.job import Job, VarSpec
 from pswire.optim import SGD

@@ -1,6 +1,7 @@
 """The package boundaries the architecture promises, checked on the source: psserver never
 imports torch or psworker; psworker and psctl never import psserver; pswire imports none of
-them; torch stays out of psworker's numpy-level modules."""
+them (nor pscore); pscore computes without grpc or torch; torch stays out of psworker's
+numpy-level modules."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 # Packages and the top-level names their modules must never import.
 FORBIDDEN = {
-    "pswire": {"psserver", "psworker", "psctl", "torch"},
+    "pswire": {"pscore", "psserver", "psworker", "psctl", "torch"},
+    "pscore": {"psserver", "psworker", "psctl", "torch", "grpc"},
     "psserver": {"psworker", "psctl", "torch"},
     "psworker": {"psserver", "psctl"},
     "psctl": {"psserver"},
