@@ -142,40 +142,21 @@ class Elastic(Protocol):
         ...
 
 
-class PushThenPull:
-    """``push_pull`` as a ``push``, then a ``pull``: for clients whose weights are local, so
-    there is no round trip to fuse (``LocalClient``, ``AllReduceClient``)."""
+def push_then_pull(
+    client: Client,
+    grads: Mapping[str, np.ndarray | RowSparse],
+    step: int | None = None,
+    out: Mapping[str, np.ndarray] | None = None,
+    options: StepOptions | None = None,
+    rows: Mapping[str, np.ndarray | Sequence[int]] | None = None,
+) -> dict[str, np.ndarray]:
+    """``push_pull`` for clients whose weights are local, so there is no round trip to fuse
+    (``LocalClient``, ``AllReduceClient``): ``client.push(grads, step, options)``, then
+    ``pull(out=out)`` and each table's ``pull_rows`` of ``rows``, under the table's name.
 
-    def push(
-        self,
-        grads: Mapping[str, np.ndarray | RowSparse],
-        step: int | None = None,
-        options: StepOptions | None = None,
-    ) -> bool:
-        raise NotImplementedError
-
-    def pull_rows(self, table: str, ids: np.ndarray | Sequence[int]) -> np.ndarray:
-        raise NotImplementedError
-
-    def pull(
-        self, names: Sequence[str] | None = None, out: Mapping[str, np.ndarray] | None = None
-    ) -> dict[str, np.ndarray]:
-        raise NotImplementedError
-
-    def push_pull(
-        self,
-        grads: Mapping[str, np.ndarray | RowSparse],
-        step: int | None = None,
-        out: Mapping[str, np.ndarray] | None = None,
-        options: StepOptions | None = None,
-        rows: Mapping[str, np.ndarray | Sequence[int]] | None = None,
-    ) -> dict[str, np.ndarray]:
-        """``push(grads, step, options)``, then ``pull(out=out)`` and each table's
-        ``pull_rows`` of ``rows``, under the table's name.
-
-        Raises:
-            as ``push``, ``pull`` and ``pull_rows``.
-        """
-        self.push(grads, step, options)
-        weights = self.pull(out=out)
-        return {**weights, **{t: self.pull_rows(t, ids) for t, ids in (rows or {}).items()}}
+    Raises:
+        as the client's ``push``, ``pull`` and ``pull_rows``.
+    """
+    client.push(grads, step, options)
+    weights = client.pull(out=out)
+    return {**weights, **{t: client.pull_rows(t, ids) for t, ids in (rows or {}).items()}}

@@ -18,11 +18,11 @@ from pswire.job import Job, VarSpec
 from pswire.optim import Optimizer, StepOptions, resolve_groups
 from pswire.rowstore import RowStore
 from pswire.tables import RowSparse, Table, as_ids
-from psworker.api import PushThenPull
+from psworker.api import push_then_pull
 from psworker.placement import TableLayout, check_out
 
 
-class LocalClient(PushThenPull):
+class LocalClient:
     """The ``Client`` role for a single worker: the reference every mode is tested against.
 
     Pushes are applied at once, like a one-worker ``sync`` job, through the shards' own step
@@ -151,6 +151,17 @@ class LocalClient(PushThenPull):
         self.step = step + 1
         self.last_skipped = skip
         return True
+
+    def push_pull(
+        self,
+        grads: Mapping[str, np.ndarray | RowSparse],
+        step: int | None = None,
+        out: Mapping[str, np.ndarray] | None = None,
+        options: StepOptions | None = None,
+        rows: Mapping[str, np.ndarray | Sequence[int]] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """``push``, then ``pull`` and ``pull_rows`` (``psworker.api.push_then_pull``)."""
+        return push_then_pull(self, grads, step, out, options, rows)
 
     def optimizer_state(self) -> dict[str, dict[str, Any]]:
         """Copies of every trained variable's optimizer slots (slots not made yet left out)."""

@@ -13,7 +13,7 @@ from pswire.errors import ConfigError, InvalidRequestError, ModelMismatchError, 
 from pswire.optim import Optimizer, StepOptions
 from pswire.security import ClientSecurity
 from pswire.tables import RowSparse, Table
-from psworker.api import PushThenPull
+from psworker.api import push_then_pull
 from psworker.local import LocalClient
 from psworker.ring.algorithm import DEFAULT_TIMEOUT_S
 from psworker.ring.buckets import DEFAULT_BUCKET_BYTES, BucketPlan
@@ -28,7 +28,7 @@ _NO_TABLES = (
 )
 
 
-class AllReduceClient(PushThenPull):
+class AllReduceClient:
     """The ``Client`` role without shards; every worker holds a full replica (like Horovod or DDP).
 
     ``init`` broadcasts worker 0's values so replicas start bit-identical. ``push`` sums the
@@ -167,6 +167,17 @@ class AllReduceClient(PushThenPull):
             options = StepOptions(values, skip=True)
             mean = {k: v for k, v in mean.items() if k in self._buffers}
         return self._local.push(mean, step, options)
+
+    def push_pull(
+        self,
+        grads: Mapping[str, np.ndarray | RowSparse],
+        step: int | None = None,
+        out: Mapping[str, np.ndarray] | None = None,
+        options: StepOptions | None = None,
+        rows: Mapping[str, np.ndarray | Sequence[int]] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """``push``, then ``pull`` (``psworker.api.push_then_pull``)."""
+        return push_then_pull(self, grads, step, out, options, rows)
 
     def optimizer_state(self) -> dict[str, dict[str, Any]]:
         """This replica's optimizer slots (the same on every worker)."""
