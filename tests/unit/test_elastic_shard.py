@@ -295,8 +295,9 @@ def test_a_restored_member_keeps_its_join_step_and_pushes_before_it_are_refused(
     assert loaded is not None
     restored.restore(loaded)
     assert restored.status().live == {0, 1, 2}
-    with pytest.raises(InvalidRequestError, match=f"push by worker 2 for step {k - 1}, but it "
-                       f"joined at step {k}"):
+    with pytest.raises(
+        InvalidRequestError, match=f"push by worker 2 for step {k - 1}, but it joined at step {k}"
+    ):
         restored.push(2, k - 1, grad(1.0))
     assert restored.status().pushes_applied == state.counters["applied"]  # nothing changed
     for w in (0, 1, 2):
