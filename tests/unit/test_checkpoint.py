@@ -231,10 +231,12 @@ def test_corrupt_newest_falls_back_to_previous_good(
     assert newest.name in caplog.text
 
 
-def test_no_valid_checkpoint_gives_none(tmp_path: Path) -> None:
+def test_no_checkpoint_gives_none_and_only_corrupt_ones_are_refused(tmp_path: Path) -> None:
     assert Checkpointer(tmp_path / "missing").load_latest() is None
-    (tmp_path / checkpoint_name(7)).write_bytes(b"not a checkpoint")
     assert Checkpointer(tmp_path).load_latest() is None
+    (tmp_path / checkpoint_name(7)).write_bytes(b"not a checkpoint")
+    with pytest.raises(CorruptCheckpointError, match=r"1 checkpoint file\(s\) and none is valid"):
+        Checkpointer(tmp_path).load_latest()
 
 
 def rewrite(path: Path, edit_meta=None, edit_tensors=None) -> None:
