@@ -117,7 +117,8 @@ def test_a_shard_killed_at_any_point_recovers_to_the_fault_free_model_bit_for_bi
     assert sorted(faulty) == sorted(clean)
     for k, v in clean.items():
         assert faulty[k].tobytes() == v.tobytes(), f"{k} differs from the fault-free run"
-    assert "replaying" in text  # the restart lost steps, and the workers re-sent them
+    if at:  # the restart lost steps, and the workers re-sent them
+        assert "replaying" in text
     assert "WaitTimeout" not in text and "no answer within" not in text
     # The job ended long before any call's deadline could have passed: nothing waited one out.
     assert after_kill < TIMEOUT_S, after_kill
