@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from e2e_support import Daemon, Processes, numpy_worker
 
 import psworker
 from psctl.admin import checkpoint_all
-from pswire.errors import ModelMismatchError
+from pswire.errors import InvalidRequestError, ModelMismatchError, UnavailableError
 from pswire.tables import RowSparse, Table
 from psworker.link import shard_status
 
@@ -185,6 +186,19 @@ def test_a_restore_onto_fewer_shards_is_refused_naming_the_counts(
     assert "shard 0 of 2 shards" in message and "shard 0 of 1" in message, message
 
 
+def status_of(address: str, within: float = 10.0) -> Any:
+    """A shard's status; retried while unreachable (this process's channels to a killed shard's
+    address share gRPC's reconnect backoff, so the first call to its successor may fail)."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return shard_status([address])[0]
+        except UnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def grads_of(worker: int, step: int) -> dict[str, np.ndarray]:
     """A fixed gradient per (worker, step), for "w" and "b" (one variable per shard)."""
     rng = np.random.default_rng(1000 * worker + step)
@@ -234,12 +248,12 @@ def test_a_worker_recovers_a_restarted_shard_while_another_shards_reply_is_pendi
     shards[1].proc.send_signal(signal.SIGKILL)
     shards[1].proc.wait(timeout=10)
     restarted = start_shard(procs, tmp_path / "ps1", port=shards[1].port)
-    [before] = shard_status([restarted.address])
+    before = status_of(restarted.address)
     assert before.clock == k
     with ThreadPoolExecutor(1) as pool:
         ahead = pool.submit(clients[1].push_pull, grads_of(1, t))
         deadline = time.monotonic() + TIMEOUT_S / 2
-        while shard_status([restarted.address])[0].pushes_applied == before.pushes_applied:
+        while status_of(restarted.address).pushes_applied == before.pushes_applied:
             assert time.monotonic() < deadline, "worker 1 never replayed to the restarted shard"
             assert not ahead.done(), ahead.exception()
             time.sleep(0.05)
@@ -257,3 +271,42 @@ def test_a_worker_recovers_a_restarted_shard_while_another_shards_reply_is_pendi
         c.close()
     for got in (mine, theirs):
         assert all(got[n].tobytes() == expected[n].tobytes() for n in expected)
+
+
+@pytest.mark.timeout(120)
+def test_an_elastic_members_join_step_survives_a_kill_and_restore(
+    procs: Processes, tmp_path: Path
+) -> None:
+    # Issue 27 item 21: restored at k, a member that joined at k still may not push before k.
+    shard = start_shard(procs, tmp_path / "ps0")
+    start = {"w": np.zeros(8, np.float32)}
+    one = {"w": np.ones(8, np.float32)}
+
+    def member(worker: int) -> psworker.PSClient:
+        return psworker.connect([shard.address], worker_id=worker, elastic="1:4", timeout=TIMEOUT_S)
+
+    with member(0) as founder, member(2) as joiner:
+        founder.init(start, psworker.SGD(lr=0.1))
+        for _ in range(3):
+            founder.push_pull(one)
+        joiner.init(start, psworker.SGD(lr=0.1))
+        k = joiner.step
+        assert k == 4  # after step 3, which the founder's last read opened
+        founder.push_pull(one)  # step 3, without the joiner
+        [saved] = checkpoint_all([shard.address], timeout=30)
+        assert saved.step == k
+        shard.proc.send_signal(signal.SIGKILL)
+        shard.proc.wait(timeout=10)
+        restarted = start_shard(procs, tmp_path / "ps0", port=shard.port)
+        st = status_of(restarted.address)
+        assert st.clock == k
+        with pytest.raises(
+            InvalidRequestError, match=f"for step {k - 1}, but it joined at step {k}"
+        ):
+            joiner.push(one, step=k - 1)
+        assert status_of(restarted.address).pushes_applied == st.pushes_applied
+        done = threading.Thread(target=founder.push, args=(one,))
+        done.start()
+        joiner.push(one, step=k)  # its join step: taken, and step k closes with both
+        done.join(TIMEOUT_S)
+        assert status_of(restarted.address).clock == k + 1
