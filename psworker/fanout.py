@@ -18,7 +18,10 @@ class FanOut:
 
     def __init__(self, shards: int) -> None:
         self.shards = shards
-        self._pool = ThreadPoolExecutor(max_workers=shards, thread_name_prefix="ps")
+        # A step's calls (``settle``, or ``settle_started``'s early waits) and the heartbeat
+        # thread's each take up to shards - 1 threads at once: neither queues behind the other
+        # (a recovering shard's wait can take a while). Threads start only when needed.
+        self._pool = ThreadPoolExecutor(max_workers=2 * shards, thread_name_prefix="ps")
 
     def each(self, fn: Callable[[int], T]) -> list[T]:
         """Every shard's result, in shard order; the first error (by shard) is raised."""
