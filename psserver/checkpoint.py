@@ -154,17 +154,31 @@ class Checkpointer:
     def load_latest(self) -> ShardState | None:
         """The newest checkpoint that loads and validates; older ones cover for corrupt ones.
 
-        Returns None when the directory holds no valid checkpoint. Every file skipped is
+        Returns None when the directory holds no checkpoint file. Every file skipped is
         logged with the reason.
+
+        Raises:
+            CorruptCheckpointError: there are checkpoint files and none is valid. Starting
+                empty instead would let worker 0's init restart a trained job from step 0,
+                silently; the operator decides (moves the files aside to start fresh).
         """
+        skipped: list[str] = []
         for path in self.paths():
             try:
                 state = self.load(path)
             except CorruptCheckpointError as exc:
                 log.error("skipping checkpoint: %s", exc)
+                skipped.append(str(exc))
                 continue
             log.info("loaded checkpoint %s (shard clock %d)", path, state.updates)
             return state
+        if skipped:
+            raise CorruptCheckpointError(
+                f"{self.directory} holds {len(skipped)} checkpoint file(s) and none is valid "
+                f"({'; '.join(skipped[:3])}); refusing to start empty, which would train the "
+                "job again from its initial values. Restore a good copy, or move the files "
+                "aside to start this shard fresh"
+            )
         return None
 
     def _prune(self, just_saved: Path) -> None:

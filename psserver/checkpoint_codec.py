@@ -155,6 +155,8 @@ def encode_state(state: ShardState, incarnation: str) -> tuple[dict[str, np.ndar
             "job_id": job.job_id,
             "min_workers": job.min_workers,
             "max_workers": job.max_workers,
+            "shard": job.shard,
+            "num_shards": job.num_shards,
             "optimizer": {"name": job.optimizer.name, "params": job.optimizer.params()},
             "groups": [{"name": g.name, "params": g.params()} for g in job.groups],
             "variables": [
@@ -213,6 +215,8 @@ def decode_state(text: str, tensors: Mapping[str, np.ndarray]) -> ShardState:
         groups=tuple(optimizer_from_spec(g["name"], g["params"]) for g in spec.get("groups", [])),
         min_workers=int(spec.get("min_workers", 0)),  # absent before elastic jobs
         max_workers=int(spec.get("max_workers", 0)),
+        shard=int(spec.get("shard", 0)),  # absent before placements were recorded
+        num_shards=int(spec.get("num_shards", 0)),
     )
     job.check(max(job.num_workers, 1), len(job.variables))  # groups, tables, names
     make_policy(job.mode, job.staleness, job.quorum)  # raises on a mode this build lacks

@@ -202,7 +202,8 @@ class Membership:
             return []
         if now - self._heard_any > self.dead_air_s:
             return []  # nobody heard lately: the shard's silence, not theirs (see touch)
-        late = [w for w in self.pending if now - self._last_seen.get(w, now) > self.timeout_s]
+        # Judged as members are: by the pause-adjusted time (a shard's stall is not theirs).
+        late = [w for w in self.pending if now - self._counted_from.get(w, now) > self.timeout_s]
         for w in late:
             self.abort(w)
             log.warning("worker %d prepared to join but went silent: join dropped", w)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -17,13 +18,15 @@ from psserver.records import PushResult
 from psserver.shard import Shard
 from pswire import stepmsg
 from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler
-from pswire.errors import InvalidRequestError, NotInitializedError
+from pswire.errors import InvalidRequestError, NotInitializedError, PSError
 from pswire.job import job_from_proto, job_to_proto
 from pswire.optstate import split_state, state_arrays
 from pswire.proto import ps_pb2, ps_pb2_grpc
 from pswire.push import assembled_grads, header_options, push_pull_grads, read_stream
 from pswire.rpc_errors import rpc_errors
 from pswire.wiremsg import encode_chunk_messages, varint_field
+
+log = logging.getLogger(__name__)
 
 # Finish a server-side wait this long before the caller's deadline, so the caller gets our
 # specific error (what the wait was for) rather than a bare DEADLINE_EXCEEDED.
@@ -174,7 +177,22 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             job = job_from_proto(header.job)
             # The assembler's arrays belong to this call alone: the shard may keep them.
             accepted = self.shard.init(header.worker_id, job, values, take=True)
+        if accepted and self.save_checkpoint is not None:
+            self._first_checkpoint()
         return ps_pb2.InitResponse(values_accepted=accepted, job_id=self.shard.job_id)
+
+    def _first_checkpoint(self) -> None:
+        """Saves the initial values before worker 0 hears they were taken (so before any
+        step): a shard killed before its first periodic save then restarts from them, and
+        the workers replay every push since step 0. A failed save is logged, not fatal: the
+        periodic saves retry."""
+        assert self.save_checkpoint is not None
+        try:
+            path, _ = self.save_checkpoint()
+        except PSError as exc:
+            log.warning("could not save the initial values' checkpoint: %s", exc)
+        else:
+            log.info("initial values saved to %s", path)
 
     def _encode_pull(self, arrays: Mapping[str, np.ndarray], clock: int) -> list[bytes]:
         """The PullResponse messages of a snapshot; runs under the shard's lock (the encoded

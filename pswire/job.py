@@ -103,6 +103,10 @@ class Job:
     # with at least min_workers of them. num_workers is max_workers (the worker-id space).
     min_workers: int = 0
     max_workers: int = 0
+    # This shard's place in the placement: shard ``shard`` of ``num_shards`` (0 of 0: not
+    # said, as from a checkpoint older than this field). See ``placement_difference``.
+    shard: int = 0
+    num_shards: int = 0
 
     @property
     def elastic(self) -> bool:
@@ -145,6 +149,11 @@ class Job:
             )
         check_mode(self.mode, self.staleness, self.quorum)
         check_elastic(self.min_workers, self.max_workers, self.num_workers)
+        if self.num_shards < 0 or not (self.shard == 0 or 0 <= self.shard < self.num_shards):
+            raise InvalidRequestError(
+                f"the job is for shard {self.shard} of {self.num_shards}: expected "
+                "0 <= shard < num_shards"
+            )
         names = sorted({o.name for o in self.optimizers})
         if len(names) > 1:
             raise InvalidRequestError(f"parameter groups use different optimizers: {names}")
@@ -305,9 +314,24 @@ class Job:
             out[key] = grad
         return out
 
+    def placement_difference(self, other: Job) -> str:
+        """What differs in this shard's place in the placement from ``other`` (the shard's
+        job, perhaps restored from a checkpoint), or "" (also when either does not say)."""
+        if not (self.num_shards and other.num_shards):
+            return ""
+        if (self.shard, self.num_shards) == (other.shard, other.num_shards):
+            return ""
+        return (
+            f"placement: this shard holds shard {other.shard} of {other.num_shards} shards, "
+            f"the worker sent shard {self.shard} of {self.num_shards}'s part (restore each "
+            f"shard from its own checkpoint folder, with the same number of shards, "
+            f"{other.num_shards})"
+        )
+
     def differences(self, other: Job) -> list[str]:
         """Human-readable list of what differs from ``other`` (the shard's job)."""
-        out = []
+        placement = self.placement_difference(other)
+        out = [placement] if placement else []
         attrs = ("mode", "staleness", "num_workers", "model_digest", "quorum")
         for attr in (*attrs, "min_workers", "max_workers"):
             mine, theirs = getattr(self, attr), getattr(other, attr)
@@ -369,6 +393,8 @@ def job_from_proto(spec: ps_pb2.JobSpec) -> Job:
         groups=tuple(optimizer_from_spec(g.name, dict(g.params)) for g in spec.groups),
         min_workers=int(spec.min_workers),
         max_workers=int(spec.max_workers),
+        shard=int(spec.shard),
+        num_shards=int(spec.num_shards),
     )
 
 
@@ -386,6 +412,8 @@ def job_to_proto(job: Job) -> ps_pb2.JobSpec:
         groups=[ps_pb2.OptimizerSpec(name=g.name, params=g.params()) for g in job.groups],
         min_workers=job.min_workers,
         max_workers=job.max_workers,
+        shard=job.shard,
+        num_shards=job.num_shards,
     )
 
 

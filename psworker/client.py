@@ -361,7 +361,9 @@ class PSClient(ClientState, TableReads):
             return done
 
         if all(fits for *_, fits in plans):  # every shard sent its part before any is awaited
-            results = self._settled(step, *self._fan.settle_started(start))
+            # A shard's call that ends early (it restarted) is recovered while others wait.
+            ended = lambda shard, fn: self.links[shard].steps.when_ended(fn)  # noqa: E731
+            results = self._settled(step, *self._fan.settle_started(start, ended))
         else:
             results = self._push_all(step, lambda shard: start(shard)())
         self._pushed(step, [r for r, _ in results])

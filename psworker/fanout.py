@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import TypeVar
 
 from pswire.errors import ClientClosedError, PSError
@@ -16,7 +18,10 @@ class FanOut:
 
     def __init__(self, shards: int) -> None:
         self.shards = shards
-        self._pool = ThreadPoolExecutor(max_workers=shards, thread_name_prefix="ps")
+        # A step's calls (``settle``, or ``settle_started``'s early waits) and the heartbeat
+        # thread's each take up to shards - 1 threads at once: neither queues behind the other
+        # (a recovering shard's wait can take a while). Threads start only when needed.
+        self._pool = ThreadPoolExecutor(max_workers=2 * shards, thread_name_prefix="ps")
 
     def each(self, fn: Callable[[int], T]) -> list[T]:
         """Every shard's result, in shard order; the first error (by shard) is raised."""
@@ -46,11 +51,20 @@ class FanOut:
         return done, failed  # type: ignore[return-value]
 
     def settle_started(
-        self, start: Callable[[int], Callable[[], T]]
+        self,
+        start: Callable[[int], Callable[[], T]],
+        when_ended: Callable[[int, Callable[[], None]], None] | None = None,
     ) -> tuple[list[T], list[tuple[int, Exception]]]:
         """As ``settle``, for calls in two halves: ``start(shard)`` sends and returns what
         waits for the reply. Every shard is started, then each waited for in shard order, all
-        in the calling thread: the shards work at once with no thread hand-off."""
+        in the calling thread: the shards work at once with no thread hand-off.
+
+        ``when_ended(shard, fn)`` arranges for ``fn()`` to run once that shard's call ended
+        early (an error: it restarted, or is unreachable). That shard's wait then runs at once
+        in the pool, not after the shards before it: a shard that restarted is recovered
+        (re-registered, pushes replayed) while another shard's reply is pending. Waiting in
+        order instead deadlocks when that reply needs another worker's step, and that worker
+        waits for this worker's replay to the restarted shard."""
         started: list[tuple[int, Callable[[], T]]] = []
         failed: list[tuple[int, Exception]] = []
         for shard in range(self.shards):
@@ -58,10 +72,27 @@ class FanOut:
                 started.append((shard, start(shard)))
             except Exception as exc:
                 failed.append((shard, exc))
+        lock = threading.Lock()
+        claimed: dict[int, Future[T] | None] = {}  # shard -> run early in the pool (a future)
+
+        def early(shard: int, finish: Callable[[], T]) -> None:
+            with lock:
+                if shard in claimed:
+                    return  # the calling thread got to it first
+                try:
+                    claimed[shard] = self._pool.submit(finish)
+                except RuntimeError:  # the client is closing: the calling thread runs it
+                    return
+
+        if when_ended is not None:
+            for shard, finish in started[1:]:  # the first one is waited for at once anyway
+                when_ended(shard, partial(early, shard, finish))
         done: list[T] = []
         for shard, finish in started:
+            with lock:
+                future = claimed.setdefault(shard, None)
             try:
-                done.append(finish())
+                done.append(future.result() if future is not None else finish())
             except Exception as exc:
                 failed.append((shard, exc))
         return done, sorted(failed, key=lambda f: f[0])

@@ -424,9 +424,16 @@ class ShardLink:
             self.incarnation = reply.incarnation
             return
         if not reply.initialized:
+            why = (
+                "its checkpoint directory held no checkpoint (it saves one as soon as it takes "
+                "the initial values: was it restarted with another --checkpoint-dir, or its "
+                "files removed?)"
+                if reply.checkpointing
+                else "it has no --checkpoint-dir; run psserver with one to survive restarts"
+            )
             raise UnavailableError(
                 f"shard {self.index} ({self.address}) restarted without a checkpoint, so its "
-                "variables are gone; run psserver with --checkpoint-dir to survive restarts"
+                f"variables are gone: {why}"
             )
         resume = reply.clock
         steps = sorted(s for s in self.log if s >= resume)

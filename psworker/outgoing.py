@@ -72,14 +72,22 @@ def shard_jobs(
     job_id: str,
 ) -> list[Job]:
     """Each shard's part of ``job`` (its variables and table slices, each in its parameter
-    group), with ``job_id``."""
+    group, and its index and the shard count), with ``job_id``."""
     out = []
     for shard in range(shard_map.num_shards):
         variables = [
             VarSpec(p.key, p.shape, p.dtype, p.var in buffers, group=group[p.var])
             for p in shard_map.on_shard(shard)
         ] + [VarSpec.of_table(t.slice_for(shard), group[n]) for n, t in tables.items()]
-        out.append(dataclasses.replace(job, variables=tuple(variables), job_id=job_id))
+        out.append(
+            dataclasses.replace(
+                job,
+                variables=tuple(variables),
+                job_id=job_id,
+                shard=shard,
+                num_shards=shard_map.num_shards,
+            )
+        )
     return out
 
 

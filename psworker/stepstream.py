@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -50,6 +50,9 @@ class StepStream:
         self._expired = False
         self._steps = 0  # steps sent: which one the watchdog means
         self._last = 0.0  # when the open call last answered
+        # (the call, what to run when it ends): see ``when_ended``.
+        self._hook: tuple[Any, Callable[[], None]] | None = None
+        self._hook_lock = threading.Lock()
 
     def step(self, request: ps_pb2.PushPullRequest | bytes, timeout: float) -> Any:
         """Sends one step's request (a protobuf object, whose ``timeout_ms`` is set here, or
@@ -101,6 +104,31 @@ class StepStream:
         finally:
             self._lock.release()
 
+    def when_ended(self, fn: Callable[[], None]) -> None:
+        """Runs ``fn()`` (on gRPC's thread, or here) if the call carrying the step just sent
+        ends before ``receive`` reads its reply: an error ends the call (a restarted shard's
+        ABORTED, UNAVAILABLE, the watchdog's cancel), so the caller can recover this shard
+        while it waits for another. At most once; ``receive`` cancels it."""
+        with self._hook_lock:
+            call = self._call
+            if call is not None and hasattr(call, "add_done_callback"):
+                self._hook = (call, fn)
+            else:
+                call = None
+        if call is None:
+            fn()  # no open call (the send failed): nothing to wait for
+        elif call.done():  # ended before the hook was set: its callback found none
+            self._ended(call)
+
+    def _ended(self, call: Any) -> None:
+        """The call ``call`` ended: runs the hook set for it, if any."""
+        with self._hook_lock:
+            hook = self._hook
+            if hook is None or hook[0] is not call:
+                return
+            self._hook = None
+        hook[1]()
+
     def _put(self, request: ps_pb2.PushPullRequest | bytes, timeout: float) -> None:
         if self._call is None:
             self._open()
@@ -111,6 +139,8 @@ class StepStream:
         _WATCHDOG.watch(self, time.monotonic() + timeout, self._steps)
 
     def _reply(self, timeout: float) -> Any:
+        with self._hook_lock:
+            self._hook = None  # the reply is read here: nobody else needs to know
         try:
             reply = next(self._call)
             self._last = time.monotonic()
@@ -150,7 +180,10 @@ class StepStream:
 
         self._requests = requests
         # No call deadline: the call outlives any one step, and each step has its own.
-        self._call = self._stub.PushPullStream(messages())
+        call = self._stub.PushPullStream(messages())
+        if hasattr(call, "add_done_callback"):
+            call.add_done_callback(self._ended)  # one per call: see ``when_ended``
+        self._call = call
 
     def _end(self) -> None:
         if self._requests is not None:

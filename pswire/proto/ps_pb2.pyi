@@ -231,6 +231,8 @@ class JobSpec(_message.Message):
     GROUPS_FIELD_NUMBER: _builtins.int
     MIN_WORKERS_FIELD_NUMBER: _builtins.int
     MAX_WORKERS_FIELD_NUMBER: _builtins.int
+    SHARD_FIELD_NUMBER: _builtins.int
+    NUM_SHARDS_FIELD_NUMBER: _builtins.int
     mode: _builtins.str
     """"sync", "async" or "ssp" """
     staleness: _builtins.int
@@ -250,6 +252,13 @@ class JobSpec(_message.Message):
     Worker ids are in [0, max_workers), and num_workers is max_workers.
     """
     max_workers: _builtins.int
+    shard: _builtins.int
+    """This shard's place in the job's placement: shard `shard` of `num_shards` (both 0 from a
+    client that does not say). Kept in checkpoints: a restore onto another shard count or
+    index is refused at init (FAILED_PRECONDITION), as a table slice or a dense variable
+    would otherwise come back on the wrong shard.
+    """
+    num_shards: _builtins.int
     @_builtins.property
     def optimizer(self) -> Global___OptimizerSpec: ...
     @_builtins.property
@@ -277,10 +286,12 @@ class JobSpec(_message.Message):
         groups: _abc.Iterable[Global___OptimizerSpec] | None = ...,
         min_workers: _builtins.int = ...,
         max_workers: _builtins.int = ...,
+        shard: _builtins.int = ...,
+        num_shards: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["optimizer", b"optimizer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "job_id", b"job_id", "max_workers", b"max_workers", "min_workers", b"min_workers", "mode", b"mode", "model_digest", b"model_digest", "num_workers", b"num_workers", "optimizer", b"optimizer", "quorum", b"quorum", "staleness", b"staleness", "variables", b"variables"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "job_id", b"job_id", "max_workers", b"max_workers", "min_workers", b"min_workers", "mode", b"mode", "model_digest", b"model_digest", "num_shards", b"num_shards", "num_workers", b"num_workers", "optimizer", b"optimizer", "quorum", b"quorum", "shard", b"shard", "staleness", b"staleness", "variables", b"variables"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ from psserver.checkpoint import (
 )
 from psserver.records import Limits, ShardState
 from psserver.shard import Shard
-from pswire.errors import NotInitializedError
+from pswire.errors import InvalidRequestError, ModelMismatchError, NotInitializedError
 from pswire.job import Job, VarSpec
 from pswire.optim import SGD, Adagrad, Adam, Optimizer
 
@@ -231,10 +232,12 @@ def test_corrupt_newest_falls_back_to_previous_good(
     assert newest.name in caplog.text
 
 
-def test_no_valid_checkpoint_gives_none(tmp_path: Path) -> None:
+def test_no_checkpoint_gives_none_and_only_corrupt_ones_are_refused(tmp_path: Path) -> None:
     assert Checkpointer(tmp_path / "missing").load_latest() is None
-    (tmp_path / checkpoint_name(7)).write_bytes(b"not a checkpoint")
     assert Checkpointer(tmp_path).load_latest() is None
+    (tmp_path / checkpoint_name(7)).write_bytes(b"not a checkpoint")
+    with pytest.raises(CorruptCheckpointError, match=r"1 checkpoint file\(s\) and none is valid"):
+        Checkpointer(tmp_path).load_latest()
 
 
 def rewrite(path: Path, edit_meta=None, edit_tensors=None) -> None:
@@ -432,3 +435,34 @@ def test_files_are_fsynced_before_the_rename(tmp_path: Path, monkeypatch) -> Non
     )
     Checkpointer(tmp_path).save(exported(ready(SGD(lr=0.1))))
     assert calls == ["fsync", "replace", "fsync"]  # file, rename, directory
+
+
+@pytest.mark.parametrize(
+    ("shard", "num_shards", "named"),
+    [(0, 1, "shard 0 of 1"), (0, 3, "shard 0 of 3"), (1, 2, "shard 1 of 2")],
+)
+def test_a_checkpoint_keeps_the_shards_place_and_a_restore_elsewhere_is_refused(
+    tmp_path: Path, shard: int, num_shards: int, named: str
+) -> None:
+    job = dataclasses.replace(make_job(SGD(lr=0.1)), shard=0, num_shards=2)
+    trained = Shard(Limits(max_wait_s=5))
+    assert trained.init(0, job, initial_values())
+    train(trained, range(2), 1)
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(exported(trained))
+    state = ckpt.load_latest()
+    assert state is not None and (state.job.shard, state.job.num_shards) == (0, 2)
+    restored = Shard(Limits(max_wait_s=5))
+    restored.restore(state)
+    other = dataclasses.replace(job, shard=shard, num_shards=num_shards)
+    with pytest.raises(ModelMismatchError, match=rf"shard 0 of 2 shards, the worker sent {named}"):
+        restored.init(0, other, initial_values())
+    assert restored.status().clock == 2  # nothing changed
+    assert not restored.init(0, job, None)  # the same place is taken, values kept
+    # A job that does not say (an older client or checkpoint) is not checked.
+    assert not restored.init(0, dataclasses.replace(job, shard=0, num_shards=0), None)
+
+
+def test_a_shard_outside_the_count_is_refused() -> None:
+    with pytest.raises(InvalidRequestError, match="shard 2 of 2"):
+        dataclasses.replace(make_job(SGD(lr=0.1)), shard=2, num_shards=2).check(4, 100)

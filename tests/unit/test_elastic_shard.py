@@ -168,8 +168,8 @@ def test_a_silent_joiner_is_forgotten_and_the_step_it_held_opens():
     join(shard, 0), join(shard, 1)
     shard.register_worker(2, 4)
     assert shard.join(2, "", "prepare", 0).accepted
-    for _ in range(2):
-        clock.now += 6
+    for _ in range(3):  # heard every 4 s: no pause (over 5 s of silence from everyone)
+        clock.now += 4
         shard.heartbeat(0), shard.heartbeat(1)
     assert shard.expire_silent() == [2]  # its prepared join, not a member
     shard.pull(0, 0, timeout=0.2)
@@ -242,3 +242,64 @@ def test_ssp_and_async_count_a_joiner_from_its_join_and_hold_nothing_below_the_m
     assert join(asynchronous, 1) == 0  # async: a worker's steps are its own
     asynchronous.push(1, 0, grad(1.0))
     assert asynchronous.status().clock == 5
+
+
+def test_a_prepared_join_outlives_a_shard_pause_as_members_do():
+    # The issue's repro: a pause (nobody heard for 60 s) is the shard's silence, not the
+    # joiner's; members equally silent are kept, so the prepared join must be kept too.
+    from psserver.membership import Membership
+
+    m = Membership(timeout_s=10)
+    m.start(4, 0.0, elastic=True, members={0: 0, 2: 0}, min_workers=1)
+    m.prepare(1, step=5, now=0.0)
+    m.touch(0, now=60.0)
+    assert m.expire(60.1) == []
+    assert m.pending == {1: 5}
+    # Once the shard hears others again, a joiner that stays silent is dropped as a member is.
+    for t in (64.0, 68.0, 72.0):
+        m.touch(0, now=t), m.touch(2, now=t)
+    assert m.expire(72.0) == [1]
+
+
+def test_a_join_prepared_before_a_shard_pause_commits_after_it():
+    clock = Clock()
+    shard = elastic_shard(low=1, clock=clock, heartbeat_timeout_s=10.0)
+    join(shard, 0)
+    shard.register_worker(2, 4)
+    at = shard.join(2, "", "propose").step
+    assert shard.join(2, "", "prepare", at).accepted
+    clock.now += 60  # the shard is paused: nobody is heard
+    shard.heartbeat(0)
+    assert shard.expire_silent() == []
+    assert shard.join(2, "", "commit", at).accepted  # was: "prepared none here"
+    assert shard.status().live == {0, 2}
+
+
+def test_a_restored_member_keeps_its_join_step_and_pushes_before_it_are_refused(tmp_path):
+    # Issue 27 item 21: restored at k, the joiner's pushes before k are still refused, its
+    # push at k is taken, and the members from the start keep theirs (through a real file).
+    from psserver.checkpoint import Checkpointer
+
+    shard = elastic_shard(low=1)
+    join(shard, 0), join(shard, 1)
+    for step in range(3):
+        shard.push(0, step, grad(1.0)), shard.push(1, step, grad(1.0))
+    k = join(shard, 2)
+    assert k == 3
+    checkpointer = Checkpointer(tmp_path)
+    state = shard.export_state()
+    assert state is not None
+    checkpointer.save(state)
+    restored = Shard(Limits(max_wait_s=5), clock=Clock())
+    loaded = checkpointer.load_latest()
+    assert loaded is not None
+    restored.restore(loaded)
+    assert restored.status().live == {0, 1, 2}
+    with pytest.raises(
+        InvalidRequestError, match=f"push by worker 2 for step {k - 1}, but it joined at step {k}"
+    ):
+        restored.push(2, k - 1, grad(1.0))
+    assert restored.status().pushes_applied == state.counters["applied"]  # nothing changed
+    for w in (0, 1, 2):
+        assert restored.push(w, k, grad(1.0)).applied
+    assert restored.status().clock == k + 1  # step k closed with all three
