@@ -18,9 +18,12 @@ def test_a_variable_named_like_a_slice_of_a_split_one_is_refused_before_anything
     # 'w' is 256 bytes > split_bytes: stored as 'w/part0of2' and 'w/part1of2'. Unchecked, the
     # pull merged the other variable's rows into 'w' (exit 0, a wrong model).
     model = {"w": np.arange(64, dtype=np.float32).reshape(16, 4), "w/part0of2": np.ones((8, 4))}
-    with psworker.connect(
-        [s.address for s in servers], mode="sync", num_workers=1, split_bytes=64
-    ) as client, pytest.raises(InvalidRequestError, match=r"\['w/part0of2'\] have the form"):
+    with (
+        psworker.connect(
+            [s.address for s in servers], mode="sync", num_workers=1, split_bytes=64
+        ) as client,
+        pytest.raises(InvalidRequestError, match=r"\['w/part0of2'\] have the form"),
+    ):
         client.init(model, psworker.SGD(lr=0.1))
     for server in servers:
         status = server.shard.status()
