@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +19,7 @@ from pswire import cli
 from pswire.cluster import ClusterSpec
 from pswire.codec import ChunkAssembler
 from pswire.errors import InvalidRequestError, ModelMismatchError, NotInitializedError, PSError
+from pswire.piecekey import parse_piece_key
 from pswire.proto import ps_pb2, ps_pb2_grpc
 from pswire.rpc_errors import from_rpc_error
 from pswire.security import ClientSecurity
@@ -31,8 +31,6 @@ T = TypeVar("T")
 # Must equal psworker.torch.BUFFER_PREFIX; not imported from there because that module needs
 # torch, and exporting must work without it.
 BUFFER_PREFIX = "buffer:"
-# A dim-0 slice of a split variable is stored as "name/part{i}of{k}" (psworker.placement.plan).
-_PIECE = re.compile(r"(?P<var>.+)/part(?P<i>\d+)of(?P<k>\d+)")
 COMMANDS = ("checkpoint", "export")
 DEFAULT_OUT = "model.pt"
 # Read from the environment by every command that calls the shards (no flags: command lines
@@ -207,13 +205,13 @@ def join_pieces(pieces: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndar
     counts: dict[str, set[int]] = {}
     whole: dict[str, np.ndarray] = {}
     for key, array in merged.items():
-        match = _PIECE.fullmatch(key)
-        if match is None:
+        piece = parse_piece_key(key)  # workers refuse whole variables named like this
+        if piece is None:
             whole[key] = array
             continue
-        var = match["var"]
-        slices.setdefault(var, {})[int(match["i"])] = array
-        counts.setdefault(var, set()).add(int(match["k"]))
+        var, index, count = piece
+        slices.setdefault(var, {})[index] = array
+        counts.setdefault(var, set()).add(count)
     for var, parts in slices.items():
         (k, *more) = sorted(counts[var])
         if more or sorted(parts) != list(range(k)):

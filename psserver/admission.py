@@ -1,7 +1,7 @@
 """Keeps a shard answerable under any load: calls that can last are capped below the thread pool,
 so status, health and registration always find a thread; a request stream that sits idle, or
 a reply the client does not take, is cancelled; each worker has at most a few open step
-streams."""
+streams, and each peer at most a few request streams that have not said who they are."""
 
 from __future__ import annotations
 
@@ -32,6 +32,12 @@ DEFAULT_STREAM_IDLE_S = 120.0
 # A shard's gRPC threads: room for 60 workers (a step stream and a pull each) and the reserve.
 DEFAULT_THREADS = 128
 DEFAULT_STREAMS_PER_WORKER = 2
+# A request stream names its worker in its first message, which a worker sends at once; until
+# then it is anonymous. A peer (host) holding more than this many anonymous streams for over
+# ANONYMOUS_GRACE_S has the oldest cancelled: a client that opens streams and sends nothing
+# holds a few threads, not all, while real workers' streams are never anonymous for long.
+ANONYMOUS_STREAMS_PER_PEER = 2
+ANONYMOUS_GRACE_S = 5.0
 _WATCH_TICK_S = 0.5
 
 
@@ -61,6 +67,8 @@ class Admission:
         self._long = 0
         self._streams: dict[int, int] = {}
         self._idle: dict[int, tuple[float, grpc.ServicerContext]] = {}
+        # Request streams whose first message has not come: call -> (peer host, since, context).
+        self._anonymous: dict[int, tuple[str, float, grpc.ServicerContext]] = {}
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -68,7 +76,7 @@ class Admission:
     # -- the stream watchdog ---------------------------------------------------------------
 
     def start(self) -> None:
-        if self.stream_idle_s > 0 and self._watcher is None:
+        if self._watcher is None:
             self._watcher = threading.Thread(
                 target=self._watch, name="ps-idle-streams", daemon=True
             )
@@ -81,22 +89,51 @@ class Admission:
 
     def _watch(self) -> None:
         while not self._stop.wait(_WATCH_TICK_S):
-            now = self._now()
-            with self._lock:
+            self.expire(self._now())
+
+    def expire(self, now: float) -> None:
+        """Cancels the request streams idle for over ``stream_idle_s`` and each peer's
+        anonymous streams past ``ANONYMOUS_STREAMS_PER_PEER`` held for over
+        ``ANONYMOUS_GRACE_S`` (the oldest first); the watchdog calls it every tick."""
+        with self._lock:
+            idle = []
+            if self.stream_idle_s > 0:
                 idle = [
                     (call, context)
                     for call, (since, context) in self._idle.items()
                     if now - since > self.stream_idle_s
                 ]
-                for call, _ in idle:
-                    del self._idle[call]
-            for _, context in idle:
-                log.info("cancelling a request stream idle for over %.0fs", self.stream_idle_s)
-                context.cancel()
+            for call, _ in idle:
+                del self._idle[call]
+            by_peer: dict[str, list[tuple[float, int]]] = {}
+            for call, (peer, since, _) in self._anonymous.items():
+                if now - since > ANONYMOUS_GRACE_S:
+                    by_peer.setdefault(peer, []).append((since, call))
+            excess = [
+                (peer, call)
+                for peer, held in by_peer.items()
+                for _, call in sorted(held)[: len(held) - ANONYMOUS_STREAMS_PER_PEER]
+            ]
+            anonymous = [(peer, self._anonymous.pop(call)[2]) for peer, call in excess]
+        for _, context in idle:
+            log.info("cancelling a request stream idle for over %.0fs", self.stream_idle_s)
+            context.cancel()
+        for peer, context in anonymous:
+            log.warning(
+                "cancelling a request stream from %s that sent nothing for over %.0fs: that "
+                "peer holds more than %d such streams",
+                peer,
+                ANONYMOUS_GRACE_S,
+                ANONYMOUS_STREAMS_PER_PEER,
+            )
+            context.cancel()
 
     def _watched(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-        """``requests``, with the wait for each next message watched for idleness."""
+        """``requests``, with the wait for each next message watched for idleness, and the
+        wait for the first counted as its peer's anonymous stream."""
         call = next(self._ids)
+        with self._lock:
+            self._anonymous[call] = (peer_host(context.peer()), self._now(), context)
         try:
             while True:
                 with self._lock:
@@ -108,10 +145,12 @@ class Admission:
                 finally:
                     with self._lock:
                         self._idle.pop(call, None)
+                        self._anonymous.pop(call, None)
                 yield request
         finally:
             with self._lock:
                 self._idle.pop(call, None)
+                self._anonymous.pop(call, None)
 
     def _sent(self, replies: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
         """``replies``, with the wait for the client to take each one watched: a client that
@@ -234,3 +273,12 @@ class Admission:
             handler,
             lambda kind, behaviour: (streaming if kind.endswith("stream") else unary)(behaviour),
         )
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer string ("ipv4:10.0.0.3:5123" -> "ipv4:10.0.0.3", "ipv6:[::1]:5"
+    -> "ipv6:[::1]"): one machine's connections count together, whatever their ports."""
+    kind, sep, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6") and sep:
+        return f"{kind}:{rest.rpartition(':')[0] or rest}"
+    return peer

@@ -20,13 +20,24 @@ _DEFAULT_LIMITS = Limits()
 # A shorter heartbeat timeout would have every worker heartbeat this shard many times a second.
 MIN_HEARTBEAT_TIMEOUT_S = 1.0
 log = logging.getLogger(__name__)
+# Without TLS or a token anyone reaching the port may read or train the model: unless the
+# operator names the address, such a daemon serves only this machine (as /metrics does).
+LOOPBACK_HOST = "127.0.0.1"
+WILDCARD_HOST = "0.0.0.0"
+
+
+def default_host(security: ServerSecurity) -> str:
+    """Where a daemon started without ``--host`` listens: every interface when TLS or a token
+    guards it, else only this machine."""
+    return WILDCARD_HOST if security.tls or security.token else LOOPBACK_HOST
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything one shard daemon needs; ``__post_init__`` rejects impossible values."""
 
-    host: str = "0.0.0.0"
+    host: str = LOOPBACK_HOST
+    host_given: bool = True  # False: ``host`` is ``default_host``'s choice (logged at start)
     port: int = 0
     port_file: Path | None = None
     threads: int = DEFAULT_THREADS
@@ -104,7 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="psserver",
         description="Run one parameter-server shard (gRPC, with grpc.health.v1 beside it).",
     )
-    cli.add(parser, "--host", env="PS_HOST", default="0.0.0.0", help="address to bind")
+    cli.add(
+        parser,
+        "--host",
+        env="PS_HOST",
+        help=f"address to bind; unset: {WILDCARD_HOST} with TLS or a token, else {LOOPBACK_HOST} "
+        f"(this machine only: pass --host {WILDCARD_HOST} to serve others without either)",
+    )
     cli.add(
         parser,
         "--port",
@@ -325,8 +342,15 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                 port = task[1]
             if not shard_name and task is not None:
                 shard_name = f"ps{task[0]}"
+        security = ServerSecurity(
+            cert=args.tls_cert,
+            key=args.tls_key,
+            ca=args.tls_ca,
+            token=read_token_file(args.token_file) if args.token_file else args.token,
+        )
         return ServerConfig(
-            host=args.host,
+            host=args.host if args.host is not None else default_host(security),
+            host_given=args.host is not None,
             port=port,
             port_file=args.port_file,
             threads=args.threads,
@@ -343,12 +367,7 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
             ),
             grace_s=args.grace,
             log_level=args.log_level,
-            security=ServerSecurity(
-                cert=args.tls_cert,
-                key=args.tls_key,
-                ca=args.tls_ca,
-                token=read_token_file(args.token_file) if args.token_file else args.token,
-            ),
+            security=security,
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every_steps=args.checkpoint_every_steps,
             checkpoint_every_secs=args.checkpoint_every_secs,

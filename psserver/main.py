@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 from psserver.checkpoint import Checkpointer, CheckpointScheduler
-from psserver.config import ServerConfig, parse_config
+from psserver.config import LOOPBACK_HOST, WILDCARD_HOST, ServerConfig, parse_config
 from psserver.logformat import configure_logging
 from psserver.metrics import MetricsServer, ShardMetrics
 from psserver.server import start_server
@@ -93,6 +93,8 @@ def serve(config: ServerConfig, stop: threading.Event) -> int:
             server.port,
             config.security.describe(),
         )
+        if not config.host_given:
+            log.info(host_note(config))
         if config.security.token and not config.security.tls:
             log.warning(
                 "the token travels in clear text: without TLS, use only on a trusted network"
@@ -116,6 +118,19 @@ def serve(config: ServerConfig, stop: threading.Event) -> int:
             config.port_file.unlink(missing_ok=True)
     log.info("psserver stopped")
     return 0
+
+
+def host_note(config: ServerConfig) -> str:
+    """The start-up line saying why a daemon started without ``--host`` listens where it does."""
+    if config.host == LOOPBACK_HOST:
+        return (
+            f"serving this machine only ({LOOPBACK_HOST}): no --host given, and neither TLS nor "
+            f"a token is set; pass --host {WILDCARD_HOST} (PS_HOST) to serve other machines"
+        )
+    return (
+        f"serving every interface ({config.host}): no --host given, and "
+        f"{config.security.describe()} guards the port; pass --host to choose one"
+    )
 
 
 def open_checkpoints(config: ServerConfig, shard: Shard) -> CheckpointScheduler | None:

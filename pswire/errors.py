@@ -48,8 +48,8 @@ class ModelMismatchError(PSError):
 
 class HyperParameterMismatchError(ModelMismatchError):
     """Raised when the pushes of one sync step carry different optimizer hyper-parameters
-    (workers on different learning-rate schedules); the message names the workers, the
-    parameter group and the values."""
+    (workers on different learning-rate schedules), or all-reduce ranks would apply different
+    optimizer settings; the message names the workers or ranks, the group and the values."""
 
 
 class NotInitializedError(PSError):

@@ -23,6 +23,7 @@ from pswire.errors import (
 )
 from pswire.job import MODES, Job, job_to_proto
 from pswire.optim import Optimizer, StepOptions, resolve_groups
+from pswire.piecekey import check_names
 from pswire.proto import ps_pb2
 from pswire.security import ClientSecurity
 from pswire.tables import RowSparse, Table
@@ -186,6 +187,7 @@ class PSClient(ClientState, TableReads):
         if clash:
             raise InvalidRequestError(f"names used by both a variable and a table: {clash}")
         try:
+            check_names(tables, "table")
             shard_map = plan(infos, len(self.addresses), self.split_bytes)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from exc
@@ -273,9 +275,7 @@ class PSClient(ClientState, TableReads):
             )
             return self.links[shard].pull(request, into)
 
-        merged: dict[str, np.ndarray] = {}
-        for part in self._fan_out(pull_one):
-            merged.update(part)
+        merged = shard_map.merge(self._fan_out(pull_one))
         return shard_map.join(merged, wanted, into, out)
 
     def push(
@@ -368,9 +368,7 @@ class PSClient(ClientState, TableReads):
             results = self._push_all(step, lambda shard: start(shard)())
         self._pushed(step, [r for r, _ in results])
         self.last_skipped = any(r.skipped for r, _ in results) or bool(options and options.skip)
-        merged: dict[str, np.ndarray] = {}
-        for _, arrays in results:
-            merged.update(arrays)
+        merged = shard_map.merge([arrays for _, arrays in results])
         weights = shard_map.join(merged, wanted, into, out)
         return {**weights, **{t: r.result() for t, r in reads.items()}}
 

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from pswire.codec import ChunkAssembler
-from pswire.errors import not_in_model
+from pswire.errors import ModelMismatchError, not_in_model
 from pswire.optstate import split_state, state_arrays
 from pswire.proto import ps_pb2
 from pswire.wiremsg import encode_chunk_messages
@@ -55,8 +55,14 @@ class ClientState:
             return link.call("PullState", run)
 
         merged: dict[str, np.ndarray] = {}
-        for part in self._fan_out(one):
-            merged.update(part)
+        for shard, part in enumerate(self._fan_out(one)):
+            for key, array in part.items():
+                if key in merged:  # a piece lives on one shard: never merge one over another
+                    raise ModelMismatchError(
+                        f"shard {shard} and another shard both hold state '{key}': the shards "
+                        "hold another model's plan"
+                    )
+                merged[key] = array
         _, by_piece = split_state(merged)
         out: Slots = {}
         for var in shard_map.variables:

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pswire.errors import InvalidRequestError, not_in_model
+from pswire.errors import InvalidRequestError, ModelMismatchError, not_in_model
+from pswire.piecekey import check_names, piece_key
 from pswire.tables import Table, TableSlice, splitmix64
 
 # Variables above this many bytes are split along dim 0 across shards (like TF's
@@ -70,6 +71,10 @@ class ShardMap:
             by_var.setdefault(p.var, []).append(p)
         return by_var
 
+    @functools.cached_property
+    def _by_key(self) -> dict[str, Piece]:
+        return {p.key: p for p in self.pieces}
+
     def pieces_of(self, var: str) -> list[Piece]:
         return list(self._by_var.get(var, ()))
 
@@ -92,6 +97,27 @@ class ShardMap:
         # JSON, not "name:dtype:shape" joined by ";": names may hold any separator.
         text = json.dumps([[v.name, str(v.dtype), list(v.shape)] for v in self.variables])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def merge(self, replies: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """Every shard's reply (``replies[shard]``: pieces by key) in one dict by piece key.
+
+        Raises:
+            ModelMismatchError: a shard replied with a key this map does not place on it, or
+                with a key another shard's reply holds too (nothing is merged over another).
+        """
+        merged: dict[str, np.ndarray] = {}
+        by_key = self._by_key
+        for shard, reply in enumerate(replies):
+            for key, array in reply.items():
+                piece = by_key.get(key)
+                if piece is None or piece.shard != shard or key in merged:
+                    where = "no shard" if piece is None else f"shard {piece.shard}"
+                    raise ModelMismatchError(
+                        f"shard {shard} replied with '{key}', which this worker's plan places "
+                        f"on {where}: the shards hold another model's plan"
+                    )
+                merged[key] = array
+        return merged
 
     def split(self, arrays: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
         """Cuts full arrays into per-shard pieces (views, no copy): one dict per shard."""
@@ -212,7 +238,8 @@ def plan(
     largest first to the least-loaded shard (ties to the lowest index).
 
     Raises:
-        ValueError: ``num_shards`` < 1 or a duplicated variable name.
+        ValueError: ``num_shards`` < 1, a duplicated variable name, or one that reads as a
+            slice's key (``pswire.piecekey``).
     """
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
@@ -220,6 +247,7 @@ def plan(
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"duplicated variable names: {dup}")
+    check_names(names)
     loads = [0] * num_shards
     placed: list[Piece] = []
 
@@ -245,12 +273,15 @@ def plan(
             shape = (stop - start, *v.shape[1:])
             shard = least_loaded(used)
             used.add(shard)
-            piece = Piece(f"{v.name}/part{i}of{k}", v.name, shard, start, stop, shape, v.dtype)
+            piece = Piece(piece_key(v.name, i, k), v.name, shard, start, stop, shape, v.dtype)
             placed.append(piece)
             loads[shard] += piece.nbytes
     # Pieces in model order (then slice order) so every process iterates identically.
     index = {n: i for i, n in enumerate(names)}
     placed.sort(key=lambda p: (index[p.var], p.start))
+    keys = [p.key for p in placed]
+    if len(set(keys)) != len(keys):  # check_names rules it out; a shard must never see it
+        raise ValueError(f"piece keys collide: {sorted({k for k in keys if keys.count(k) > 1})}")
     return ShardMap(num_shards, tuple(variables), tuple(placed))
 
 

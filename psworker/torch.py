@@ -12,6 +12,7 @@ import torch
 
 from pswire.errors import ConfigError
 from pswire.optim import Optimizer, StepOptions
+from pswire.tables import RowSparse
 from psworker.api import Client
 from psworker.torch_optim import (
     changed_values,
@@ -363,8 +364,9 @@ def _unscale(scaler: Any, opt: DistributedOptimizer, rows: dict[str, Any]) -> bo
     skip = any(float(t.item()) > 0 for t in found.values())
     if rows:
         inv = np.float32(1.0 / np.float64(scaler.get_scale()))  # as torch: in float64
-        for grad in rows.values():
-            grad.values *= inv
+        # New RowSparse objects: they are frozen (``values *=`` would assign the field).
+        for name, grad in rows.items():
+            rows[name] = RowSparse(grad.ids, grad.values * inv)
         if not all(np.isfinite(g.values).all() for g in rows.values()):
             _found_inf(scaler, opt)
             skip = True

@@ -10,11 +10,12 @@ import numpy as np
 
 from pswire.codec import COMPRESSIONS, bfloat16_to_float32, float32_to_bfloat16
 from pswire.errors import ConfigError, InvalidRequestError, ModelMismatchError, not_in_model
-from pswire.optim import Optimizer, StepOptions
+from pswire.optim import Optimizer, StepOptions, group_optimizers, resolve_groups
 from pswire.security import ClientSecurity
 from pswire.tables import RowSparse, Table
 from psworker.api import push_then_pull
 from psworker.local import LocalClient
+from psworker.ring import agreement
 from psworker.ring.algorithm import DEFAULT_TIMEOUT_S
 from psworker.ring.buckets import DEFAULT_BUCKET_BYTES, BucketPlan
 from psworker.ring.ring import Ring, RingServer
@@ -35,7 +36,9 @@ class AllReduceClient:
     gradients over the ring in buckets of ``bucket_bytes`` (the same plan on every worker),
     divides by the worker count, and applies the optimizer locally with the shards' math, so
     every replica takes the same step. ``compression`` ("fp16" or "bf16") sends gradients in
-    16 bits; the ring accumulates them in float32. Buffers are averaged the same way.
+    16 bits; the ring accumulates them in float32. Buffers are averaged the same way. Each
+    step the ranks also compare what they apply (``agreement``): ranks with other optimizer
+    settings or step hyper-parameters raise ``HyperParameterMismatchError`` before applying.
     """
 
     mode = "allreduce"
@@ -64,6 +67,8 @@ class AllReduceClient:
         self._buffers: set[str] = set()
         self._plan: BucketPlan | None = None
         self._specs: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+        self._optimizers: tuple[Optimizer, ...] = ()  # each parameter group's, from init
+        self._groups = ""  # agreement.groups_digest of init's groups
 
     @property
     def step(self) -> int:
@@ -107,6 +112,7 @@ class AllReduceClient:
         if tables:
             raise InvalidRequestError(_NO_TABLES.format(sorted(tables)))
         arrays = {k: np.array(v, copy=True) for k, v in variables.items()}
+        optimizers, group = resolve_groups(optimizer, groups, list(arrays))
         plan = BucketPlan.for_arrays(arrays, self.bucket_bytes)
         buckets = plan.flatten(arrays)
         for bucket in buckets:
@@ -114,6 +120,8 @@ class AllReduceClient:
         self._local.init(plan.unflatten(buckets), optimizer, buffers, groups=groups)
         self._specs = {k: (v.shape, v.dtype) for k, v in arrays.items()}
         self._buffers = set(buffers)
+        self._optimizers = optimizers
+        self._groups = agreement.groups_digest(group)
 
     def pull(
         self, names: Sequence[str] | None = None, out: Mapping[str, np.ndarray] | None = None
@@ -145,6 +153,8 @@ class AllReduceClient:
 
         Raises:
             UnknownVariableError: a name not in the model.
+            HyperParameterMismatchError: ranks apply other optimizer settings or step
+                hyper-parameters (named with their values); nothing was applied.
             WaitTimeoutError, UnavailableError: a peer is silent or gone (named).
         """
         for name, grad in grads.items():
@@ -161,7 +171,14 @@ class AllReduceClient:
             for name, (shape, dtype) in self._specs.items()
         }
         full[SKIP_KEY] = np.array([1.0 if skip else 0.0], dtype=np.float32)
-        mean = self._average(full)
+        described = agreement.settings(group_optimizers(self._optimizers, options), self._groups)
+        rank, world = self.worker_id, self.num_workers
+        full[agreement.AGREE_KEY] = agreement.agreement_tensor(rank, world, described)
+        mean = self._average(full, sums={agreement.AGREE_KEY})
+        summed = mean.pop(agreement.AGREE_KEY)
+        agreement.check(
+            self.ring, rank, world, summed, described, self.step if step is None else step
+        )
         if mean.pop(SKIP_KEY)[0] > 0:
             values = options.values if options is not None else {}
             options = StepOptions(values, skip=True)
@@ -226,7 +243,10 @@ class AllReduceClient:
                     slot_state[name] = agreed.pop(f"{key}\x00{name}")
         self._local.load_state(agreed, state)
 
-    def _average(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _average(
+        self, tensors: dict[str, np.ndarray], sums: set[str] | frozenset[str] = frozenset()
+    ) -> dict[str, np.ndarray]:
+        """The mean of each tensor over the ranks (the sum for names in ``sums``)."""
         wire = {name: self._encode(name, t) for name, t in tensors.items()}
         if self._plan is None:
             self._plan = BucketPlan.for_arrays(wire, self.bucket_bytes)
@@ -240,7 +260,9 @@ class AllReduceClient:
             total = summed[name]
             if total.dtype == np.uint16:
                 total = bfloat16_to_float32(total)
-            if original.dtype.kind == "f":
+            if name in sums:
+                out[name] = total.astype(original.dtype)
+            elif original.dtype.kind == "f":
                 out[name] = (total.astype(original.dtype) / original.dtype.type(n)).astype(
                     original.dtype
                 )

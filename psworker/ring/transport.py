@@ -238,18 +238,27 @@ class RingServer:
         self.describe: Callable[[int], str] = _describe_default
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ring-peer"),
-            options=OPTIONS,
+            # SO_REUSEPORT off: a second rank or job on a taken port must fail, not take half
+            # of this rank's connections (as psserver's shards refuse).
+            options=[*OPTIONS, ("grpc.so_reuseport", 0)],
             interceptors=[TokenInterceptor(security.token)] if security.token else [],
         )
         _add_servicer(_RingPeerServicer(self), self._server)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        if credentials is not None:
-            port = self._server.add_secure_port(bind, credentials)
-        else:
-            port = self._server.add_insecure_port(bind)
+        try:
+            if credentials is not None:
+                port = self._server.add_secure_port(bind, credentials)
+            else:
+                port = self._server.add_insecure_port(bind)
+        except RuntimeError:  # grpcio raises where older versions returned 0
+            port = 0
         if port == 0:
-            raise RuntimeError(f"could not bind {bind}")
+            self._server.stop(0)
+            raise RuntimeError(
+                f"ring server could not bind {bind}: is the port in use (another job, or a "
+                "rank left over from an earlier run) or the host not this machine's?"
+            )
         self._server.start()
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)

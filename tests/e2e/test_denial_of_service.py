@@ -15,6 +15,7 @@ from e2e_support import Processes, child_env, numpy_worker
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import psworker
+from psserver.admission import ANONYMOUS_GRACE_S, ANONYMOUS_STREAMS_PER_PEER
 from pswire.optim import SGD
 from pswire.proto import ps_pb2
 from pswire.push import push_pull_request
@@ -110,18 +111,68 @@ def test_status_and_health_answer_while_threads_idle_streams_are_open(procs: Pro
             calls.append(call)
         assert_answerable(daemon.address, window=4.0)
         # Every idle call reached the shard: those past the cap were refused at once, the
-        # rest still hold their threads.
+        # rest hold their threads (until, sending nothing, all but a few of this peer's are
+        # cancelled: test_idle_streams_of_one_peer_do_not_shut_out_the_workers).
         limit = THREADS - RESERVED
         refused = lambda: outcomes.codes().count(grpc.StatusCode.RESOURCE_EXHAUSTED)  # noqa: E731
         outcomes.wait(lambda: refused() >= THREADS - limit, timeout=10)
         assert refused() == THREADS - limit, outcomes.codes()
-        assert len(outcomes.codes()) == THREADS - limit, outcomes.codes()
+        others = [c for c in outcomes.codes() if c != grpc.StatusCode.RESOURCE_EXHAUSTED]
+        assert set(others) <= {grpc.StatusCode.CANCELLED}, outcomes.codes()
         assert daemon.proc.poll() is None
     finally:
         stop.set()
         for call in calls:
             call.cancel()
         attacker.close()
+
+
+@pytest.mark.timeout(120)
+def test_idle_streams_of_one_peer_do_not_shut_out_the_workers(procs: Processes) -> None:
+    # The default idle timeout (120 s): without a per-peer cap, the worker waits it out.
+    daemon = procs.psserver("--threads", str(THREADS))
+    stop = threading.Event()
+    outcomes = Outcomes()
+    calls = []
+    attacker = channel(daemon.address)
+    client = psworker.connect([daemon.address], worker_id=0, num_workers=1, mode="async")
+    try:
+        stub = ParameterServerStub(attacker)
+        limit = THREADS - RESERVED
+        # Every thread a waiting or streaming call may take: step streams sending nothing, so
+        # no worker id. The worker below shares the peer's host (127.0.0.1).
+        for i in range(limit):
+            call = stub.PushPullStream(idle(stop), timeout=90)
+            outcomes.watch(i, call)
+            calls.append(call)
+        # A worker gets through within the grace and a margin.
+        deadline = time.monotonic() + ANONYMOUS_GRACE_S + 15.0
+        while True:
+            try:
+                client.init({"w": np.ones(4, np.float32)}, SGD(lr=0.1))
+                pulled = client.pull()
+                break
+            except psworker.PSError as exc:
+                if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        assert np.array_equal(pulled["w"], np.ones(4, np.float32))
+        # The peer keeps at most ANONYMOUS_STREAMS_PER_PEER of its streams; the rest were
+        # cancelled (or, when the worker's call came first on a loaded machine, refused).
+        kept = ANONYMOUS_STREAMS_PER_PEER
+        assert outcomes.wait(lambda: len(outcomes.codes()) >= limit - kept, timeout=10)
+        ended = {grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert set(outcomes.codes()) <= ended, outcomes.codes()
+        assert grpc.StatusCode.CANCELLED in outcomes.codes(), outcomes.codes()
+        # And the job trains on.
+        client.push({"w": np.ones(4, np.float32)})
+        assert np.allclose(client.pull()["w"], 0.9)
+    finally:
+        stop.set()
+        for call in calls:
+            call.cancel()
+        attacker.close()
+        client.close()
 
 
 @pytest.mark.timeout(120)

@@ -19,6 +19,7 @@ from compose_netns import (
     ComposeHosts,
     command_of,
     dependency_order,
+    dockerfile_env,
     environment_of,
     interpolate,
     load_compose,
@@ -191,6 +192,41 @@ def test_kubernetes_cluster_spec_matches_the_workloads(monkeypatch: pytest.Monke
     env = {e["name"]: e.get("value") for e in template["spec"]["containers"][0]["env"]}
     port = template["metadata"]["annotations"]["prometheus.io/port"]
     assert env["PS_METRICS_PORT"] == port
+
+
+# -- where the shards listen ---------------------------------------------------------------
+
+
+def test_every_deployed_shard_names_the_host_it_serves() -> None:
+    """psserver without --host/PS_HOST and with neither TLS nor a token serves 127.0.0.1 only:
+    every deployment whose workers reach the shards from other hosts names 0.0.0.0."""
+    wildcard = "0.0.0.0"
+    # The image: any orchestrator running it unchanged (TFJob, plain docker run).
+    assert dockerfile_env(DEPLOY / "Dockerfile.server")["PS_HOST"] == wildcard
+    for files in ([COMPOSE], [COMPOSE, COMPOSE_TLS]):
+        # Compose merges an overlay's environment into the base's, key by key.
+        shards = {
+            name: environment_of(service)
+            for name, service in load_compose(COMPOSE, {})["services"].items()
+            if "psserver" in command_of(service)
+        }
+        for path in files[1:]:
+            for name, service in load_compose(path, {})["services"].items():
+                if name in shards:
+                    shards[name].update(environment_of(service))
+        assert sorted(shards) == ["ps0", "ps1"]
+        for name, env in shards.items():
+            assert env.get("PS_HOST") == wildcard, (files, name)
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in _k8s_documents()}
+    (container,) = docs["StatefulSet", "ps"]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["PS_HOST"] == wildcard
+    launches = [
+        line
+        for line in (DEPLOY / "slurm" / "train.sbatch").read_text().splitlines()
+        if "-m psserver " in line and "healthcheck" not in line
+    ]
+    assert launches and all(f"--host {wildcard}" in line for line in launches), launches
 
 
 # -- the Compose cluster, without Docker -----------------------------------------------------
