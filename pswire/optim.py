@@ -20,6 +20,9 @@ class Optimizer:
     """Hyper-parameters of an optimizer; ``make_state``/``apply`` hold the math."""
 
     name: ClassVar[str] = ""
+    # Whether it has a row-sparse form (embedding tables: ``apply_rows``, lazy like
+    # torch.optim.SparseAdam); those without one are refused for tables.
+    sparse: ClassVar[bool] = True
     lr: float = 0.01
 
     def _check_ranges(self, **bounds: tuple[float, float]) -> None:
@@ -299,6 +302,215 @@ class RMSprop(Optimizer):
         param -= tmp
 
 
+@dataclass(frozen=True)
+class Adadelta(Optimizer):
+    """torch.optim.Adadelta: ``rho``, ``eps``, weight decay (L2, added to the gradient)."""
+
+    name: ClassVar[str] = "adadelta"
+    sparse: ClassVar[bool] = False
+    lr: float = 1.0
+    rho: float = 0.9
+    eps: float = 1e-6
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        inf = float("inf")
+        self._check_ranges(eps=(0.0, inf), weight_decay=(0.0, inf))
+        if not 0.0 <= self.rho <= 1.0:
+            raise ConfigError(f"invalid rho: {self.rho} (expected 0.0 <= rho <= 1.0)")
+
+    def make_state(self, param: np.ndarray) -> dict[str, Any]:
+        return {"step": 0, "square_avg": np.zeros_like(param), "acc_delta": np.zeros_like(param)}
+
+    def apply(self, param: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> None:
+        t = param.dtype.type
+        state["step"] += 1
+        if self.weight_decay:
+            grad = grad + param * t(self.weight_decay)
+        square_avg, acc_delta = state["square_avg"], state["acc_delta"]
+        tmp = np.empty_like(param)
+        square_avg *= t(self.rho)
+        np.multiply(grad, t(1 - self.rho), out=tmp)  # addcmul: value * grad * grad
+        tmp *= grad
+        square_avg += tmp
+        std = square_avg + t(self.eps)
+        np.sqrt(std, out=std)
+        delta = acc_delta + t(self.eps)
+        np.sqrt(delta, out=delta)
+        delta /= std
+        delta *= grad
+        acc_delta *= t(self.rho)
+        np.multiply(delta, t(1 - self.rho), out=tmp)
+        tmp *= delta
+        acc_delta += tmp
+        delta *= t(self.lr)
+        param -= delta
+
+
+@dataclass(frozen=True)
+class Adamax(Optimizer):
+    """torch.optim.Adamax: Adam with the infinity norm; weight decay added to the gradient."""
+
+    name: ClassVar[str] = "adamax"
+    sparse: ClassVar[bool] = False
+    lr: float = 0.002
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        inf = float("inf")
+        self._check_ranges(
+            beta1=(0.0, 1.0), beta2=(0.0, 1.0), eps=(0.0, inf), weight_decay=(0.0, inf)
+        )
+
+    def make_state(self, param: np.ndarray) -> dict[str, Any]:
+        return {"step": 0, "exp_avg": np.zeros_like(param), "exp_inf": np.zeros_like(param)}
+
+    def apply(self, param: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> None:
+        t = param.dtype.type
+        state["step"] += 1
+        if self.weight_decay:
+            grad = grad + param * t(self.weight_decay)
+        exp_avg, exp_inf = state["exp_avg"], state["exp_inf"]
+        tmp = np.empty_like(param)
+        _lerp(exp_avg, grad, t(1 - self.beta1), tmp)
+        exp_inf *= t(self.beta2)
+        np.abs(grad, out=tmp)
+        tmp += t(self.eps)
+        np.maximum(exp_inf, tmp, out=exp_inf)
+        clr = self.lr / (1 - self.beta1 ** state["step"])
+        np.divide(exp_avg, exp_inf, out=tmp)  # addcdiv: param + value * (exp_avg / exp_inf)
+        tmp *= t(clr)
+        param -= tmp
+
+
+@dataclass(frozen=True)
+class NAdam(Optimizer):
+    """torch.optim.NAdam: momentum decay, weight decay (L2, or decoupled as AdamW's).
+
+    ``mu_product`` (torch keeps one number per parameter) is an array here, every element
+    equal, so that every slot of a variable is cut and checkpointed alike: one array more
+    of memory than torch.
+    """
+
+    name: ClassVar[str] = "nadam"
+    sparse: ClassVar[bool] = False
+    lr: float = 0.002
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum_decay: float = 4e-3
+    decoupled_weight_decay: bool = False
+
+    def __post_init__(self) -> None:
+        inf = float("inf")
+        self._check_ranges(
+            beta1=(0.0, 1.0),
+            beta2=(0.0, 1.0),
+            eps=(0.0, inf),
+            weight_decay=(0.0, inf),
+            momentum_decay=(0.0, inf),
+        )
+
+    def make_state(self, param: np.ndarray) -> dict[str, Any]:
+        return {
+            "step": 0,
+            "mu_product": np.ones_like(param),
+            "exp_avg": np.zeros_like(param),
+            "exp_avg_sq": np.zeros_like(param),
+        }
+
+    def apply(self, param: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> None:
+        t = param.dtype.type
+        state["step"] += 1
+        step = state["step"]
+        if self.weight_decay and self.decoupled_weight_decay:
+            param *= t(1 - self.lr * self.weight_decay)
+        elif self.weight_decay:
+            grad = grad + param * t(self.weight_decay)
+        mu = self.beta1 * (1.0 - 0.5 * (0.96 ** (step * self.momentum_decay)))
+        mu_next = self.beta1 * (1.0 - 0.5 * (0.96 ** ((step + 1) * self.momentum_decay)))
+        mu_product = state["mu_product"]
+        mu_product *= t(mu)  # torch's product is float32 too: the same rounding
+        if param.size == 0:
+            return
+        product = float(mu_product.flat[0])
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        tmp = np.empty_like(param)
+        _lerp(exp_avg, grad, t(1 - self.beta1), tmp)
+        exp_avg_sq *= t(self.beta2)
+        np.multiply(grad, t(1 - self.beta2), out=tmp)
+        tmp *= grad
+        exp_avg_sq += tmp
+        denom = exp_avg_sq / t(1 - self.beta2**step)
+        np.sqrt(denom, out=denom)
+        denom += t(self.eps)
+        np.divide(grad, denom, out=tmp)
+        tmp *= t(-self.lr * (1.0 - mu) / (1.0 - product))
+        param += tmp
+        np.divide(exp_avg, denom, out=tmp)
+        tmp *= t((-self.lr * mu_next) / (1.0 - product * mu_next))
+        param += tmp
+
+
+@dataclass(frozen=True)
+class RAdam(Optimizer):
+    """torch.optim.RAdam: rectified Adam; weight decay L2, or decoupled as AdamW's."""
+
+    name: ClassVar[str] = "radam"
+    sparse: ClassVar[bool] = False
+    lr: float = 0.001
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    decoupled_weight_decay: bool = False
+
+    def __post_init__(self) -> None:
+        inf = float("inf")
+        self._check_ranges(
+            beta1=(0.0, 1.0), beta2=(0.0, 1.0), eps=(0.0, inf), weight_decay=(0.0, inf)
+        )
+
+    def make_state(self, param: np.ndarray) -> dict[str, Any]:
+        return {"step": 0, "exp_avg": np.zeros_like(param), "exp_avg_sq": np.zeros_like(param)}
+
+    def apply(self, param: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> None:
+        t = param.dtype.type
+        state["step"] += 1
+        step = state["step"]
+        if self.weight_decay and self.decoupled_weight_decay:
+            param *= t(1 - self.lr * self.weight_decay)
+        elif self.weight_decay:
+            grad = grad + param * t(self.weight_decay)
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        tmp = np.empty_like(param)
+        _lerp(exp_avg, grad, t(1 - self.beta1), tmp)
+        exp_avg_sq *= t(self.beta2)
+        np.multiply(grad, t(1 - self.beta2), out=tmp)
+        tmp *= grad
+        exp_avg_sq += tmp
+        bias1 = 1 - self.beta1**step
+        bias2 = 1 - self.beta2**step
+        update = exp_avg / t(bias1)
+        update *= t(self.lr)
+        rho_inf = 2 / (1 - self.beta2) - 1
+        rho_t = rho_inf - 2 * step * (self.beta2**step) / bias2
+        if rho_t > 5.0:
+            rect = (
+                (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
+            ) ** 0.5
+            np.sqrt(exp_avg_sq, out=tmp)
+            tmp += t(self.eps)
+            np.divide(t(bias2**0.5), tmp, out=tmp)  # the adaptive lr
+            update *= tmp
+            update *= t(rect)
+        param -= update
+
+
 def _lerp(value: np.ndarray, end: np.ndarray, weight: Any, tmp: np.ndarray) -> None:
     """``value.lerp_(end, weight)`` as torch computes it, in place (``tmp``: scratch)."""
     np.subtract(end, value, out=tmp)
@@ -311,7 +523,7 @@ def _lerp(value: np.ndarray, end: np.ndarray, weight: Any, tmp: np.ndarray) -> N
 
 
 OPTIMIZERS: dict[str, type[Optimizer]] = {
-    cls.name: cls for cls in (SGD, Adam, AdamW, Adagrad, RMSprop)
+    cls.name: cls for cls in (SGD, Adam, AdamW, Adagrad, RMSprop, Adadelta, Adamax, NAdam, RAdam)
 }
 
 
@@ -429,18 +641,16 @@ def resolve_groups(
     names: Sequence[str],
 ) -> tuple[tuple[Optimizer, ...], dict[str, int]]:
     """(every group's optimizer, each of ``names``' group) from what a worker's ``init`` got:
-    one optimizer, or one per parameter group, and the groups of some names (others: 0).
+    one optimizer, or one per parameter group (of any classes: two models' optimizers in one
+    job), and the groups of some names (others: 0).
 
     Raises:
-        InvalidRequestError: no optimizer, different optimizer classes, a group for a name
-            the model lacks or out of range.
+        InvalidRequestError: no optimizer, a group for a name the model lacks or out of
+            range.
     """
     optimizers = (optimizer,) if isinstance(optimizer, Optimizer) else tuple(optimizer)
     if not optimizers:
         raise InvalidRequestError("no optimizer: give one, or one per parameter group")
-    kinds = sorted({o.name for o in optimizers})
-    if len(kinds) > 1:
-        raise InvalidRequestError(f"parameter groups use different optimizers: {kinds}")
     given = dict(groups or {})
     unknown = sorted(set(given) - set(names))
     if unknown:

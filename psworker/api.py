@@ -46,7 +46,7 @@ class Client(Protocol):
         groups: Mapping[str, int] | None = None,
     ) -> None:
         """Agrees on the model with the job; worker 0's values become the starting weights.
-        ``optimizer``: one, or one per parameter group (same class); ``groups``: the group
+        ``optimizer``: one, or one per parameter group (any classes); ``groups``: the group
         of each variable or table named (others: 0)."""
         ...
 

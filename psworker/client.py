@@ -164,7 +164,7 @@ class PSClient(ClientState, TableReads):
     ) -> None:
         """Agrees on the job with every shard; worker 0 sends the initial values.
 
-        ``optimizer``: one, or one per parameter group (the same class); ``groups`` gives a
+        ``optimizer``: one, or one per parameter group (any classes); ``groups`` gives a
         variable's or table's group (index into them; 0 when absent).
 
         Every worker passes the same model (names, shapes, dtypes); worker 0's values become
