@@ -10,7 +10,8 @@ import numpy as np
 
 from pswire.codec import check_dtype, check_tensor, tensor_nbytes
 from pswire.errors import InvalidRequestError, TooLargeError, UnknownVariableError
-from pswire.optim import Optimizer, StepOptions, group_optimizers, optimizer_from_spec
+from pswire.optim import Optimizer
+from pswire.optspec import StepOptions, group_optimizers, optimizer_from_spec
 from pswire.proto import ps_pb2
 from pswire.tables import RowSparse, TableSlice, check_rows, table_from_proto, table_to_proto
 

@@ -30,8 +30,8 @@ from pswire.optim import (
     Optimizer,
     RAdam,
     RMSprop,
-    StepOptions,
 )
+from pswire.optspec import StepOptions
 from pswire.tables import RowSparse, Table
 from psworker.api import Client
 from psworker.client import PSClient

@@ -12,7 +12,8 @@ from typing import Any, Protocol, Self, runtime_checkable
 
 import numpy as np
 
-from pswire.optim import Optimizer, StepOptions
+from pswire.optim import Optimizer
+from pswire.optspec import StepOptions
 from pswire.tables import RowSparse, Table
 
 

@@ -22,7 +22,8 @@ from pswire.errors import (
     not_in_model,
 )
 from pswire.job import MODES, Job, job_to_proto
-from pswire.optim import Optimizer, StepOptions, resolve_groups
+from pswire.optim import Optimizer
+from pswire.optspec import StepOptions, resolve_groups
 from pswire.proto import ps_pb2
 from pswire.security import ClientSecurity
 from pswire.tables import RowSparse, Table

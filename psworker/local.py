@@ -15,7 +15,8 @@ from pswire.errors import (
     StepRefusedError,
     not_in_model,
 )
-from pswire.optim import Optimizer, StepOptions, group_optimizers, resolve_groups
+from pswire.optim import Optimizer
+from pswire.optspec import StepOptions, group_optimizers, resolve_groups
 from pswire.rowstore import RowStore
 from pswire.tables import RowSparse, Table, as_ids, check_rows
 from psworker.api import PushThenPull

@@ -10,7 +10,8 @@ import numpy as np
 
 from pswire.codec import COMPRESSIONS, bfloat16_to_float32, float32_to_bfloat16
 from pswire.errors import ConfigError, InvalidRequestError, ModelMismatchError, not_in_model
-from pswire.optim import Optimizer, StepOptions
+from pswire.optim import Optimizer
+from pswire.optspec import StepOptions
 from pswire.security import ClientSecurity
 from pswire.tables import RowSparse, Table
 from psworker.api import PushThenPull

@@ -22,7 +22,8 @@ from pswire.errors import (
     StepRefusedError,
 )
 from pswire.job import Job, VarSpec
-from pswire.optim import SGD, StepOptions, resolve_groups
+from pswire.optim import SGD
+from pswire.optspec import StepOptions, resolve_groups
 from pswire.tables import RowSparse, TableSlice
 
 TABLE = TableSlice("emb", 3, num_rows=4, row_start=0, row_end=4)

@@ -22,11 +22,8 @@ from pswire.optim import (
     Optimizer,
     RAdam,
     RMSprop,
-    StepOptions,
-    group_optimizers,
-    optimizer_from_spec,
-    with_values,
 )
+from pswire.optspec import StepOptions, group_optimizers, optimizer_from_spec, with_values
 
 STEPS = 50
 SHAPES = [(6, 5), (7,)]

@@ -18,7 +18,8 @@ from pswire.errors import (
     UnknownVariableError,
 )
 from pswire.job import Job, VarSpec, job_from_proto, job_to_proto
-from pswire.optim import SGD, Adam, StepOptions
+from pswire.optim import SGD, Adam
+from pswire.optspec import StepOptions
 from pswire.push import header_options, push_header
 from pswire.tables import TableSlice
 
