@@ -14,7 +14,7 @@ import torch
 from pswire.errors import ConfigError
 from pswire.optim import Optimizer
 from pswire.optspec import StepOptions
-from psworker.api import Client
+from psworker.api import Client, Elastic
 from psworker.torch_optim import (
     changed_values,
     check_supported,
@@ -109,12 +109,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         scheduler.
 
         Raises:
-            ValueError: no models, a keyword with '/', a parameter in two models, or what
-                the constructor raises (nothing was sent).
+            ValueError: no models, a keyword with '/', a parameter in two models, an elastic
+                client (not yet), or what the constructor raises (nothing was sent).
             PSError: as the constructor.
         """
         if not models:
             raise ConfigError("for_models needs at least one model: for_models(client, D=...)")
+        if len(models) > 1 and isinstance(client, Elastic):
+            raise ConfigError(
+                "for_models with an elastic client is not supported yet: shard() splits each "
+                "epoch by the client's step, one per batch, and each model's step is one push"
+            )
         parts: list[DistributedOptimizer] = []
         first = 0
         owners: dict[int, str] = {}
