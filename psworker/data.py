@@ -158,9 +158,9 @@ class Sharded:
             yield epoch
 
     def __len__(self) -> int:
-        if self._own is not None:
+        if self._own is not None and self._own.batches:
             return len(self._own_part())
-        n = len(self.indices())
+        n = len(self._own_part()) if self._own is not None else len(self.indices())
         if self._loader is None:
             return n
         batch = self._loader.batch_size or 1

@@ -60,6 +60,7 @@ def test_a_weighted_sampler_is_split_not_replaced():
     assert all(len(d) == 16 for d in drawn)
     assert set(drawn[0]) | set(drawn[1]) <= {3, 17, 42}
     assert [p.num_samples for p in parts] == [16, 16]
+    assert [len(p) for p in parts] == [4, 4]  # batches of 4
     again = [torch.cat([b[1] for b in p]).tolist() for p in parts]  # the next epoch
     assert again != drawn and set(again[0]) <= {3, 17, 42}
     parts[0].set_epoch(0)
