@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import random
 import sys
+from typing import Protocol
 
 import numpy as np
 
-from psworker.data import _HasWorkers
+
+class _HasWorkerId(Protocol):
+    worker_id: int
+
 
 # Seeds stay below 2**32 (numpy's global seed and DataLoader workers' limit).
 _SEED_SPACE = 2**32
@@ -26,7 +30,7 @@ def worker_seed(base: int, worker_id: int) -> int:
     return (base + worker_id) % _SEED_SPACE
 
 
-def seed(base: int, client: _HasWorkers) -> int:
+def seed(base: int, client: _HasWorkerId) -> int:
     """Seeds this worker's ``random``, ``numpy.random`` and (when imported) torch generators
     with ``worker_seed(base, client.worker_id)``, and returns that seed.
 

@@ -32,8 +32,8 @@ __all__ = ["BUFFER_PREFIX", "DistributedOptimizer", "Embedding", "EmbeddingBag"]
 
 BUFFER_PREFIX = "buffer:"
 # Each client's model (its variables' names, shapes, dtypes), once a DistributedOptimizer
-# initialised it: a
-# second, other model over the same client is refused with the way to train both.
+# initialised it: a second, other model over the same client is refused with the way to train
+# both.
 _CLAIMED: weakref.WeakKeyDictionary[Any, frozenset[tuple[str, tuple[int, ...], str]]] = (
     weakref.WeakKeyDictionary()
 )
@@ -50,8 +50,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     ``optimizer`` is the script's own torch optimizer (``torch.optim.SGD``, ``Adam``,
     ``AdamW``, ``Adagrad``, ``RMSprop``, ``Adadelta``, ``Adamax``, ``NAdam`` or ``RAdam``,
-    constructed on the model's parameters, any number
-    of parameter groups), or a ``psworker.SGD``-style spec. The same math runs on the shards in
+    constructed on the model's parameters, any number of parameter groups), or a
+    ``psworker.SGD``-style spec. The same math runs on the shards in
     parameter-server modes and in this process in ``local`` and ``allreduce``. This object is
     a ``torch.optim.Optimizer`` whose ``param_groups`` are the wrapped optimizer's: whatever a
     scheduler or the script sets there (``lr``, ``weight_decay``, ``momentum``, ``betas``...)
@@ -73,6 +73,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     zero from this worker). Buffers (e.g. BatchNorm running statistics) travel beside the
     gradients: after each step every worker holds the shards' copy, which in ``sync`` mode is
     the mean over workers and otherwise the latest pushed, so replicas stay consistent.
+    As torch's optimizers, ``step()`` steps every parameter whose gradient is not None (it
+    warns once about one no backward reached since the last step) and marks them changed in
+    place for autograd. One model per client: two models with two optimizers (a GAN) are
+    made together with ``for_models``.
 
     Raises (constructor):
         ValueError: an unsupported optimizer class or option, a parameter that is not
