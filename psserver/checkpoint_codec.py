@@ -16,7 +16,7 @@ from psserver.consistency import make_policy
 from psserver.records import ShardState
 from pswire.codec import check_dtype, check_tensor
 from pswire.job import Job, VarSpec
-from pswire.optim import optimizer_from_spec
+from pswire.optspec import optimizer_from_spec
 from pswire.rowstore import TableState
 from pswire.tables import TableSlice
 

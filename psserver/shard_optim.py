@@ -12,7 +12,8 @@ import numpy as np
 from psserver.shard_parts import ShardParts
 from pswire.errors import HyperParameterMismatchError, InvalidRequestError, ModelMismatchError
 from pswire.job import Job
-from pswire.optim import NO_OPTIONS, Optimizer, StepOptions
+from pswire.optim import Optimizer
+from pswire.optspec import NO_OPTIONS, StepOptions
 
 __all__ = ["NO_OPTIONS", "OptimizerSide", "StepOptions", "StepSettings"]
 

@@ -10,7 +10,8 @@ import numpy as np
 
 from pswire.codec import check_dtype, check_tensor, tensor_nbytes
 from pswire.errors import InvalidRequestError, TooLargeError, UnknownVariableError
-from pswire.optim import Optimizer, StepOptions, group_optimizers, optimizer_from_spec
+from pswire.optim import Optimizer
+from pswire.optspec import StepOptions, group_optimizers, optimizer_from_spec
 from pswire.proto import ps_pb2
 from pswire.tables import RowSparse, TableSlice, check_rows, table_from_proto, table_to_proto
 
@@ -83,9 +84,10 @@ class VarSpec:
 class Job:
     """What every worker of a job must agree on with this shard.
 
-    ``optimizer`` is parameter group 0's; ``groups`` the groups after it (the same optimizer
-    class, other hyper-parameters). Pushes may replace hyper-parameters per update
-    (``StepOptions``); these are the values the job started with.
+    ``optimizer`` is parameter group 0's; ``groups`` the groups after it (other
+    hyper-parameters, or another class: the optimizers of two models trained together).
+    Pushes may replace hyper-parameters per update (``StepOptions``); these are the values
+    the job started with.
     """
 
     mode: str
@@ -154,9 +156,6 @@ class Job:
                 f"the job is for shard {self.shard} of {self.num_shards}: expected "
                 "0 <= shard < num_shards"
             )
-        names = sorted({o.name for o in self.optimizers})
-        if len(names) > 1:
-            raise InvalidRequestError(f"parameter groups use different optimizers: {names}")
         if len(self.variables) > max_variables:
             raise TooLargeError(
                 f"job declares {len(self.variables)} variables on this shard, over the limit "
@@ -196,9 +195,10 @@ class Job:
         and its optimizer slots, and every table's rows and slots at their bound (a fixed
         slice's rows, a dynamic table's capacity; a dynamic table without one counts nothing
         until rows are made)."""
-        per_element = 1 + _slot_arrays(self.optimizer)
+        per_group = [1 + _slot_arrays(o) for o in self.optimizers]
         total = 0
         for v in self.variables:
+            per_element = per_group[v.group] if 0 <= v.group < len(per_group) else per_group[0]
             itemsize = np.dtype(check_dtype(v.dtype, v.key)).itemsize
             if v.table is not None:
                 rows = v.table.local_rows if not v.table.dynamic else v.table.capacity

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
-from pswire.errors import ConfigError, InvalidRequestError
+from pswire.errors import ConfigError
 
 # apply_blocked's piece: 1M elements (4 MiB of float32) keeps temporaries small and each numpy
 # call long enough that the per-call overhead does not show.
@@ -20,6 +19,9 @@ class Optimizer:
     """Hyper-parameters of an optimizer; ``make_state``/``apply`` hold the math."""
 
     name: ClassVar[str] = ""
+    # Whether it has a row-sparse form (embedding tables: ``apply_rows``, lazy like
+    # torch.optim.SparseAdam); those without one are refused for tables.
+    sparse: ClassVar[bool] = True
     lr: float = 0.01
 
     def _check_ranges(self, **bounds: tuple[float, float]) -> None:
@@ -283,6 +285,189 @@ class RMSprop(Optimizer):
         param -= tmp
 
 
+@dataclass(frozen=True)
+class Adadelta(Optimizer):
+    """torch.optim.Adadelta: ``rho``, ``eps``, weight decay (L2, added to the gradient)."""
+
+    name: ClassVar[str] = "adadelta"
+    sparse: ClassVar[bool] = False
+    lr: float = 1.0
+    rho: float = 0.9
+    eps: float = 1e-6
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._check_ranges(eps=(0.0, _INF), weight_decay=(0.0, _INF))
+        if not 0.0 <= self.rho <= 1.0:
+            raise ConfigError(f"invalid rho: {self.rho} (expected 0.0 <= rho <= 1.0)")
+
+    def make_state(self, param: np.ndarray) -> dict[str, Any]:
+        return {"step": 0, "square_avg": np.zeros_like(param), "acc_delta": np.zeros_like(param)}
+
+    def apply(self, param: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> None:
+        t = param.dtype.type
+        state["step"] += 1
+        grad = _decayed(self.lr, self.weight_decay, False, param, grad)
+        square_avg, acc_delta = state["square_avg"], state["acc_delta"]
+        tmp = np.empty_like(param)
+        _average_squares(square_avg, grad, self.rho, tmp)
+        std = np.sqrt(square_avg + t(self.eps))
+        delta = np.sqrt(acc_delta + t(self.eps))
+        delta /= std
+        delta *= grad
+        _average_squares(acc_delta, delta, self.rho, tmp)
+        delta *= t(self.lr)
+        param -= delta
+
+
+@dataclass(frozen=True)
+class Adamax(Optimizer):
+    """torch.optim.Adamax: Adam with the infinity norm; weight decay added to the gradient."""
+
+    name: ClassVar[str] = "adamax"
+    sparse: ClassVar[bool] = False
+    lr: float = 0.002
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._check_ranges(**_BETAS, eps=(0.0, _INF), weight_decay=(0.0, _INF))
+
+    def make_state(self, param: np.ndarray) -> dict[str, Any]:
+        return {"step": 0, "exp_avg": np.zeros_like(param), "exp_inf": np.zeros_like(param)}
+
+    def apply(self, param: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> None:
+        t = param.dtype.type
+        state["step"] += 1
+        grad = _decayed(self.lr, self.weight_decay, False, param, grad)
+        exp_avg, exp_inf = state["exp_avg"], state["exp_inf"]
+        tmp = np.empty_like(param)
+        _lerp(exp_avg, grad, t(1 - self.beta1), tmp)
+        exp_inf *= t(self.beta2)
+        np.abs(grad, out=tmp)
+        tmp += t(self.eps)
+        np.maximum(exp_inf, tmp, out=exp_inf)
+        np.divide(exp_avg, exp_inf, out=tmp)  # addcdiv: param + value * (exp_avg / exp_inf)
+        tmp *= t(self.lr / (1 - self.beta1 ** state["step"]))
+        param -= tmp
+
+
+@dataclass(frozen=True)
+class NAdam(Optimizer):
+    """torch.optim.NAdam: momentum decay, weight decay (L2, or decoupled as AdamW's).
+    ``mu_product`` (one number per parameter in torch) is an array here, every element equal,
+    so that every slot is cut and checkpointed alike: one array more memory than torch."""
+
+    name: ClassVar[str] = "nadam"
+    sparse: ClassVar[bool] = False
+    lr: float = 0.002
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum_decay: float = 4e-3
+    decoupled_weight_decay: bool = False
+
+    def __post_init__(self) -> None:
+        inf = (0.0, _INF)
+        self._check_ranges(**_BETAS, eps=inf, weight_decay=inf, momentum_decay=inf)
+
+    def make_state(self, param: np.ndarray) -> dict[str, Any]:
+        zeros = {k: np.zeros_like(param) for k in ("exp_avg", "exp_avg_sq")}
+        return {"step": 0, "mu_product": np.ones_like(param), **zeros}
+
+    def apply(self, param: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> None:
+        t = param.dtype.type
+        state["step"] += 1
+        step = state["step"]
+        grad = _decayed(self.lr, self.weight_decay, self.decoupled_weight_decay, param, grad)
+        mu = self.beta1 * (1.0 - 0.5 * (0.96 ** (step * self.momentum_decay)))
+        mu_next = self.beta1 * (1.0 - 0.5 * (0.96 ** ((step + 1) * self.momentum_decay)))
+        state["mu_product"] *= t(mu)  # torch's product is float32 too: the same rounding
+        if param.size == 0:
+            return
+        product = float(state["mu_product"].flat[0])
+        tmp = np.empty_like(param)
+        _lerp(state["exp_avg"], grad, t(1 - self.beta1), tmp)
+        _average_squares(state["exp_avg_sq"], grad, self.beta2, tmp)
+        denom = np.sqrt(state["exp_avg_sq"] / t(1 - self.beta2**step))
+        denom += t(self.eps)
+        np.divide(grad, denom, out=tmp)
+        tmp *= t(-self.lr * (1.0 - mu) / (1.0 - product))
+        param += tmp
+        np.divide(state["exp_avg"], denom, out=tmp)
+        tmp *= t((-self.lr * mu_next) / (1.0 - product * mu_next))
+        param += tmp
+
+
+@dataclass(frozen=True)
+class RAdam(Optimizer):
+    """torch.optim.RAdam: rectified Adam; weight decay L2, or decoupled as AdamW's."""
+
+    name: ClassVar[str] = "radam"
+    sparse: ClassVar[bool] = False
+    lr: float = 0.001
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    decoupled_weight_decay: bool = False
+
+    def __post_init__(self) -> None:
+        self._check_ranges(**_BETAS, eps=(0.0, _INF), weight_decay=(0.0, _INF))
+
+    def make_state(self, param: np.ndarray) -> dict[str, Any]:
+        return {"step": 0, "exp_avg": np.zeros_like(param), "exp_avg_sq": np.zeros_like(param)}
+
+    def apply(self, param: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> None:
+        t = param.dtype.type
+        state["step"] += 1
+        step = state["step"]
+        grad = _decayed(self.lr, self.weight_decay, self.decoupled_weight_decay, param, grad)
+        tmp = np.empty_like(param)
+        _lerp(state["exp_avg"], grad, t(1 - self.beta1), tmp)
+        _average_squares(state["exp_avg_sq"], grad, self.beta2, tmp)
+        bias2 = 1 - self.beta2**step
+        update = state["exp_avg"] / t(1 - self.beta1**step)
+        update *= t(self.lr)
+        rho_inf = 2 / (1 - self.beta2) - 1
+        rho_t = rho_inf - 2 * step * (self.beta2**step) / bias2
+        if rho_t > 5.0:  # the variance is tractable: rectify, and scale by the adaptive lr
+            rect = (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
+            np.sqrt(state["exp_avg_sq"], out=tmp)
+            tmp += t(self.eps)
+            np.divide(t(bias2**0.5), tmp, out=tmp)
+            update *= tmp
+            update *= t(rect**0.5)
+        param -= update
+
+
+_INF = float("inf")
+_BETAS = {"beta1": (0.0, 1.0), "beta2": (0.0, 1.0)}
+
+
+def _decayed(
+    lr: float, weight_decay: float, decoupled: bool, param: np.ndarray, grad: np.ndarray
+) -> np.ndarray:
+    """Weight decay as torch applies it: decoupled, the weights shrink by ``lr *
+    weight_decay`` in place; else it is added to the (returned) gradient."""
+    if weight_decay and decoupled:
+        param *= param.dtype.type(1 - lr * weight_decay)
+    elif weight_decay:
+        return grad + param * param.dtype.type(weight_decay)
+    return grad
+
+
+def _average_squares(avg: np.ndarray, x: np.ndarray, keep: float, tmp: np.ndarray) -> None:
+    """``avg.mul_(keep).addcmul_(x, x, value=1 - keep)`` as torch computes it, in place."""
+    avg *= avg.dtype.type(keep)
+    np.multiply(x, avg.dtype.type(1 - keep), out=tmp)
+    tmp *= x
+    avg += tmp
+
+
 def _lerp(value: np.ndarray, end: np.ndarray, weight: Any, tmp: np.ndarray) -> None:
     """``value.lerp_(end, weight)`` as torch computes it, in place (``tmp``: scratch)."""
     np.subtract(end, value, out=tmp)
@@ -295,143 +480,5 @@ def _lerp(value: np.ndarray, end: np.ndarray, weight: Any, tmp: np.ndarray) -> N
 
 
 OPTIMIZERS: dict[str, type[Optimizer]] = {
-    cls.name: cls for cls in (SGD, Adam, AdamW, Adagrad, RMSprop)
+    cls.name: cls for cls in (SGD, Adam, AdamW, Adagrad, RMSprop, Adadelta, Adamax, NAdam, RAdam)
 }
-
-
-def optimizer_from_spec(name: str, params: Mapping[str, float]) -> Optimizer:
-    """Builds an optimizer from its wire form.
-
-    Raises:
-        InvalidRequestError: unknown optimizer, unknown or invalid hyper-parameter.
-    """
-    cls = OPTIMIZERS.get(name)
-    if cls is None:
-        raise InvalidRequestError(
-            f"unknown optimizer {name!r}; expected one of {sorted(OPTIMIZERS)}"
-        )
-    try:
-        return cls(**_kwargs(cls, params))
-    except ValueError as exc:
-        raise InvalidRequestError(f"optimizer {name!r}: {exc}") from exc
-
-
-def with_values(base: Optimizer, values: Mapping[str, float], where: str = "") -> Optimizer:
-    """``base`` with some hyper-parameters replaced (an lr a scheduler changed, ...).
-
-    Raises:
-        InvalidRequestError: an unknown or invalid value, or one that would change which
-            optimizer slots exist (``layout``: e.g. momentum switched on), naming ``where``.
-    """
-    if not values:
-        return base
-    prefix = f"{where}: " if where else ""
-    try:
-        changed = replace(base, **_kwargs(type(base), values))
-    except (ValueError, InvalidRequestError) as exc:
-        raise InvalidRequestError(f"{prefix}optimizer {base.name!r}: {exc}") from exc
-    if changed.layout() != base.layout():
-        diff = {k: v for k, v in changed.params().items() if base.params()[k] != v}
-        raise InvalidRequestError(
-            f"{prefix}optimizer {base.name!r}: {diff} would change which optimizer state "
-            f"exists (was {base.params()}); that is fixed when the job starts"
-        )
-    return changed
-
-
-def _kwargs(cls: type[Optimizer], params: Mapping[str, float]) -> dict[str, Any]:
-    """Constructor arguments from wire values (doubles), checked.
-
-    Raises:
-        InvalidRequestError: unknown name, non-finite value, a flag that is not 0 or 1.
-    """
-    name = cls.name
-    known = {f.name: f.type for f in fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in params.items():
-        if key not in known:
-            raise InvalidRequestError(
-                f"optimizer {name!r} has no parameter {key!r}; expected one of {sorted(known)}"
-            )
-        if not np.isfinite(value):
-            raise InvalidRequestError(f"optimizer {name!r} parameter {key!r} is {value}")
-        if known[key] in (bool, "bool"):
-            # The wire carries doubles: a flag is 0 or 1, anything else is a mistake, not True.
-            if value not in (0, 1):
-                raise InvalidRequestError(
-                    f"optimizer {name!r} parameter {key!r} is a flag, got {value}; expected 0 or 1"
-                )
-            kwargs[key] = bool(value)
-        else:
-            kwargs[key] = float(value)
-    return kwargs
-
-
-@dataclass(frozen=True)
-class StepOptions:
-    """What a push says beside its gradients.
-
-    ``values``: per parameter group (index), hyper-parameters that replace the job's for this
-    update (an lr a scheduler set, ...); groups and names left out keep the job's values.
-    ``skip``: this worker's step is skipped (a GradScaler found inf/NaN in its gradients):
-    the push carries no gradients (buffers only), and no optimizer step is taken with it (in
-    ``sync``, none for that step at all).
-    """
-
-    values: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
-    skip: bool = False
-
-
-NO_OPTIONS = StepOptions()
-
-
-def group_optimizers(
-    groups: Sequence[Optimizer], options: StepOptions | None
-) -> tuple[Optimizer, ...]:
-    """Each parameter group's optimizer for one update: ``groups`` with ``options.values``.
-
-    Raises:
-        InvalidRequestError: a group index out of range, or a bad value (naming the group).
-    """
-    out = tuple(groups)
-    if options is None or not options.values:
-        return out
-    changed = list(out)
-    for index, values in options.values.items():
-        if not 0 <= index < len(out):
-            raise InvalidRequestError(
-                f"hyper-parameters for parameter group {index}; the job has groups "
-                f"0..{len(out) - 1}"
-            )
-        changed[index] = with_values(out[index], values, f"parameter group {index}")
-    return tuple(changed)
-
-
-def resolve_groups(
-    optimizer: Optimizer | Sequence[Optimizer],
-    groups: Mapping[str, int] | None,
-    names: Sequence[str],
-) -> tuple[tuple[Optimizer, ...], dict[str, int]]:
-    """(every group's optimizer, each of ``names``' group) from what a worker's ``init`` got:
-    one optimizer, or one per parameter group, and the groups of some names (others: 0).
-
-    Raises:
-        InvalidRequestError: no optimizer, different optimizer classes, a group for a name
-            the model lacks or out of range.
-    """
-    optimizers = (optimizer,) if isinstance(optimizer, Optimizer) else tuple(optimizer)
-    if not optimizers:
-        raise InvalidRequestError("no optimizer: give one, or one per parameter group")
-    kinds = sorted({o.name for o in optimizers})
-    if len(kinds) > 1:
-        raise InvalidRequestError(f"parameter groups use different optimizers: {kinds}")
-    given = dict(groups or {})
-    unknown = sorted(set(given) - set(names))
-    if unknown:
-        raise InvalidRequestError(f"parameter groups name {unknown}, which the model lacks")
-    bad = {n: g for n, g in given.items() if not 0 <= g < len(optimizers)}
-    if bad:
-        raise InvalidRequestError(
-            f"parameter groups {bad} out of range: there are {len(optimizers)} optimizers"
-        )
-    return optimizers, {n: given.get(n, 0) for n in names}

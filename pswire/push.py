@@ -16,7 +16,7 @@ import numpy as np
 from pswire.codec import ChunkAssembler, tensor_to_proto
 from pswire.errors import InvalidRequestError
 from pswire.job import Grads
-from pswire.optim import NO_OPTIONS, StepOptions
+from pswire.optspec import NO_OPTIONS, StepOptions
 from pswire.proto import ps_pb2
 from pswire.tables import RowSparse
 from pswire.wiremsg import encode_chunk_messages

@@ -117,6 +117,12 @@ class TableSlice:
                 f"{where}: rows [{self.row_start}, {self.row_end}) are not within "
                 f"[0, {self.num_rows})"
             )
+        if not optimizer.sparse:
+            raise InvalidRequestError(
+                f"{where}: optimizer {optimizer.name!r} has no row-sparse form (torch has no "
+                "sparse one either); train embedding tables with sgd, adam, adamw, adagrad or "
+                "rmsprop (another parameter group or model may use it)"
+            )
         decay = getattr(optimizer, "weight_decay", 0.0)
         if decay:
             raise InvalidRequestError(

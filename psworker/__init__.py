@@ -19,7 +19,19 @@ from pswire.errors import (
     UnknownVariableError,
     WaitTimeoutError,
 )
-from pswire.optim import SGD, Adagrad, Adam, AdamW, Optimizer, RMSprop, StepOptions
+from pswire.optim import (
+    SGD,
+    Adadelta,
+    Adagrad,
+    Adam,
+    Adamax,
+    AdamW,
+    NAdam,
+    Optimizer,
+    RAdam,
+    RMSprop,
+)
+from pswire.optspec import StepOptions
 from pswire.tables import RowSparse, Table
 from psworker.api import Client
 from psworker.client import PSClient
@@ -27,12 +39,15 @@ from psworker.connect import connect
 from psworker.data import shard
 from psworker.local import LocalClient
 from psworker.ring.client import AllReduceClient
+from psworker.seeding import seed, worker_seed
 
 __all__ = [
     "SGD",
+    "Adadelta",
     "Adagrad",
     "Adam",
     "AdamW",
+    "Adamax",
     "AllReduceClient",
     "CallCancelledError",
     "Client",
@@ -43,10 +58,12 @@ __all__ = [
     "InvalidRequestError",
     "LocalClient",
     "ModelMismatchError",
+    "NAdam",
     "NotInitializedError",
     "Optimizer",
     "PSClient",
     "PSError",
+    "RAdam",
     "RMSprop",
     "RowSparse",
     "ShapeMismatchError",
@@ -61,7 +78,9 @@ __all__ = [
     "WaitTimeoutError",
     "__version__",
     "connect",
+    "seed",
     "shard",
+    "worker_seed",
 ]
 
 

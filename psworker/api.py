@@ -12,7 +12,8 @@ from typing import Any, Protocol, Self, runtime_checkable
 
 import numpy as np
 
-from pswire.optim import Optimizer, StepOptions
+from pswire.optim import Optimizer
+from pswire.optspec import StepOptions
 from pswire.tables import RowSparse, Table
 
 
@@ -46,7 +47,7 @@ class Client(Protocol):
         groups: Mapping[str, int] | None = None,
     ) -> None:
         """Agrees on the model with the job; worker 0's values become the starting weights.
-        ``optimizer``: one, or one per parameter group (same class); ``groups``: the group
+        ``optimizer``: one, or one per parameter group (any classes); ``groups``: the group
         of each variable or table named (others: 0)."""
         ...
 

@@ -22,7 +22,8 @@ from pswire.errors import (
     not_in_model,
 )
 from pswire.job import MODES, Job, job_to_proto
-from pswire.optim import Optimizer, StepOptions, resolve_groups
+from pswire.optim import Optimizer
+from pswire.optspec import StepOptions, resolve_groups
 from pswire.piecekey import check_names
 from pswire.proto import ps_pb2
 from pswire.security import ClientSecurity
@@ -165,7 +166,7 @@ class PSClient(ClientState, TableReads):
     ) -> None:
         """Agrees on the job with every shard; worker 0 sends the initial values.
 
-        ``optimizer``: one, or one per parameter group (the same class); ``groups`` gives a
+        ``optimizer``: one, or one per parameter group (any classes); ``groups`` gives a
         variable's or table's group (index into them; 0 when absent).
 
         Every worker passes the same model (names, shapes, dtypes); worker 0's values become

@@ -78,13 +78,45 @@ class Sharded:
         self._elastic = client if isinstance(client, Elastic) else None
         self._first_step = first_step
         self._loader = None
+        self._own: _UserOrder | None = None  # the loader's own sampler or batch_sampler
+        self._order = _Order()  # what the rebuilt loader iterates this epoch
+        self._rebuilt: Any = None
         if _is_loader(source):
             self._loader = source
             self.dataset = source.dataset
+            self._own = _UserOrder.of(source)
         else:
             self.dataset = source
         if not isinstance(self.dataset, Sized):
             raise TypeError("shard() needs a dataset with __len__ (a map-style dataset)")
+        if self._own is not None and self._elastic is not None:
+            raise ConfigError(
+                f"shard() of a DataLoader with its own {self._own.what} in an elastic job: the "
+                "epochs' re-split among members works on the dataset's indices; pass a loader "
+                "built with shuffle=True/False and batch_size (or shard the dataset)"
+            )
+
+    @property
+    def num_samples(self) -> int:
+        """How many samples this worker draws in the next epoch: what a script divides by
+        where a single-process one uses ``len(loader.dataset)`` (``dataset`` stays the
+        whole dataset, every worker's)."""
+        if self._own is not None:
+            return sum(self._own.sizes(self._own_part()))
+        return len(self.indices())
+
+    @property
+    def loader(self) -> Any:
+        """The DataLoader this worker iterates: the one given, every setting kept
+        (``num_workers``, ``collate_fn``, ``worker_init_fn``, ``persistent_workers``,
+        ``prefetch_factor``, ``timeout``, ``generator``, ``multiprocessing_context``, pinning),
+        over this worker's slice; None for a dataset."""
+        if self._loader is None:
+            return None
+        if self._rebuilt is None:
+            batches = self._own is not None and self._own.batches
+            self._rebuilt = _rebuild(self._loader, self._order, batches)
+        return self._rebuilt
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -126,13 +158,21 @@ class Sharded:
             yield epoch
 
     def __len__(self) -> int:
-        n = len(self.indices())
+        if self._own is not None and self._own.batches:
+            return len(self._own_part())
+        n = len(self._own_part()) if self._own is not None else len(self.indices())
         if self._loader is None:
             return n
         batch = self._loader.batch_size or 1
         return n // batch if self._loader.drop_last else -(-n // batch)
 
     def __iter__(self) -> Iterator[Any]:
+        if self._own is not None:
+            part = self._own_part()
+            epoch = self.epoch
+            self.epoch = epoch + 1
+            self._order.items = part
+            return self._counted(iter(self.loader), epoch, self._own.sizes(part))
         idx = self.indices()
         epoch = self.plan.epoch if self._elastic is not None and self.plan else self.epoch
         self.epoch = epoch + 1
@@ -143,7 +183,21 @@ class Sharded:
         sizes = [min(batch, len(idx) - i) for i in range(0, len(idx), batch)]
         if self._loader.drop_last and sizes and sizes[-1] < batch:
             sizes.pop()
-        return self._counted(_rebatch(self._loader, idx.tolist()), epoch, sizes)
+        self._order.items = idx.tolist()
+        return self._counted(iter(self.loader), epoch, sizes)
+
+    def _own_part(self) -> list[Any]:
+        """This worker's part of the epoch the loader's own sampler (or batch sampler) draws:
+        every worker draws the same order (torch's generator seeded by the shard's seed and
+        the epoch), and takes every ``num_workers``-th item (sample or batch) from its id,
+        padded by wrapping round so every worker takes as many (``DistributedSampler``'s
+        contract)."""
+        assert self._own is not None
+        order = self._own.draw(self.seed, self.epoch)
+        n = self.num_workers
+        per_worker = -(-len(order) // n) if order else 0
+        padded = (order * (-(-per_worker * n // len(order)))) if order else []
+        return padded[: per_worker * n][self.worker_id :: n]
 
     def _counted(self, items: Iterable[Any], epoch: int, sizes: list[int]) -> Iterator[Any]:
         """``items``, counting this worker's samples of ``epoch``; logged when it ends."""
@@ -194,19 +248,109 @@ def _is_loader(obj: Any) -> bool:
     return isinstance(obj, DataLoader)
 
 
-def _rebatch(loader: Any, indices: list[int]) -> Any:
-    """The same DataLoader settings over a fixed list of indices."""
+class _Order:
+    """The rebuilt loader's sampler (or batch sampler): the items this worker takes in the
+    epoch being iterated, set before each epoch, so one loader (and its persistent workers)
+    serves every epoch."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class _UserOrder:
+    """A DataLoader's own sampler (a ``WeightedRandomSampler``, a custom one) or batch sampler,
+    which ``shard`` splits instead of replacing: each epoch's draw, the same on every worker."""
+
+    def __init__(self, source: Any, batches: bool, what: str) -> None:
+        self.source = source
+        self.batches = batches
+        self.what = what
+
+    @classmethod
+    def of(cls, loader: Any) -> _UserOrder | None:
+        """The loader's own order to split, or None for one made from ``shuffle`` (which
+        ``shard`` replaces with the job's shuffle, as before)."""
+        from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+
+        if loader.batch_size is None and loader.batch_sampler is not None:
+            name = type(loader.batch_sampler).__name__
+            return cls(loader.batch_sampler, True, f"batch_sampler ({name})")
+        sampler = loader.sampler
+        auto = type(sampler) is SequentialSampler or (
+            type(sampler) is RandomSampler
+            and not sampler.replacement
+            and sampler._num_samples is None
+        )
+        batcher = loader.batch_sampler
+        if batcher is not None and (
+            type(batcher) is not BatchSampler or batcher.sampler is not sampler
+        ):
+            return cls(batcher, True, f"batch_sampler ({type(batcher).__name__})")
+        if auto:
+            return None
+        return cls(sampler, False, f"sampler ({type(sampler).__name__})")
+
+    def draw(self, seed: int, epoch: int) -> list[Any]:
+        """One epoch of the source's order, drawn with torch's generator seeded by ``(seed,
+        epoch)``: the same on every worker (a sampler with its own generator draws from it,
+        the same on every worker of one script)."""
+        import torch
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0]))
+            if self.batches:
+                return [list(b) for b in self.source]
+            return list(self.source)
+
+    def sizes(self, part: list[Any]) -> list[int]:
+        """Samples per item of ``part`` (batches: their lengths)."""
+        return [len(b) for b in part] if self.batches else [1] * len(part)
+
+
+def _rebuild(loader: Any, order: _Order, batches: bool) -> Any:
+    """``loader`` over ``order``, every setting kept: ``order`` as its batch sampler when it
+    holds batches, else as its sampler under its ``batch_size`` and ``drop_last``.
+
+    Raises:
+        ValueError: torch refuses the settings (as it would the original loader's).
+    """
+    import inspect
+
     from torch.utils.data import DataLoader
 
+    accepted = inspect.signature(DataLoader.__init__).parameters
+    kept = {k: getattr(loader, k) for k in _KEPT if k in accepted and hasattr(loader, k)}
+    if batches:
+        return DataLoader(loader.dataset, batch_sampler=order, **kept)
     return DataLoader(
         loader.dataset,
         batch_size=loader.batch_size,
-        sampler=indices,
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
+        sampler=order,
         drop_last=loader.drop_last,
+        **kept,
     )
+
+
+# A DataLoader's settings a sharded loader keeps (beside its dataset, batching and order).
+_KEPT = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "prefetch_factor",
+    "persistent_workers",
+    "pin_memory_device",
+    "in_order",
+)
 
 
 def shard(

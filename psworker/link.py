@@ -22,7 +22,7 @@ from pswire.errors import (
     UnavailableError,
     WaitTimeoutError,
 )
-from pswire.optim import StepOptions
+from pswire.optspec import StepOptions
 from pswire.proto import ps_pb2
 from pswire.push import push_header, push_stream
 from pswire.rpc_errors import from_rpc_error

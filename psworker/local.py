@@ -15,7 +15,8 @@ import numpy as np
 from pscore.variables import Variables
 from pswire.errors import ClientClosedError, NotInitializedError, not_in_model
 from pswire.job import Job, VarSpec
-from pswire.optim import Optimizer, StepOptions, resolve_groups
+from pswire.optim import Optimizer
+from pswire.optspec import StepOptions, resolve_groups
 from pswire.rowstore import RowStore
 from pswire.tables import RowSparse, Table, as_ids
 from psworker.api import push_then_pull

@@ -4,6 +4,7 @@ module through any client mode, wrapping the user's own torch optimizer."""
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -11,9 +12,10 @@ import numpy as np
 import torch
 
 from pswire.errors import ConfigError
-from pswire.optim import Optimizer, StepOptions
+from pswire.optim import Optimizer
+from pswire.optspec import StepOptions
 from pswire.tables import RowSparse
-from psworker.api import Client
+from psworker.api import Client, Elastic
 from psworker.torch_optim import (
     changed_values,
     check_supported,
@@ -24,11 +26,18 @@ from psworker.torch_optim import (
     state_digest,
     torch_optimizer_for,
 )
+from psworker.torch_staging import HostStaging
 from psworker.torch_tables import Embedding, EmbeddingBag, _tables_of
 
 __all__ = ["BUFFER_PREFIX", "DistributedOptimizer", "Embedding", "EmbeddingBag"]
 
 BUFFER_PREFIX = "buffer:"
+# Each client's model (its variables' names, shapes, dtypes), once a DistributedOptimizer
+# initialised it: a second, other model over the same client is refused with the way to train
+# both.
+_CLAIMED: weakref.WeakKeyDictionary[Any, frozenset[tuple[str, tuple[int, ...], str]]] = (
+    weakref.WeakKeyDictionary()
+)
 # GradScaler hands itself to an optimizer whose step takes ``grad_scaler`` (the contract for
 # optimizers that handle scaling themselves), with this FutureWarning each time; we need the
 # scaler to tell it about a step another worker skipped.
@@ -37,78 +46,13 @@ warnings.filterwarnings(
 )
 
 
-class _HostStaging:
-    """Reusable host buffers between a device tensor and the wire.
-
-    For CUDA tensors the buffers are pinned, filled and drained with non-blocking copies, and
-    allocated once: no per-step allocation. For CPU tensors no staging is needed and numpy views
-    share the tensors' memory.
-    """
-
-    def __init__(self, tensors: dict[str, torch.Tensor], pin: bool) -> None:
-        self.pin = pin
-        self.out: dict[str, torch.Tensor] = {}  # device -> wire (gradients, buffer values)
-        self.into: dict[str, torch.Tensor] = {}  # wire -> device (weights)
-        if pin:
-            for name, t in tensors.items():
-                self.out[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                self.into[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        self._landed: Any = None  # CUDA event: last host->device copy finished reading `into`
-
-    def to_host(self, tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-        """numpy views of ``tensors`` on the host (after one non-blocking copy if on a GPU)."""
-        if not self.pin:
-            return {n: t.detach().contiguous().numpy() for n, t in tensors.items()}
-        for name, t in tensors.items():
-            self.out[name].copy_(t.detach(), non_blocking=True)
-        torch.cuda.current_stream().synchronize()
-        return {n: self.out[n].numpy() for n in tensors}
-
-    def receivers(self, targets: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-        """Host arrays a pull may decode the weights of ``targets`` straight into: the CPU
-        tensors' own memory, or the pinned buffers (once the last copy out of them is done).
-        Tensors numpy cannot view (e.g. bfloat16) are left out."""
-        if self.pin:
-            if self._landed is not None:
-                self._landed.synchronize()  # the previous copy still reads these buffers
-                self._landed = None
-            return {n: self.into[n].numpy() for n in targets}
-        out = {}
-        for name, t in targets.items():
-            try:
-                out[name] = t.detach().numpy()
-            except (TypeError, RuntimeError):
-                continue
-        return out
-
-    def to_device(self, arrays: dict[str, np.ndarray], targets: dict[str, torch.Tensor]) -> None:
-        """Copies host arrays into device tensors (non-blocking from pinned memory on a GPU);
-        arrays a pull already decoded into place (``receivers``) are not copied again."""
-        if not self.pin:
-            for name, array in arrays.items():
-                # A numpy view of the CPU tensor: one copy, and no tensor over a read-only array.
-                view = targets[name].detach().numpy()
-                if not np.may_share_memory(view, array):
-                    np.copyto(view, array)
-            return
-        if self._landed is not None:
-            self._landed.synchronize()  # the previous copy still reads these buffers
-        with torch.no_grad():
-            for name, array in arrays.items():
-                staged = self.into[name]
-                if not np.may_share_memory(staged.numpy(), array):
-                    np.copyto(staged.numpy(), array)
-                targets[name].copy_(staged, non_blocking=True)
-        self._landed = torch.cuda.Event()
-        self._landed.record()
-
-
 class DistributedOptimizer(torch.optim.Optimizer):
     """Trains ``model`` through ``client``: ``step()`` pushes gradients and loads fresh weights.
 
     ``optimizer`` is the script's own torch optimizer (``torch.optim.SGD``, ``Adam``,
-    ``AdamW``, ``Adagrad`` or ``RMSprop``, constructed on the model's parameters, any number
-    of parameter groups), or a ``psworker.SGD``-style spec. The same math runs on the shards in
+    ``AdamW``, ``Adagrad``, ``RMSprop``, ``Adadelta``, ``Adamax``, ``NAdam`` or ``RAdam``,
+    constructed on the model's parameters, any number of parameter groups), or a
+    ``psworker.SGD``-style spec. The same math runs on the shards in
     parameter-server modes and in this process in ``local`` and ``allreduce``. This object is
     a ``torch.optim.Optimizer`` whose ``param_groups`` are the wrapped optimizer's: whatever a
     scheduler or the script sets there (``lr``, ``weight_decay``, ``momentum``, ``betas``...)
@@ -130,6 +74,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     zero from this worker). Buffers (e.g. BatchNorm running statistics) travel beside the
     gradients: after each step every worker holds the shards' copy, which in ``sync`` mode is
     the mean over workers and otherwise the latest pushed, so replicas stay consistent.
+    As torch's optimizers, ``step()`` steps every parameter whose gradient is not None (it
+    warns once about one no backward reached since the last step) and marks them changed in
+    place for autograd. One model per client: two models with two optimizers (a GAN) are
+    made together with ``for_models``.
 
     Raises (constructor):
         ValueError: an unsupported optimizer class or option, a parameter that is not
@@ -145,6 +93,77 @@ class DistributedOptimizer(torch.optim.Optimizer):
         client: Client,
         optimizer: torch.optim.Optimizer | Optimizer,
     ) -> None:
+        self._prepare(model, client, optimizer, prefix="", first_group=0)
+        _init_together(client, [self])
+
+    @classmethod
+    def for_models(
+        cls, client: Client, **models: tuple[torch.nn.Module, torch.optim.Optimizer | Optimizer]
+    ) -> tuple[DistributedOptimizer, ...]:
+        """One ``DistributedOptimizer`` per model, all training through one ``client``: the
+        two models and two optimizers of a GAN (``D=(netD, optimizerD), G=(netG,
+        optimizerG)``), an actor and a critic, a teacher and a student.
+
+        The models form one job (one init, so worker 0's weights of every model start every
+        worker), each model's variables under its keyword (``D/main.0.weight``), so the same
+        parameter names in both nets do not clash. Each returned optimizer, in the keywords'
+        order, steps only its own model, exactly as its torch optimizer would: its
+        ``step()`` is one push of its own gradients (one step of the client's count: a GAN
+        iteration that steps D then G takes two steps) and loads only its own model's weights.
+        The optimizers may be of different classes; each has its own parameter groups and
+        scheduler.
+
+        Raises:
+            ValueError: no models, a keyword with '/', a parameter in two models, an elastic
+                client (not yet), or what the constructor raises (nothing was sent).
+            PSError: as the constructor.
+        """
+        if not models:
+            raise ConfigError("for_models needs at least one model: for_models(client, D=...)")
+        if len(models) > 1 and isinstance(client, Elastic):
+            raise ConfigError(
+                "for_models with an elastic client is not supported yet: shard() splits each "
+                "epoch by the client's step, one per batch, and each model's step is one push"
+            )
+        parts: list[DistributedOptimizer] = []
+        first = 0
+        owners: dict[int, str] = {}
+        for name, pair in models.items():
+            if "/" in name or not name:
+                raise ConfigError(f"model name {name!r} must be non-empty, without '/'")
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise ConfigError(
+                    f"for_models({name}=...) takes a (model, optimizer) pair, got "
+                    f"{type(pair).__name__}"
+                )
+            part = cls.__new__(cls)
+            part._prepare(pair[0], client, pair[1], prefix=f"{name}/", first_group=first)
+            for p in [*part._params.values(), *part._buffers.values()]:
+                other = owners.setdefault(id(p), name)
+                if other != name:
+                    raise ConfigError(
+                        f"models '{other}' and '{name}' share a tensor of shape "
+                        f"{tuple(p.shape)}: each model's optimizer must own its parameters"
+                    )
+            first += len(part._base)
+            parts.append(part)
+        _init_together(client, parts)
+        return tuple(parts)
+
+    def _prepare(
+        self,
+        model: torch.nn.Module,
+        client: Client,
+        optimizer: torch.optim.Optimizer | Optimizer,
+        prefix: str,
+        first_group: int,
+    ) -> None:
+        """Checks the optimizer and collects what this model sends, under ``prefix``, its
+        groups numbered from ``first_group`` (nothing sent yet).
+
+        Raises:
+            ValueError: as the constructor.
+        """
         self.model = model
         self.client = client
         if isinstance(optimizer, Optimizer):
@@ -158,6 +177,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._base = check_supported(optimizer)  # each group's values at construction
         self._cls = spec_class(optimizer)
         self._inner = optimizer
+        self._prefix = prefix
+        self._first_group = first_group
         tables = _tables_of(model, client)
         handles = {id(t.handle): name for name, t in tables.items()}
         names = {id(p): n for n, p in model.named_parameters()}
@@ -166,7 +187,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for index, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
                 if id(p) in handles:
-                    groups[handles[id(p)]] = index
+                    groups[handles[id(p)]] = first_group + index
                     continue
                 name = names.get(id(p))
                 if name is None:
@@ -178,31 +199,35 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     raise ConfigError(
                         f"parameter '{name}' has dtype {p.dtype}; expected floating point"
                     )
-                self._params[name] = p
-                groups[name] = index
+                self._params[prefix + name] = p
+                groups[prefix + name] = first_group + index
         self._groups = groups
-        self._buffers = {BUFFER_PREFIX + n: b for n, b in model.named_buffers() if b is not None}
+        self._buffers = {
+            BUFFER_PREFIX + prefix + n: b for n, b in model.named_buffers() if b is not None
+        }
         self._tables = tables
         everything = {**self._params, **self._buffers}
         on_gpu = any(t.is_cuda for t in everything.values())
-        self._staging = _HostStaging(everything, pin=on_gpu)
-        with torch.no_grad():
-            initial = self._staging.to_host(everything)
-            values = {n: np.array(a, copy=True) for n, a in initial.items()}
-            client.init(
-                values,
-                self._base,
-                buffers=list(self._buffers),
-                tables={name: m.table for name, m in tables.items()},
-                groups=groups,
-            )
-            self._staging.to_device(client.pull(), everything)
+        self._staging = HostStaging(everything, pin=on_gpu)
+        self._stepped: set[int] = set()  # parameters a backward reached since the last step
+        self._together = 1  # how many models train through the client (for_models)
+        self._stale_warned = False
+
+    def _finish(self) -> None:
+        """Makes this object the torch optimizer over the wrapped one's groups (after init)."""
+        optimizer = self._inner
         # A torch.optim.Optimizer over the same groups: isinstance checks, hooks, schedulers
         # and GradScaler see one; its state lives on the shards, not here.
         super().__init__([{"params": g["params"]} for g in optimizer.param_groups], {})
         self.param_groups = optimizer.param_groups
         self.defaults = optimizer.defaults
         optimizer.state.clear()  # e.g. Adagrad's sums, made at construction; ours are remote
+        for p in self._params.values():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._reached)
+
+    def _reached(self, param: torch.Tensor) -> None:
+        self._stepped.add(id(param))
 
     # -- the training step -------------------------------------------------------------------
 
@@ -236,7 +261,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # A table untouched this step is left out: it counts as zero, like a None grad.
         rows = {n: g for n, t in self._tables.items() if (g := t.take_grads()) is not None}
         skip = grad_scaler is not None and _unscale(grad_scaler, self, rows)
+        # Every gradient that is not None, as torch.optim steps it (even one no backward
+        # reached since the last step: torch applies it again, and so do we, with a warning).
         grads = {} if skip else {n: p.grad for n, p in self._params.items() if p.grad is not None}
+        self._warn_stale(grads)
         with torch.no_grad():
             outgoing = self._staging.to_host({**grads, **self._buffers})
             targets = {**self._params, **self._buffers}
@@ -253,7 +281,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
             for name, table in self._tables.items():
                 table.prefetched(ahead.get(name), weights.pop(name, None))
-            self._staging.to_device(weights, targets)
+            # Only this model's weights: another model's (for_models) stay as its own
+            # optimizer left them, as with torch, where this step would not touch them.
+            self._staging.to_device({n: w for n, w in weights.items() if n in targets}, targets)
+            # torch.optim changes each stepped parameter in place, which autograd records: a
+            # graph built before this step and used after it fails as it would with torch
+            # (e.g. G's graph after a D step that also stepped G's stale gradient).
+            for name in grads:
+                torch.autograd.graph.increment_version(self._params[name])
         if grad_scaler is not None and self.client.last_skipped and not skip:
             _found_inf(grad_scaler, self)  # another worker skipped: back off as it does
         self._inner._opt_called = True  # type: ignore[attr-defined]  # for its schedulers
@@ -281,8 +316,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 )
             changed = changed_values(base, now)
             if changed:
-                out[index] = changed
+                out[self._first_group + index] = changed
         return out
+
+    def _warn_stale(self, grads: dict[str, torch.Tensor]) -> None:
+        """Warns (once) when this step applies gradients no backward reached since the last
+        step while it reached others: torch.optim applies them again too, which in a GAN
+        script is D's old gradient applied on G's step (one optimizer over two models)."""
+        reached, self._stepped = self._stepped, set()
+        if self._stale_warned or not reached:
+            return  # no hook fired: gradients set by hand, nothing to judge
+        stale = [n for n, g in grads.items() if id(self._params[n]) not in reached]
+        if stale:
+            self._stale_warned = True
+            shown = ", ".join(stale[:4]) + (", ..." if len(stale) > 4 else "")
+            warnings.warn(
+                f"step() applies the gradients of {len(stale)} parameters ({shown}) that no "
+                "backward() reached since the last step(), as torch.optim does: they are "
+                "applied again. With two models (a GAN's D and G) give each its own optimizer: "
+                "DistributedOptimizer.for_models(client, D=(netD, optD), G=(netG, optG)), or "
+                "zero their gradients",
+                UserWarning,
+                stacklevel=3,
+            )
 
     # -- state_dict ------------------------------------------------------------------------------
 
@@ -317,6 +373,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ModelMismatchError: this worker loaded another state than worker 0.
             PSError: the shards refused the state (nothing changed there).
         """
+        if self._together > 1:
+            raise ConfigError(
+                "load_state_dict of one of several models (for_models) is not supported yet: "
+                "it would restart the other models' optimizer state"
+            )
         kind = type(self._inner).__name__
         saved = state_dict.get("param_groups", [])
         for index, (group, base) in enumerate(zip(saved, self._base, strict=False)):
@@ -330,7 +391,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.param_groups = self._inner.param_groups
         try:
             slots = {
-                name: slots_from_torch(self._inner.state[p])
+                name: slots_from_torch(self._inner.state[p], p)
                 for name, p in self._params.items()
                 if p in self._inner.state
             }
@@ -351,6 +412,59 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         yield from self._params.values()
+
+
+def _init_together(client: Client, parts: list[DistributedOptimizer]) -> None:
+    """Agrees on one job holding every part's model with ``client``; worker 0's weights are
+    loaded into every part's model.
+
+    Raises:
+        ValueError: two parts' tables share a name.
+        PSError: the shards reject the job (e.g. ModelMismatchError).
+    """
+    names = frozenset(
+        (n, tuple(t.shape), str(t.dtype))
+        for part in parts
+        for n, t in {**part._params, **part._buffers}.items()
+    )
+    claimed = _CLAIMED.get(client)
+    if claimed is not None and claimed != names:
+        raise ConfigError(
+            "this client already trains another model (a DistributedOptimizer over "
+            f"{sorted(n for n, _, _ in claimed)[:3]}...): for two models with two optimizers "
+            "(a GAN), make "
+            "both at once: DistributedOptimizer.for_models(client, D=(netD, optimizerD), "
+            "G=(netG, optimizerG))"
+        )
+    tables: dict[str, Any] = {}
+    for part in parts:
+        clash = sorted(set(tables) & set(part._tables))
+        if clash:
+            raise ConfigError(f"two models hold embedding tables named {clash}")
+        tables.update(part._tables)
+    everything = {n: t for part in parts for n, t in {**part._params, **part._buffers}.items()}
+    with torch.no_grad():
+        values: dict[str, np.ndarray] = {}
+        for part in parts:
+            own = {**part._params, **part._buffers}
+            values.update(
+                (n, np.array(a, copy=True)) for n, a in part._staging.to_host(own).items()
+            )
+        client.init(
+            values,
+            [spec for part in parts for spec in part._base],
+            buffers=[n for part in parts for n in part._buffers],
+            tables={name: m.table for name, m in tables.items()},
+            groups={n: g for part in parts for n, g in part._groups.items()},
+        )
+        weights = client.pull()
+        for part in parts:
+            own = {n: t for n, t in everything.items() if n in part._params or n in part._buffers}
+            part._staging.to_device({n: weights[n] for n in own}, own)
+    _CLAIMED[client] = names
+    for part in parts:
+        part._together = len(parts)
+        part._finish()
 
 
 def _unscale(scaler: Any, opt: DistributedOptimizer, rows: dict[str, Any]) -> bool:

@@ -13,7 +13,18 @@ import numpy as np
 import torch
 
 from pswire.errors import ConfigError
-from pswire.optim import SGD, Adagrad, Adam, AdamW, Optimizer, RMSprop
+from pswire.optim import (
+    SGD,
+    Adadelta,
+    Adagrad,
+    Adam,
+    Adamax,
+    AdamW,
+    NAdam,
+    Optimizer,
+    RAdam,
+    RMSprop,
+)
 
 # Flags that only pick a torch kernel: accepted, and the shards' math is the same.
 IGNORED = ("foreach", "fused")
@@ -27,14 +38,27 @@ _KEYS: dict[type[Optimizer], dict[str, str]] = {
     Adagrad: {k: k for k in ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")},
     RMSprop: {k: k for k in ("lr", "alpha", "eps", "weight_decay", "momentum", "centered")},
 }
+_BETAS = {"beta1": "betas", "beta2": "betas"}
 _KEYS[AdamW] = _KEYS[Adam]
+_KEYS[Adadelta] = {k: k for k in ("lr", "rho", "eps", "weight_decay")}
+_KEYS[Adamax] = {k: k for k in ("lr", "eps", "weight_decay")} | _BETAS
+_KEYS[NAdam] = {
+    k: k for k in ("lr", "eps", "weight_decay", "momentum_decay", "decoupled_weight_decay")
+} | _BETAS
+_KEYS[RAdam] = {k: k for k in ("lr", "eps", "weight_decay", "decoupled_weight_decay")} | _BETAS
 _TORCH = {
     torch.optim.SGD: SGD,
     torch.optim.Adam: Adam,
     torch.optim.AdamW: AdamW,
     torch.optim.Adagrad: Adagrad,
     torch.optim.RMSprop: RMSprop,
+    torch.optim.Adadelta: Adadelta,
+    torch.optim.Adamax: Adamax,
+    torch.optim.NAdam: NAdam,
+    torch.optim.RAdam: RAdam,
 }
+# Slots torch keeps as one number per parameter that the shards keep per element.
+_PER_PARAMETER = ("mu_product",)
 SUPPORTED = ", ".join(f"torch.optim.{c.__name__}" for c in _TORCH)
 
 
@@ -159,6 +183,37 @@ def torch_optimizer_for(
             momentum=p["momentum"],
             centered=bool(p["centered"]),
         )
+    if isinstance(spec, Adadelta):
+        return torch.optim.Adadelta(
+            params, lr=p["lr"], rho=p["rho"], eps=p["eps"], weight_decay=p["weight_decay"]
+        )
+    if isinstance(spec, Adamax):
+        return torch.optim.Adamax(
+            params,
+            lr=p["lr"],
+            betas=(p["beta1"], p["beta2"]),
+            eps=p["eps"],
+            weight_decay=p["weight_decay"],
+        )
+    if isinstance(spec, NAdam):
+        return torch.optim.NAdam(
+            params,
+            lr=p["lr"],
+            betas=(p["beta1"], p["beta2"]),
+            eps=p["eps"],
+            weight_decay=p["weight_decay"],
+            momentum_decay=p["momentum_decay"],
+            decoupled_weight_decay=bool(p["decoupled_weight_decay"]),
+        )
+    if isinstance(spec, RAdam):
+        return torch.optim.RAdam(
+            params,
+            lr=p["lr"],
+            betas=(p["beta1"], p["beta2"]),
+            eps=p["eps"],
+            weight_decay=p["weight_decay"],
+            decoupled_weight_decay=bool(p["decoupled_weight_decay"]),
+        )
     raise ConfigError(f"unknown optimizer spec {spec!r}")  # pragma: no cover
 
 
@@ -177,21 +232,28 @@ def slots_to_torch(
         return None
     out = {}
     for name, value in slots.items():
-        if isinstance(value, np.ndarray):
+        if name in _PER_PARAMETER:  # one number in torch (every element of ours holds it)
+            first = float(value.reshape(-1)[0]) if value.size else 1.0
+            out[name] = torch.tensor(first, dtype=_scalar_dtype())
+        elif isinstance(value, np.ndarray):
             out[name] = torch.from_numpy(np.array(value, copy=True)).to(param.device, param.dtype)
         else:  # the step count: a float tensor in torch's state
             out[name] = torch.tensor(float(value), dtype=_scalar_dtype())
     return out
 
 
-def slots_from_torch(state: Mapping[str, Any]) -> dict[str, Any]:
-    """A parameter's shard slots from its torch state (arrays; the step as an int)."""
+def slots_from_torch(state: Mapping[str, Any], param: torch.Tensor) -> dict[str, Any]:
+    """A parameter's shard slots from its torch state (arrays; the step as an int; a number
+    torch keeps per parameter, NAdam's ``mu_product``, as an array of ``param``'s shape)."""
     out: dict[str, Any] = {}
     for name, value in state.items():
         if value is None:
             continue
         if name == "step":
             out[name] = round(float(value))
+        elif name in _PER_PARAMETER:
+            dtype = torch.empty(0, dtype=param.dtype).numpy().dtype
+            out[name] = np.full(tuple(param.shape), float(value), dtype=dtype)
         else:
             out[name] = value.detach().cpu().numpy()
     return out

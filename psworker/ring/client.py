@@ -10,7 +10,8 @@ import numpy as np
 
 from pswire.codec import COMPRESSIONS, bfloat16_to_float32, float32_to_bfloat16
 from pswire.errors import ConfigError, InvalidRequestError, ModelMismatchError, not_in_model
-from pswire.optim import Optimizer, StepOptions, group_optimizers, resolve_groups
+from pswire.optim import Optimizer
+from pswire.optspec import StepOptions, group_optimizers, resolve_groups
 from pswire.security import ClientSecurity
 from pswire.tables import RowSparse, Table
 from psworker.api import push_then_pull
@@ -23,6 +24,9 @@ from psworker.ring.ring import Ring, RingServer
 # The skip flag travels in the gradients' all-reduce as one more tensor: a step any worker's
 # GradScaler skipped is skipped by all, with no extra round.
 SKIP_KEY = "\x00skip"
+# One flag per variable: which names any worker pushed this step (the others are left as they
+# are, as the shards leave a variable no worker pushed: another model's, a None gradient's).
+PUSHED_KEY = "\x00pushed"
 _NO_TABLES = (
     "embedding tables {} live on parameter-server shards; mode 'allreduce' has none "
     "(use sync, async, ssp or local)"
@@ -148,8 +152,9 @@ class AllReduceClient:
         this worker's ``options`` (every worker runs the same schedule); a skip by any
         worker (``options.skip``: its gradients are not sent) skips the step on every worker.
 
-        Every worker must push the same names each step; a parameter with no gradient on
-        this worker counts as zeros (pass all of them).
+        A variable no worker pushed this step is left as it is (no optimizer step, as in
+        torch for a ``None`` gradient, and as on the shards); one that some workers pushed
+        counts as zeros from the others.
 
         Raises:
             UnknownVariableError: a name not in the model.
@@ -171,6 +176,7 @@ class AllReduceClient:
             for name, (shape, dtype) in self._specs.items()
         }
         full[SKIP_KEY] = np.array([1.0 if skip else 0.0], dtype=np.float32)
+        full[PUSHED_KEY] = np.array([n in grads for n in self._specs], dtype=np.float32)
         described = agreement.settings(group_optimizers(self._optimizers, options), self._groups)
         rank, world = self.worker_id, self.num_workers
         full[agreement.AGREE_KEY] = agreement.agreement_tensor(rank, world, described)
@@ -179,6 +185,8 @@ class AllReduceClient:
         agreement.check(
             self.ring, rank, world, summed, described, self.step if step is None else step
         )
+        pushed = dict(zip(self._specs, mean.pop(PUSHED_KEY) > 0, strict=True))
+        mean = {n: v for n, v in mean.items() if n == SKIP_KEY or pushed[n]}
         if mean.pop(SKIP_KEY)[0] > 0:
             values = options.values if options is not None else {}
             options = StepOptions(values, skip=True)

@@ -26,7 +26,8 @@ from pswire.errors import (
     UnavailableError,
     WaitTimeoutError,
 )
-from pswire.optim import SGD, StepOptions
+from pswire.optim import SGD
+from pswire.optspec import StepOptions
 from pswire.stepmsg import SMALL_BYTES
 from pswire.tables import RowSparse
 from psworker.link import ShardLink

@@ -18,7 +18,8 @@ from pswire.errors import (
     ShapeMismatchError,
     UnknownVariableError,
 )
-from pswire.optim import SGD, StepOptions
+from pswire.optim import SGD
+from pswire.optspec import StepOptions
 from psworker.api import Client
 from psworker.local import LocalClient
 from psworker.ring.client import AllReduceClient

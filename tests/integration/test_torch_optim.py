@@ -81,12 +81,53 @@ def rmsprop(m):
     )
 
 
+def adadelta(m):
+    w, b = split(m)
+    return torch.optim.Adadelta(
+        [{"params": w, "weight_decay": 0.01}, {"params": b, "rho": 0.8, "eps": 1e-4}], lr=4.0
+    )
+
+
+def adamax(m):
+    w, b = split(m)
+    return torch.optim.Adamax(
+        [{"params": w, "weight_decay": 0.01}, {"params": b, "lr": 0.03, "betas": (0.8, 0.99)}],
+        lr=0.02,
+    )
+
+
+def nadam(m):
+    w, b = split(m)
+    return torch.optim.NAdam(
+        [
+            {"params": w, "weight_decay": 0.1, "decoupled_weight_decay": True},
+            {"params": b, "weight_decay": 0.01, "momentum_decay": 0.01, "betas": (0.8, 0.99)},
+        ],
+        lr=0.01,
+    )
+
+
+def radam(m):
+    w, b = split(m)
+    return torch.optim.RAdam(
+        [
+            {"params": w, "weight_decay": 0.1, "decoupled_weight_decay": True},
+            {"params": b, "weight_decay": 0.01, "betas": (0.8, 0.9)},
+        ],
+        lr=0.05,
+    )
+
+
 OPTIMIZERS: dict[str, Callable] = {
     "sgd": sgd,
     "adam": adam,
     "adamw": adamw,
     "adagrad": adagrad,
     "rmsprop": rmsprop,
+    "adadelta": adadelta,
+    "adamax": adamax,
+    "nadam": nadam,
+    "radam": radam,
 }
 
 
@@ -229,7 +270,15 @@ def test_a_scheduler_setting_lr_zero_from_step_k_freezes_the_shards(shards):
             assert (frozen[j][key] != value).any(), f"shard {j} '{key}' never moved"
 
 
-def test_state_dict_continues_in_plain_torch_exactly(shards):
+@pytest.mark.parametrize(
+    ("name", "slots"),
+    [
+        ("adamw", {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}),
+        ("nadam", {"step", "mu_product", "exp_avg", "exp_avg_sq"}),
+    ],
+)
+def test_state_dict_continues_in_plain_torch_exactly(shards, name, slots):
+    make = OPTIMIZERS[name]
     k = 12
     addrs = [s.address for s in shards(2)]
     models = [make_model(0), make_model(5)]
@@ -240,7 +289,7 @@ def test_state_dict_continues_in_plain_torch_exactly(shards):
             with psworker.connect(
                 addrs, worker_id=i, num_workers=2, mode="sync", split_bytes=64
             ) as client:
-                opt = DistributedOptimizer(models[i], client, adamw(models[i]))
+                opt = DistributedOptimizer(models[i], client, make(models[i]))
                 sched = schedule(opt)
                 train(opt, sched, models[i], i, 2, range(k))
                 if i == 0:
@@ -260,17 +309,19 @@ def test_state_dict_continues_in_plain_torch_exactly(shards):
 
     run_workers([worker(0), worker(1)])
     ckpt = torch.load(io.BytesIO(saved["bytes"]))
-    assert set(ckpt["optimizer"]["state"][0]) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
-    resumed, _, _ = torch_run(adamw, start=ckpt)
-    uninterrupted, _, _ = torch_run(adamw)
+    assert set(ckpt["optimizer"]["state"][0]) == slots
+    resumed, _, _ = torch_run(make, start=ckpt)
+    uninterrupted, _, _ = torch_run(make)
     assert_close(resumed, uninterrupted, "dist -> torch")
 
 
+@pytest.mark.parametrize("name", ["adamw", "nadam"])
 @pytest.mark.parametrize("mode", ["sync2", "allreduce", "local"])
-def test_a_torch_state_dict_resumes_distributed_exactly(shards, mode):
+def test_a_torch_state_dict_resumes_distributed_exactly(shards, mode, name):
+    make = OPTIMIZERS[name]
     k = 12
-    _, opt, sched = torch_run(adamw, steps=k)
-    model_k, _, _ = torch_run(adamw, steps=k)
+    _, opt, sched = torch_run(make, steps=k)
+    model_k, _, _ = torch_run(make, steps=k)
     buf = io.BytesIO()
     torch.save(
         {"model": model_k.state_dict(), "optimizer": opt.state_dict(), "sched": sched.state_dict()},
@@ -286,7 +337,7 @@ def test_a_torch_state_dict_resumes_distributed_exactly(shards, mode):
             if i == 1:  # worker 1 loads the model first; worker 0 after wrapping (either works)
                 models[i].load_state_dict(ckpt["model"])
             with connect(i) as client:
-                opt = DistributedOptimizer(models[i], client, adamw(models[i]))
+                opt = DistributedOptimizer(models[i], client, make(models[i]))
                 if i == 0:
                     models[i].load_state_dict(ckpt["model"])
                 opt.load_state_dict(ckpt["optimizer"])
@@ -297,7 +348,7 @@ def test_a_torch_state_dict_resumes_distributed_exactly(shards, mode):
         return run
 
     run_workers([worker(i) for i in range(workers)])
-    uninterrupted, _, _ = torch_run(adamw)
+    uninterrupted, _, _ = torch_run(make)
     for i, model in enumerate(models):
         assert_close(model, uninterrupted, f"torch -> dist worker {i}")
 
@@ -335,8 +386,10 @@ class NotAdam(torch.optim.Adam):
 @pytest.mark.parametrize(
     ("make", "detail"),
     [
-        (lambda p: torch.optim.NAdam(p), r"torch\.optim\.nadam\.NAdam is not supported"),
-        (lambda p: torch.optim.Adamax(p), r"Adamax is not supported"),
+        (lambda p: torch.optim.ASGD(p), r"torch\.optim\.asgd\.ASGD is not supported"),
+        (lambda p: torch.optim.Rprop(p), r"Rprop is not supported.*Adadelta.*NAdam.*RAdam"),
+        (lambda p: torch.optim.NAdam(p, maximize=True), r"torch\.optim\.NAdam .*maximize"),
+        (lambda p: torch.optim.RAdam(p, capturable=True), r"RAdam .*capturable"),
         (lambda p: NotAdam(p), r"NotAdam is not supported"),
         (lambda p: torch.optim.SGD(p, lr=0.1, maximize=True), r"torch\.optim\.SGD .*maximize"),
         (lambda p: torch.optim.Adam(p, capturable=True), r"torch\.optim\.Adam .*capturable"),
@@ -436,6 +489,19 @@ def test_a_table_in_a_weight_decay_group_is_refused():
         model = TableModel(client)
         with pytest.raises(psworker.InvalidRequestError, match=r"table 'emb': weight_decay 0\.01"):
             DistributedOptimizer(model, client, torch.optim.AdamW(model.parameters()))
+
+
+@pytest.mark.parametrize("kind", [torch.optim.Adadelta, torch.optim.NAdam, torch.optim.RAdam])
+def test_a_table_under_an_optimizer_without_a_sparse_form_is_refused(shards, kind):
+    (server,) = shards(1)
+    with psworker.connect([server.address], worker_id=0, num_workers=1, mode="sync") as client:
+        model = TableModel(client)
+        with pytest.raises(
+            psworker.InvalidRequestError,
+            match=r"table 'emb': optimizer '\w+' has no row-sparse form",
+        ):
+            DistributedOptimizer(model, client, kind(model.parameters()))
+    assert server.shard.status().job is None  # refused: nothing installed
 
 
 SCHEDULERS = {

@@ -25,7 +25,8 @@ from pswire.errors import (
     WaitTimeoutError,
 )
 from pswire.job import OBSERVER, Job, VarSpec
-from pswire.optim import SGD, StepOptions
+from pswire.optim import SGD
+from pswire.optspec import StepOptions
 from pswire.tables import RowSparse, TableSlice
 
 HEARTBEAT_S = 10.0

@@ -13,7 +13,8 @@ import pytest
 
 from pswire.codec import ChunkAssembler, all_finite, check_tensor, tensor_to_chunks
 from pswire.errors import InvalidRequestError, TooLargeError
-from pswire.optim import RMSprop, resolve_groups
+from pswire.optim import RMSprop
+from pswire.optspec import resolve_groups
 from pswire.tables import Table
 from psworker.placement import TableLayout
 

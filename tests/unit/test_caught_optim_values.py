@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from pswire.errors import ConfigError, InvalidRequestError
-from pswire.optim import SGD, RMSprop, with_values
+from pswire.optim import SGD, RMSprop
+from pswire.optspec import with_values
 
 
 def test_a_bad_replacement_value_names_the_optimizer_and_only_a_given_place() -> None:

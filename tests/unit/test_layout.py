@@ -22,7 +22,12 @@ FORBIDDEN = {
     "psctl": {"psserver"},
 }
 # psworker modules that may import torch (torch is imported only where tensors are touched).
-TORCH_MODULES = {"psworker/torch.py", "psworker/torch_optim.py", "psworker/torch_tables.py"}
+TORCH_MODULES = {
+    "psworker/torch.py",
+    "psworker/torch_optim.py",
+    "psworker/torch_staging.py",
+    "psworker/torch_tables.py",
+}
 MAX_LINES = 500
 
 

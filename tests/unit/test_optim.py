@@ -13,16 +13,17 @@ from pswire.errors import InvalidRequestError
 from pswire.optim import (
     OPTIMIZERS,
     SGD,
+    Adadelta,
     Adagrad,
     Adam,
+    Adamax,
     AdamW,
+    NAdam,
     Optimizer,
+    RAdam,
     RMSprop,
-    StepOptions,
-    group_optimizers,
-    optimizer_from_spec,
-    with_values,
 )
+from pswire.optspec import StepOptions, group_optimizers, optimizer_from_spec, with_values
 
 STEPS = 50
 SHAPES = [(6, 5), (7,)]
@@ -48,6 +49,16 @@ CASES: list[tuple[type[Optimizer], dict[str, Any]]] = [
     (Adagrad, {"lr": 0.1, "lr_decay": 0.05}),
     (Adagrad, {"lr": 0.1, "weight_decay": 0.1, "initial_accumulator_value": 0.5}),
     (Adagrad, {"lr": 0.2, "lr_decay": 0.01, "eps": 1e-3}),
+    (Adadelta, {}),
+    (Adadelta, {"lr": 0.5, "rho": 0.8, "eps": 1e-4, "weight_decay": 0.05}),
+    (Adamax, {"lr": 0.01}),
+    (Adamax, {"lr": 0.02, "beta1": 0.5, "beta2": 0.9, "eps": 1e-4, "weight_decay": 0.05}),
+    (NAdam, {"lr": 0.01}),
+    (NAdam, {"lr": 0.01, "beta1": 0.8, "momentum_decay": 0.01, "weight_decay": 0.05}),
+    (NAdam, {"lr": 0.01, "weight_decay": 0.1, "decoupled_weight_decay": True}),
+    (RAdam, {"lr": 0.01}),
+    (RAdam, {"lr": 0.01, "beta2": 0.9, "weight_decay": 0.05}),
+    (RAdam, {"lr": 0.01, "weight_decay": 0.1, "decoupled_weight_decay": True}),
 ]
 
 
@@ -78,7 +89,14 @@ def torch_optimizer(cls: type[Optimizer], hp: dict[str, Any], params: list) -> A
         return (torch.optim.AdamW if cls is AdamW else torch.optim.Adam)(params, **kw)
     if cls is RMSprop:
         return torch.optim.RMSprop(params, **hp)
-    return torch.optim.Adagrad(params, **hp)
+    if cls is Adagrad:
+        return torch.optim.Adagrad(params, **hp)
+    if cls is Adadelta:
+        return torch.optim.Adadelta(params, **hp)
+    kw = dict(hp)
+    kw["betas"] = (kw.pop("beta1", 0.9), kw.pop("beta2", 0.999))
+    kind = {Adamax: torch.optim.Adamax, NAdam: torch.optim.NAdam, RAdam: torch.optim.RAdam}
+    return kind[cls](params, **kw)
 
 
 @pytest.mark.torch
@@ -106,6 +124,8 @@ def test_matches_torch_optim_float32(case: tuple[type[Optimizer], dict[str, Any]
             np.testing.assert_allclose(
                 p, t.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=f"step {step + 1}"
             )
+            if cls in (Adadelta, Adamax, NAdam, RAdam):  # measured <= 1.2e-7 (issue 27)
+                assert np.abs(p - t.detach().numpy()).max() < 1e-6, f"step {step + 1}"
     # The parameters really moved, so the comparison above is not vacuous.
     for p, s in zip(ours, start, strict=True):
         assert np.abs(p - s).max() > 0.05
@@ -155,6 +175,56 @@ def reference_run(
                 p = p - h["lr"] * buf
             else:
                 p = p - h["lr"] * g / avg
+    elif cls is Adadelta:
+        sq, acc_delta = np.zeros_like(p), np.zeros_like(p)
+        for g in grads:
+            g = g + h["weight_decay"] * p
+            sq = h["rho"] * sq + (1 - h["rho"]) * g**2
+            delta = np.sqrt(acc_delta + h["eps"]) / np.sqrt(sq + h["eps"]) * g
+            acc_delta = h["rho"] * acc_delta + (1 - h["rho"]) * delta**2
+            p = p - h["lr"] * delta
+    elif cls is Adamax:
+        m, u = np.zeros_like(p), np.zeros_like(p)
+        for t, g in enumerate(grads, start=1):
+            g = g + h["weight_decay"] * p
+            m = h["beta1"] * m + (1 - h["beta1"]) * g
+            u = np.maximum(h["beta2"] * u, np.abs(g) + h["eps"])
+            p = p - h["lr"] / (1 - h["beta1"] ** t) * m / u
+    elif cls is NAdam:  # Dozat 2016 with torch's momentum schedule
+        m, v, mu_product = np.zeros_like(p), np.zeros_like(p), 1.0
+        for t, g in enumerate(grads, start=1):
+            if h["decoupled_weight_decay"]:
+                p = p * (1 - h["lr"] * h["weight_decay"])
+            else:
+                g = g + h["weight_decay"] * p
+            mu = h["beta1"] * (1 - 0.5 * 0.96 ** (t * h["momentum_decay"]))
+            mu_next = h["beta1"] * (1 - 0.5 * 0.96 ** ((t + 1) * h["momentum_decay"]))
+            mu_product *= mu
+            m = h["beta1"] * m + (1 - h["beta1"]) * g
+            v = h["beta2"] * v + (1 - h["beta2"]) * g**2
+            denom = np.sqrt(v / (1 - h["beta2"] ** t)) + h["eps"]
+            p = p - h["lr"] * (1 - mu) / (1 - mu_product) * g / denom
+            p = p - h["lr"] * mu_next / (1 - mu_product * mu_next) * m / denom
+    elif cls is RAdam:  # Liu et al. 2019
+        m, v = np.zeros_like(p), np.zeros_like(p)
+        rho_inf = 2 / (1 - h["beta2"]) - 1
+        for t, g in enumerate(grads, start=1):
+            if h["decoupled_weight_decay"]:
+                p = p * (1 - h["lr"] * h["weight_decay"])
+            else:
+                g = g + h["weight_decay"] * p
+            m = h["beta1"] * m + (1 - h["beta1"]) * g
+            v = h["beta2"] * v + (1 - h["beta2"]) * g**2
+            m_hat = m / (1 - h["beta1"] ** t)
+            rho_t = rho_inf - 2 * t * h["beta2"] ** t / (1 - h["beta2"] ** t)
+            if rho_t > 5:
+                rect = math.sqrt(
+                    (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
+                )
+                adaptive = math.sqrt(1 - h["beta2"] ** t) / (np.sqrt(v) + h["eps"])
+                p = p - h["lr"] * m_hat * adaptive * rect
+            else:
+                p = p - h["lr"] * m_hat
     else:
         acc = np.full_like(p, h["initial_accumulator_value"])
         for t, g in enumerate(grads, start=1):
@@ -211,6 +281,10 @@ ALL_OPTIMIZERS = [
     Adagrad(lr=0.1, lr_decay=0.01, weight_decay=0.01),
     AdamW(lr=0.1, amsgrad=True),
     RMSprop(lr=0.1, momentum=0.9, centered=True, weight_decay=0.01),
+    Adadelta(weight_decay=0.01),
+    Adamax(lr=0.1, weight_decay=0.01),
+    NAdam(lr=0.1, weight_decay=0.01),
+    RAdam(lr=0.1, weight_decay=0.01, decoupled_weight_decay=True),
 ]
 
 
@@ -263,7 +337,17 @@ def test_spec_round_trips(case: tuple[type[Optimizer], dict[str, Any]]) -> None:
 
 
 def test_spec_defaults_and_partial_params() -> None:
-    assert sorted(OPTIMIZERS) == ["adagrad", "adam", "adamw", "rmsprop", "sgd"]
+    assert sorted(OPTIMIZERS) == [
+        "adadelta",
+        "adagrad",
+        "adam",
+        "adamax",
+        "adamw",
+        "nadam",
+        "radam",
+        "rmsprop",
+        "sgd",
+    ]
     for name, cls in OPTIMIZERS.items():
         assert optimizer_from_spec(name, {}) == cls()
     assert optimizer_from_spec("adam", {"lr": 0.5}) == Adam(lr=0.5)
@@ -296,6 +380,10 @@ def test_spec_rejects_an_unknown_optimizer() -> None:
         ("adam", {"eps": -1e-8}, "eps"),
         ("adagrad", {"initial_accumulator_value": -1.0}, "initial_accumulator_value"),
         ("adagrad", {"lr_decay": -0.1}, "lr_decay"),
+        ("adadelta", {"rho": 1.5}, "rho"),
+        ("adamax", {"beta1": 1.0}, "beta1"),
+        ("nadam", {"momentum_decay": -0.1}, "momentum_decay"),
+        ("radam", {"decoupled_weight_decay": 0.5}, "is a flag"),
     ],
 )
 def test_spec_rejects_bad_params(name: str, params: dict[str, float], detail: str) -> None:
@@ -318,6 +406,9 @@ def test_torch_rejects_the_same_ranges() -> None:
         lambda: torch.optim.Adam(w, eps=-1e-8),
         lambda: torch.optim.Adagrad(w, initial_accumulator_value=-1.0),
         lambda: torch.optim.Adagrad(w, lr_decay=-0.1),
+        lambda: torch.optim.Adadelta(w, rho=1.5),
+        lambda: torch.optim.Adamax(w, betas=(1.0, 0.999)),
+        lambda: torch.optim.NAdam(w, momentum_decay=-0.1),
     ]
     for make in bad:
         with pytest.raises(ValueError):
@@ -334,8 +425,24 @@ def test_torch_rejects_the_same_ranges() -> None:
         Adagrad(lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1),
         AdamW(lr=0.01, amsgrad=True),
         RMSprop(lr=0.01, momentum=0.9, centered=True),
+        Adadelta(weight_decay=0.01),
+        Adamax(lr=0.01),
+        NAdam(lr=0.01, weight_decay=0.01, decoupled_weight_decay=True),
+        RAdam(lr=0.01, weight_decay=0.01),
     ],
-    ids=["sgd", "momentum-dampening-decay", "nesterov", "adam", "adagrad", "adamw", "rmsprop"],
+    ids=[
+        "sgd",
+        "momentum-dampening-decay",
+        "nesterov",
+        "adam",
+        "adagrad",
+        "adamw",
+        "rmsprop",
+        "adadelta",
+        "adamax",
+        "nadam",
+        "radam",
+    ],
 )
 def test_blocked_apply_is_bit_identical_to_whole_apply(optimizer) -> None:
     rng = np.random.default_rng(0)
