@@ -20,7 +20,7 @@ from psctl.launch import (
     run_local,
 )
 from psctl.progress import ProgressOutput
-from pswire import cli
+from pswire import cli, envnames
 
 DEMO_OUT = "out/demo"
 
@@ -203,6 +203,7 @@ def _local_add(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``psctl`` / ``python -m psctl.main``; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    envnames.warn_unknown(who="psctl")
     if argv[:2] == ["local", "add"]:
         return _local_add(argv[2:])
     parser = build_parser()
