@@ -46,7 +46,9 @@ from psworker.session import (
     JobIdentity,
     LinkConfig,
     leave_at_exit,
+    say_resumed,
 )
+from psworker.stall import DEFAULT_STALL_WARNING_S, StallWatch, shard_statuses
 from psworker.tables_client import TableReads, into_with_rows, place_rows
 
 T = TypeVar("T")
@@ -81,6 +83,7 @@ class PSClient(ClientState, TableReads):
         compression: str | None = None,
         job_id: str = "",
         replay_bytes: int = DEFAULT_REPLAY_BYTES,
+        stall_warning_s: float = DEFAULT_STALL_WARNING_S,
     ) -> None:
         if not addresses:
             raise ConfigError("connect needs at least one shard address")
@@ -126,6 +129,8 @@ class PSClient(ClientState, TableReads):
         self._absent = AbsentWorkers(worker_id)
         self._fan = FanOut(len(self.addresses))
         self._beats = Heartbeats(self.links, heartbeat_s, worker_id, self.session)
+        probe = partial(shard_statuses, self.links)
+        self._stall = StallWatch(stall_warning_s, worker_id, probe, self.mode, self.staleness)
         self._closed = False
         leave_at_exit(self)
 
@@ -144,6 +149,7 @@ class PSClient(ClientState, TableReads):
             return
         self._closed = True
         self._beats.stop()
+        self._stall.close()
         if self.shard_map is not None:  # only a worker that joined (init) leaves
             self._fan.settle(lambda shard: self.links[shard].leave())
         self._fan.close()
@@ -237,11 +243,13 @@ class PSClient(ClientState, TableReads):
             reply = link.call("Init", lambda stub: stub.Init(stream(), timeout=self.timeout))
             link.identity.check(reply.job_id, f"shard {shard} ({link.address})")
 
-        self._fan_out(init_one)
+        with self._stall.waiting("init (the initial values)", None if send_values else -1):
+            self._fan_out(init_one)
         self.shard_map = shard_map
         self.tables = layouts
         self.step = min(int(r.clock) for r in registered)
         self._beats.start(min((r.heartbeat_timeout_s for r in registered), default=0.0))
+        say_resumed(self.worker_id, self.identity.value, self.step)
 
     def pull(
         self, names: Sequence[str] | None = None, out: Mapping[str, np.ndarray] | None = None
@@ -273,9 +281,9 @@ class PSClient(ClientState, TableReads):
             )
             return self.links[shard].pull(request, into)
 
-        merged: dict[str, np.ndarray] = {}
-        for part in self._fan_out(pull_one):
-            merged.update(part)
+        with self._stall.reading(f"pull at step {self.step}", self.step):
+            parts = self._fan_out(pull_one)
+        merged = {name: array for part in parts for name, array in part.items()}
         return shard_map.join(merged, wanted, into, out)
 
     def push(
@@ -360,10 +368,11 @@ class PSClient(ClientState, TableReads):
 
             return done
 
-        if all(fits for *_, fits in plans):  # every shard sent its part before any is awaited
-            results = self._settled(step, *self._fan.settle_started(start))
-        else:
-            results = self._push_all(step, lambda shard: start(shard)())
+        with self._stall.reading(f"step {step}", step + 1):
+            if all(fits for *_, fits in plans):  # every shard sent its part before any waits
+                results = self._settled(step, *self._fan.settle_started(start))
+            else:
+                results = self._push_all(step, lambda shard: start(shard)())
         self._pushed(step, [r for r, _ in results])
         self.last_skipped = any(r.skipped for r, _ in results) or bool(options and options.skip)
         merged: dict[str, np.ndarray] = {}
