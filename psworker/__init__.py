@@ -24,7 +24,7 @@ from pswire.tables import RowSparse, Table
 from psworker.api import Client
 from psworker.client import PSClient
 from psworker.connect import connect
-from psworker.data import shard
+from psworker.data import shard, start_epoch
 from psworker.local import LocalClient
 from psworker.ring.client import AllReduceClient
 
@@ -62,6 +62,7 @@ __all__ = [
     "__version__",
     "connect",
     "shard",
+    "start_epoch",
 ]
 
 

@@ -36,6 +36,7 @@ def test_the_commands_warn_of_a_misspelt_variable(
 ) -> None:
     status, out = procs.run([sys.executable, *args], timeout=45, env=child_env(PS_SHRADS="x"))
     assert f"{who}: {HINT}" in out, out
+    assert status == (2 if who == "psworker" else 0), out  # no such script; --help
 
 
 @pytest.mark.timeout(60)
