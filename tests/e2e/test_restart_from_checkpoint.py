@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from e2e_support import Processes, child_env
+from e2e_support import Processes, child_env, numpy_worker
+
+from psworker.link import shard_status
 
 WORKER = """
 import json, sys
@@ -58,3 +61,46 @@ def test_a_restart_from_the_checkpoint_with_a_smaller_lr_is_accepted(
     assert again["start"] == 3 and again["w"] == [-3.25] * 3, again
     assert "worker 0 joins job" in out and "already at step 3" in out, out
     assert again["epoch"] == 1  # start_epoch(client, 2) at step 3
+
+
+def checkpoint_steps(folder: Path) -> list[int]:
+    return sorted(int(p.name[5:-12]) for p in folder.glob("ckpt-*.safetensors"))
+
+
+@pytest.mark.timeout(150)
+def test_two_shards_checkpoint_the_same_steps_and_a_restore_keeps_left_workers_left(
+    procs: Processes, tmp_path: Path
+) -> None:
+    folders = [tmp_path / "ps0", tmp_path / "ps1"]
+    flags = ["--checkpoint-every-steps", "5", "--keep-checkpoints", "20"]
+    daemons = [procs.psserver("--checkpoint-dir", str(f), *flags) for f in folders]
+    addresses = [d.address for d in daemons]
+    workers = [
+        numpy_worker(procs, addresses, w, 2, "--steps", "23", "--fused", "--pieces", "4")
+        for w in range(2)
+    ]
+    for lines in workers:  # both finished and closed their clients: they left the job
+        lines.wait_for(lambda lines=lines: lines.latest("done") == 23, 90, "done line")
+    for folder in folders:
+        deadline = time.monotonic() + 20
+        while 20 not in checkpoint_steps(folder) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    for d in daemons:
+        stop(d.proc)  # the final checkpoint, at 23
+    saved = [checkpoint_steps(f) for f in folders]
+    for steps in saved:
+        periodic = steps[:-1]
+        assert steps[-1] == 23 and periodic and all(s % 5 == 0 for s in periodic), saved
+        assert periodic[-1] == 20, saved
+    daemons = [procs.psserver("--checkpoint-dir", str(f), *flags) for f in folders]
+    for st in shard_status([d.address for d in daemons], 10.0):
+        assert st.clock == 23
+        assert list(st.live_workers) == [] and list(st.left_workers) == [0, 1], st
+    code, out = procs.run(
+        [sys.executable, "-m", "psctl", "status", "--json", *[d.address for d in daemons]],
+        timeout=30,
+    )
+    assert code == 0, out
+    workers = json.loads(out)["workers"]
+    assert [w["worker_id"] for w in workers] == [0, 1], out
+    assert all(w["left"] and not w["live"] for w in workers), out
