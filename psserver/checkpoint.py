@@ -131,6 +131,26 @@ class Checkpointer:
             self._prune(final)
         return final
 
+    def set_aside(self) -> Path | None:
+        """Moves every checkpoint file into a new subfolder ``before-fresh-<UTC time>`` (never
+        deleting one), so the next start finds none and begins a new job; returns the
+        subfolder, or None when there was nothing to move. Call with the directory locked."""
+        found = self.paths()
+        if not found:
+            return None
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        aside = self.directory / f"before-fresh-{stamp}"
+        n = 1
+        while aside.exists():
+            n += 1
+            aside = self.directory / f"before-fresh-{stamp}-{n}"
+        aside.mkdir()
+        for path in found:
+            os.replace(path, aside / path.name)
+        _fsync(aside, os.O_RDONLY | os.O_DIRECTORY)
+        _fsync(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        return aside
+
     def load(self, path: str | Path) -> ShardState:
         """Reads and fully validates one checkpoint file.
 

@@ -132,6 +132,14 @@ def open_checkpoints(config: ServerConfig, shard: Shard) -> CheckpointScheduler 
         return None
     checkpointer = Checkpointer(config.checkpoint_dir, config.keep_checkpoints)
     checkpointer.lock()
+    if config.fresh:
+        aside = checkpointer.set_aside()
+        if aside is not None:
+            log.warning(
+                "--fresh: the checkpoints in %s moved to %s (kept, not deleted): a new job starts",
+                config.checkpoint_dir,
+                aside,
+            )
     saver = CheckpointScheduler(
         shard, checkpointer, config.checkpoint_every_steps, config.checkpoint_every_secs
     )

@@ -104,3 +104,60 @@ def test_two_shards_checkpoint_the_same_steps_and_a_restore_keeps_left_workers_l
     workers = json.loads(out)["workers"]
     assert [w["worker_id"] for w in workers] == [0, 1], out
     assert all(w["left"] and not w["live"] for w in workers), out
+
+
+@pytest.mark.timeout(120)
+def test_psserver_fresh_starts_a_new_job_and_keeps_the_old_checkpoints_aside(
+    procs: Processes, tmp_path: Path
+) -> None:
+    folder = tmp_path / "ckpt"
+    daemon = procs.psserver("--checkpoint-dir", str(folder))
+    train(procs, daemon.address, 1.0, 3)
+    stop(daemon.proc)
+    old = checkpoint_steps(folder)
+    assert old == [3]
+    daemon = procs.psserver("--checkpoint-dir", str(folder), "--fresh")
+    again, out = train(procs, daemon.address, 1.0, 1)
+    assert again["start"] == 0 and again["w"] == [-1.0] * 3, again  # a new job from step 0
+    assert "already at step" not in out
+    log = stop(daemon.proc)
+    assert "--fresh: the checkpoints in" in log and "(kept, not deleted)" in log, log
+    (aside,) = folder.glob("before-fresh-*")
+    assert checkpoint_steps(aside) == old  # moved, not deleted
+    assert checkpoint_steps(folder) == [1]  # the new job's own
+
+
+JOB = """
+import json
+import numpy as np
+import psworker
+with psworker.connect() as client:
+    client.init({"w": np.zeros(3, np.float32)}, psworker.SGD(lr=1.0))
+    start = client.step
+    for _ in range(2):
+        client.push({"w": np.ones(3, np.float32)})
+print(json.dumps({"start": start}))
+"""
+
+
+@pytest.mark.timeout(150)
+def test_psctl_local_resumes_by_default_and_starts_over_with_fresh(
+    procs: Processes, tmp_path: Path
+) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    env = child_env(PS_CHECKPOINT_DIR=str(tmp_path / "ckpt"))
+
+    def run(*flags: str) -> tuple[int, str]:
+        args = [sys.executable, "-m", "psctl", "local", *flags, "--", sys.executable, str(script)]
+        code, out = procs.run(args, timeout=60, env=env)
+        assert code == 0, out
+        line = next(x for x in out.splitlines() if '{"start"' in x)
+        return json.loads(line[line.index("{") :])["start"], out
+
+    assert run()[0] == 0
+    start, out = run()  # the same folder: the job resumes, and the worker says so
+    assert start == 2 and "already at step 2" in out, out
+    start, out = run("--fresh")
+    assert start == 0 and "already at step" not in out, out
+    assert len(list((tmp_path / "ckpt" / "ps0").glob("before-fresh-*"))) == 1

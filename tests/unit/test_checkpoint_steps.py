@@ -6,8 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from psserver.checkpoint import Checkpointer, CheckpointScheduler
+from psserver.config import parse_config
 from psserver.records import Limits
 from psserver.shard import Shard
 from pswire.job import Job, VarSpec
@@ -87,3 +89,30 @@ def test_workers_that_left_stay_left_after_a_restore_from_the_file(tmp_path: Pat
     # ...and one that comes back is counted again.
     again.init(1, state.job, None)
     assert 1 in again.status().live
+
+
+def test_fresh_without_a_checkpoint_folder_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        parse_config(["--fresh"])
+    assert caught.value.code == 2
+    assert "fresh sets aside the checkpoints of a checkpoint-dir" in capsys.readouterr().err
+    assert parse_config(["--fresh", "--checkpoint-dir", "x"]).fresh
+
+
+def test_set_aside_moves_every_checkpoint_and_deletes_none(tmp_path: Path) -> None:
+    shard = sync_shard()
+    checkpointer = Checkpointer(tmp_path, keep=5)
+    for first in (0, 1):
+        steps(shard, first, 1)
+        state = shard.export_state()
+        assert state is not None
+        checkpointer.save(state)
+    aside = checkpointer.set_aside()
+    assert aside is not None and aside.parent == tmp_path
+    assert sorted(p.name for p in aside.iterdir()) == [
+        "ckpt-0000000001.safetensors",
+        "ckpt-0000000002.safetensors",
+    ]
+    assert checkpointer.load_latest() is None and checkpointer.set_aside() is None
