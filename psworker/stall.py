@@ -68,8 +68,12 @@ def describe_stall(statuses: Sequence[ps_pb2.StatusResponse | None], need: int, 
             parts.append(f"worker {w} ({heard}, {clock} steps finished)")
         if not missing and answered:
             pending = sorted({w for s in answered for w in s.pending_workers})
+            least = max(s.job.min_workers for s in answered)
+            live = min(len(s.live_workers) for s in answered)
             if pending:
                 parts.append(f"workers {pending} joining")
+            elif live < least:
+                parts.append(f"members: the elastic job needs {least} and has {live}")
             else:
                 parts.append("no worker (every live worker has finished; a shard is slow)")
     if silent_shards:

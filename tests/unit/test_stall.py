@@ -34,6 +34,9 @@ def test_the_missing_workers_are_those_behind_the_step_with_their_longest_silenc
     assert describe_stall([status([0, 1], {0: (1, 0.0)})], 1, 0) == (
         "worker 1 (never heard from, 0 steps finished)"
     )
+    elastic = status([0], {0: (1, 0.0)})
+    elastic.job.min_workers = 2
+    assert describe_stall([elastic], 1, 0) == "members: the elastic job needs 2 and has 1"
     assert describe_stall([status([0], {}, initialized=False)], -1, 1) == (
         "worker 0 to initialise the variables"
     )
