@@ -104,6 +104,14 @@ class JobAgreement:
         self._settled = True
         self._restored = True
 
+    def awaiting(self, worker: int) -> bool:
+        """Whether ``worker`` declared other hyper-parameters than a restored job's, before
+        worker 0 (who may change them) declared."""
+        declared = self._declared.get(worker) if self._restored else None
+        return (
+            declared is not None and self.job is not None and bool(declared.differences(self.job))
+        )
+
     def check(self, worker: int) -> None:
         """Raises ModelMismatchError for a worker whose declared job is not the job."""
         refused = self._refused.get(worker)

@@ -184,8 +184,7 @@ class Shard(Roster, Joins, Reports, OptimizerSide):
             keys = job.pull_keys(names, rows)
             with self._cond:
                 self._touch(worker_id)
-                self._wait_values(timeout, cancelled)
-                self._agreement.check(worker_id)
+                self._wait_agreed(worker_id, timeout, cancelled)
                 policy = self._require_policy()
                 self._wait(
                     lambda: (
@@ -254,8 +253,9 @@ class Shard(Roster, Joins, Reports, OptimizerSide):
                 self._members.check(worker_id, session)
                 self._check_member(worker_id, step)
                 self._touch(worker_id)
-                self._wait_values(timeout, cancelled)
-                self._agreement.check(worker_id)
+                self._wait_agreed(worker_id, timeout, cancelled)
+                if self._job is not job:  # worker 0 set a restored job's hyper-parameters
+                    optimizers = self._require_job().step_optimizers(options)
                 policy = self._require_policy()
                 self._check_ahead(policy, worker_id, step)
                 skipped = self._skip(policy, worker_id, step)

@@ -4,12 +4,14 @@ or which optimizer state exists is refused, and the message names the two sides 
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
 from psserver.records import Limits
 from psserver.shard import Shard
-from pswire.errors import ModelMismatchError
+from pswire.errors import ModelMismatchError, WaitTimeoutError
 from pswire.job import Job, VarSpec
 from pswire.optim import SGD
 
@@ -73,3 +75,37 @@ def test_a_live_job_keeps_refusing_another_lr_from_a_new_worker_0_naming_the_sid
     with pytest.raises(ModelMismatchError) as caught:
         shard.init(0, job(lr=0.5), None)
     assert "worker 0's job differs from the one an earlier worker 0 declared" in str(caught.value)
+
+
+def test_a_worker_with_the_new_lr_waits_for_worker_0_instead_of_training_with_the_old() -> None:
+    shard = restored(mode="async")
+    before = shard.snapshot()["w"].copy()
+    shard.init(1, job(mode="async", lr=0.25), None)
+    with pytest.raises(WaitTimeoutError, match="worker 0's init: worker 1 declared other"):
+        shard.push(1, 1, {"w": np.ones(3, np.float32)}, timeout=0.3)
+    np.testing.assert_array_equal(shard.snapshot()["w"], before)  # nothing applied meanwhile
+    pushed = threading.Thread(
+        target=shard.push, args=(1, 1, {"w": np.ones(3, np.float32)}), kwargs={"timeout": 10}
+    )
+    pushed.start()
+    shard.init(0, job(mode="async", lr=0.25), None)  # worker 0 sets the lr: the push goes on
+    pushed.join(timeout=10)
+    assert not pushed.is_alive()
+    np.testing.assert_array_equal(shard.snapshot()["w"], before - 0.25)
+
+
+def test_in_sync_a_worker_that_pushed_before_worker_0_declared_steps_with_the_new_lr() -> None:
+    shard = restored()
+    before = shard.snapshot()["w"].copy()
+    shard.init(1, job(lr=0.25), None)
+    pushed = threading.Thread(
+        target=shard.push, args=(1, 1, {"w": np.ones(3, np.float32)}), kwargs={"timeout": 10}
+    )
+    pushed.start()
+    pushed.join(timeout=0.3)
+    assert pushed.is_alive()  # its push started (and waits) before worker 0 declared
+    shard.init(0, job(lr=0.25), None)
+    shard.push(0, 1, {"w": np.ones(3, np.float32)}, timeout=10)  # no HyperParameterMismatch
+    pushed.join(timeout=10)
+    assert not pushed.is_alive()
+    np.testing.assert_array_equal(shard.snapshot()["w"], before - 0.25)
