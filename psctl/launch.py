@@ -55,6 +55,7 @@ class LocalConfig:
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
     grace_s: float = DEFAULT_GRACE_S
     elastic: str | None = None  # "MIN:MAX": workers may be added and may fail (see LocalCluster)
+    fresh: bool = False  # shards set their old checkpoints aside (psserver --fresh)
 
     def __post_init__(self) -> None:
         problems = []
@@ -240,6 +241,8 @@ class LocalCluster:
             argv = [sys.executable, "-m", "psserver", "--host", "127.0.0.1", "--port", "0"]
             argv += ["--port-file", str(port_file), "--threads", threads]
             argv += ["--grace", str(cfg.grace_s)]
+            if cfg.fresh:
+                argv.append("--fresh")
             if checkpoints:
                 # One folder per shard daemon (a second one in a folder is refused).
                 env = {**env, "PS_CHECKPOINT_DIR": str(Path(checkpoints) / f"ps{i}")}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from psctl.launch import (
     run_local,
 )
 from psctl.progress import ProgressOutput
-from pswire import cli
+from pswire import cli, envnames
 
 DEMO_OUT = "out/demo"
 
@@ -54,6 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
         env="PS_ELASTIC",
         metavar="MIN:MAX",
         help="an elastic job: workers may fail or be added (psctl local add) while it runs",
+    )
+    cli.add(
+        local,
+        "--fresh",
+        env="PS_FRESH",
+        action="store_true",
+        help="start a new job on $PS_CHECKPOINT_DIR: each shard moves its old checkpoints "
+        "into a subfolder before-fresh-<time> (kept, never deleted) instead of resuming",
     )
     local.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD", help="worker command")
 
@@ -203,6 +212,7 @@ def _local_add(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``psctl`` / ``python -m psctl.main``; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    envnames.warn_unknown(who="psctl")
     if argv[:2] == ["local", "add"]:
         return _local_add(argv[2:])
     parser = build_parser()
@@ -222,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
 def _local_config(
     parser: argparse.ArgumentParser, args: argparse.Namespace, command: list[str]
 ) -> LocalConfig:
+    if getattr(args, "fresh", False) and not os.environ.get("PS_CHECKPOINT_DIR"):
+        parser.error("--fresh sets aside the checkpoints in $PS_CHECKPOINT_DIR, which is unset")
     workers = args.workers
     if workers is None:
         workers = 1 if args.mode == "local" else args.default_workers
@@ -236,6 +248,7 @@ def _local_config(
             start_timeout_s=args.start_timeout,
             grace_s=args.grace,
             elastic=getattr(args, "elastic", None),
+            fresh=getattr(args, "fresh", False),
         )
     except ValueError as exc:
         parser.error(str(exc))

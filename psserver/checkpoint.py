@@ -26,6 +26,8 @@ _STATE_KEY = "psgrpc.state"
 _DIGEST_KEY = "psgrpc.sha256"
 _NAME = re.compile(r"ckpt-(\d{10,})\.safetensors")
 _TMP_PREFIX = ".ckpt-"
+# The shard's counters a state's signature holds, in ``_status_signature``'s order.
+COUNTED = ("applied", "duplicate", "late")
 _TMP_SUFFIX = ".tmp"
 _LOCK_FILE = ".lock"
 # safetensors writes a file through a temporary one of its own in the same folder (Rust's
@@ -129,6 +131,26 @@ class Checkpointer:
             self._prune(final)
         return final
 
+    def set_aside(self) -> Path | None:
+        """Moves every checkpoint file into a new subfolder ``before-fresh-<UTC time>`` (never
+        deleting one), so the next start finds none and begins a new job; returns the
+        subfolder, or None when there was nothing to move. Call with the directory locked."""
+        found = self.paths()
+        if not found:
+            return None
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        aside = self.directory / f"before-fresh-{stamp}"
+        n = 1
+        while aside.exists():
+            n += 1
+            aside = self.directory / f"before-fresh-{stamp}-{n}"
+        aside.mkdir()
+        for path in found:
+            os.replace(path, aside / path.name)
+        _fsync(aside, os.O_RDONLY | os.O_DIRECTORY)
+        _fsync(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        return aside
+
     def load(self, path: str | Path) -> ShardState:
         """Reads and fully validates one checkpoint file.
 
@@ -227,6 +249,9 @@ class CheckpointScheduler:
         # Workers registering hear that this shard checkpoints, so they keep their pushes
         # until a checkpoint holds them (for replay after a restart).
         shard.checkpointing = True
+        # By steps: the shard copies its state at each multiple of every_steps, and this
+        # writes the copy, so every shard of a job saves the same steps.
+        shard.capture_every(every_steps)
         self.checkpointer = checkpointer
         self.every_steps = every_steps
         self.every_secs = every_secs
@@ -298,6 +323,9 @@ class CheckpointScheduler:
             return None
         self._save_lock.release()
         try:
+            captured = self.shard.take_captured()  # a step multiple not written yet
+            if captured is not None:
+                self._save(force=False, level=logging.INFO, state=captured)
             saved = self._save(force=False, level=logging.INFO)
         except Exception:
             log.exception("final checkpoint failed; the previous one is kept")
@@ -320,10 +348,12 @@ class CheckpointScheduler:
             if now < self._retry_at:
                 continue
             try:
-                clock, sig = self._status_signature()
-                steps_due = self.every_steps and clock - self._last_clock >= self.every_steps
+                captured = self.shard.take_captured()
+                if captured is not None:
+                    self._save(force=False, level=logging.DEBUG, state=captured)
+                sig = self._status_signature()[1]
                 secs_due = self.every_secs and now - self._last_time >= self.every_secs
-                if sig != self._last_sig and (steps_due or secs_due):
+                if sig != self._last_sig and secs_due:
                     self._save(force=False, level=logging.DEBUG)
                 self._backoff_s = 1.0
             except Exception:
@@ -331,10 +361,18 @@ class CheckpointScheduler:
                 self._retry_at = now + self._backoff_s
                 self._backoff_s = min(60.0, self._backoff_s * 2)
 
-    def _save(self, force: bool, level: int, need_file: bool = False) -> tuple[Path, int] | None:
+    def _save(
+        self, force: bool, level: int, need_file: bool = False, state: ShardState | None = None
+    ) -> tuple[Path, int] | None:
         """Exports, writes and marks one checkpoint; None when there is nothing (new) to save
-        (``need_file``: nor does this process need a first file: one was written)."""
+        (``need_file``: nor does this process need a first file: one was written). ``state``:
+        one the shard copied at a step multiple, written unless a newer one was."""
         with self._save_lock:
+            if state is not None:
+                if self._last_path is not None and state.updates <= self._last_clock:
+                    return None
+                sig = (True, state.updates, *(state.counters.get(k, 0) for k in COUNTED))
+                return self._write(state, sig, level)
             clock, sig = self._status_signature()
             if need_file and self._last_path is not None and clock == self._last_clock:
                 # Asked for a file, and the newest holds this clock: in sync, pushes into the
@@ -346,17 +384,21 @@ class CheckpointScheduler:
             state = self.shard.export_state()
             if state is None:
                 return None
-            started = time.monotonic()
-            path = self.checkpointer.save(state, incarnation=self.shard.incarnation)
-            self.shard.mark_checkpoint(state)
-            # The signature read before the export may lag it; a save it missed is only late.
-            self._last_clock, self._last_sig, self._last_time = state.updates, sig, self._now()
-            self._last_path = path
-            log.log(
-                level,
-                "checkpoint at shard clock %d written to %s in %.2fs",
-                state.updates,
-                path,
-                time.monotonic() - started,
-            )
-            return path, state.updates
+            return self._write(state, sig, level)
+
+    def _write(self, state: ShardState, sig: tuple, level: int) -> tuple[Path, int]:
+        """Writes and marks ``state`` (save lock held)."""
+        started = time.monotonic()
+        path = self.checkpointer.save(state, incarnation=self.shard.incarnation)
+        self.shard.mark_checkpoint(state)
+        # The signature read before the export may lag it; a save it missed is only late.
+        self._last_clock, self._last_sig, self._last_time = state.updates, sig, self._now()
+        self._last_path = path
+        log.log(
+            level,
+            "checkpoint at shard clock %d written to %s in %.2fs",
+            state.updates,
+            path,
+            time.monotonic() - started,
+        )
+        return path, state.updates

@@ -177,6 +177,7 @@ def encode_state(state: ShardState, incarnation: str) -> tuple[dict[str, np.ndar
         "counters": dict(state.counters),
         "members": {str(w): n for w, n in state.members.items()},
         "rosters": [[step, list(members)] for step, members in state.rosters],
+        "left": list(state.left),
         "slot_arrays": slot_arrays,
         "slot_values": slot_values,
     }
@@ -260,6 +261,7 @@ def decode_state(text: str, tensors: Mapping[str, np.ndarray]) -> ShardState:
         saved_at=float(doc["saved_at"]) if "saved_at" in doc else None,
         members={int(w): int(n) for w, n in doc.get("members", {}).items()},
         rosters=[(int(s), tuple(int(w) for w in m)) for s, m in doc.get("rosters", [])],
+        left=[int(w) for w in doc.get("left", [])],
     )
 
 

@@ -49,6 +49,7 @@ class ServerConfig:
     checkpoint_every_steps: int = 0
     checkpoint_every_secs: float = 0.0
     keep_checkpoints: int = 3
+    fresh: bool = False  # set the folder's checkpoints aside and start a new job
     metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port
     log_format: str = "text"
     shard_name: str = ""  # the ``shard`` label of its metrics; empty: host:port
@@ -93,6 +94,11 @@ class ServerConfig:
             self.checkpoint_every_steps or self.checkpoint_every_secs
         ):
             problems.append("checkpoint intervals need a checkpoint-dir to write to")
+        if self.fresh and self.checkpoint_dir is None:
+            problems.append(
+                "fresh sets aside the checkpoints of a checkpoint-dir; without one every start "
+                "is fresh"
+            )
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             problems.append(f"metrics-port must be in [0, 65535], got {self.metrics_port}")
         if self.log_format not in LOG_FORMATS:
@@ -324,6 +330,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         help="newest checkpoints kept; older ones are deleted",
     )
+    cli.add(
+        parser,
+        "--fresh",
+        env="PS_FRESH",
+        action="store_true",
+        help="start a new job: move the checkpoint folder's checkpoints into a subfolder "
+        "before-fresh-<time> (kept, never deleted) instead of resuming from them",
+    )
     return parser
 
 
@@ -372,6 +386,7 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
             checkpoint_every_steps=args.checkpoint_every_steps,
             checkpoint_every_secs=args.checkpoint_every_secs,
             keep_checkpoints=args.keep_checkpoints,
+            fresh=args.fresh,
             # The flag's 0 means off, as an unset PS_METRICS_PORT does.
             metrics_port=args.metrics_port or None,
             log_format=args.log_format,

@@ -16,6 +16,7 @@ from psserver.logformat import configure_logging
 from psserver.metrics import MetricsServer, ShardMetrics
 from psserver.server import start_server
 from psserver.shard import Shard
+from pswire import envnames
 from pswire.errors import PSError
 
 log = logging.getLogger("psserver")
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     limit_malloc_arenas()  # before any thread allocates
     config = parse_config(argv)
     configure_logging(config.log_level, config.log_format)
+    envnames.warn_unknown(who="psserver")
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda num, frame: stop.set())
@@ -145,6 +147,14 @@ def open_checkpoints(config: ServerConfig, shard: Shard) -> CheckpointScheduler 
         return None
     checkpointer = Checkpointer(config.checkpoint_dir, config.keep_checkpoints)
     checkpointer.lock()
+    if config.fresh:
+        aside = checkpointer.set_aside()
+        if aside is not None:
+            log.warning(
+                "--fresh: the checkpoints in %s moved to %s (kept, not deleted): a new job starts",
+                config.checkpoint_dir,
+                aside,
+            )
     saver = CheckpointScheduler(
         shard, checkpointer, config.checkpoint_every_steps, config.checkpoint_every_secs
     )

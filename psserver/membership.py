@@ -88,6 +88,13 @@ class Membership:
         self._heard_any = now
         self._started = True
 
+    def restore_left(self, workers: list[int]) -> None:
+        """Workers a checkpoint records as left: out of the quorum until heard from again."""
+        for w in workers:
+            self._live.discard(w)
+            self.joined.pop(w, None)
+            self._left.add(w)
+
     def holder(self, worker: int) -> str | None:
         """The session holding ``worker``'s id, if any."""
         return self._sessions.get(worker)

@@ -67,6 +67,8 @@ class ShardState:
     # An elastic job's members (worker -> the step it joined at) and rosters (step, members).
     members: dict[int, int] = field(default_factory=dict)
     rosters: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    # Workers that had left (closed their client): they stay out of the quorum after a restore.
+    left: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

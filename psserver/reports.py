@@ -16,6 +16,33 @@ from psserver.shard_parts import ShardParts
 class Reports(ShardParts):
     """Status, snapshot, export and restore of a ``Shard``'s state (under its lock)."""
 
+    # Periodic checkpoints by steps: the state is copied the moment the clock reaches a
+    # multiple of this (0: never), so every shard of a job saves the same steps (a poller
+    # reading the clock later would save at 54 here and 52 there).
+    _capture_every = 0
+    _captured: ShardState | None = None
+    _captured_at = 0  # the clock of the last copy taken (or restored): none at the start
+
+    def capture_every(self, steps: int) -> None:
+        """Copies the state for a checkpoint whenever the clock reaches a multiple of
+        ``steps`` (0: never); ``take_captured`` hands the copy over."""
+        with self._cond:
+            self._capture_every = steps
+
+    def take_captured(self) -> ShardState | None:
+        """The newest state copied at a multiple of the capture interval, once; else None."""
+        with self._cond:
+            state, self._captured = self._captured, None
+            return state
+
+    def _capture_due(self) -> None:
+        """After an update (lock held): copies the state if the clock is at a multiple of the
+        capture interval and no copy was taken at it yet."""
+        every = self._capture_every
+        if every and self._updates % every == 0 and self._updates > self._captured_at:
+            self._captured_at = self._updates
+            self._captured = self.export_state()
+
     def status(self) -> ShardStatus:
         """What the shard holds and who it counts, read without changing anything."""
         with self._cond:
@@ -80,6 +107,7 @@ class Reports(ShardParts):
                 tables=tables,
                 members=dict(self._members.joined),
                 rosters=list(self._history.rosters),
+                left=sorted(self._members.left),
             )
 
     def mark_checkpoint(self, state: ShardState) -> None:
@@ -105,10 +133,11 @@ class Reports(ShardParts):
             self._members.start(
                 job.num_workers, self._now(), job.elastic, state.members, job.min_workers
             )
+            self._members.restore_left(state.left)
             self._history.restore(state.rosters)
             self._start_optimizer_side(state.job)
             self._state = restored
-            self._updates = state.updates
+            self._updates = self._captured_at = state.updates
             self._finished = dict(state.finished)
             self._counters.update(state.counters)
             self._ready = True

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from psserver.records import Registration
 from psserver.shard_parts import ShardParts
 from pswire.errors import InvalidRequestError, ModelMismatchError, TooLargeError
@@ -125,3 +127,28 @@ class Roster(ShardParts):
             return ()
         live = self._members.live_view
         return tuple(w for w in range(job.num_workers) if w not in live)
+
+    def _wait_agreed(
+        self, worker_id: int, timeout: float | None, cancelled: threading.Event | None
+    ) -> None:
+        """Waits for the initial values and, in a job restored from a checkpoint, for worker
+        0's declaration when this worker declared other hyper-parameters (only worker 0 sets
+        them: applying the checkpoint's meanwhile would be silently wrong); then refuses a
+        worker whose declaration is not the job (lock held).
+
+        Raises:
+            ModelMismatchError: this worker declared another job than the shard's.
+            WaitTimeoutError: worker 0 did not declare within the deadline.
+        """
+        self._wait_values(timeout, cancelled)
+        if self._agreement.awaiting(worker_id):
+            self._wait(
+                lambda: not self._agreement.awaiting(worker_id),
+                timeout,
+                cancelled,
+                lambda: (
+                    f"worker 0's init: worker {worker_id} declared other hyper-parameters than "
+                    "the job in this shard's checkpoint, and only worker 0 changes them"
+                ),
+            )
+        self._agreement.check(worker_id)

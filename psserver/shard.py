@@ -184,8 +184,7 @@ class Shard(Roster, Joins, Reports, OptimizerSide):
             keys = job.pull_keys(names, rows)
             with self._cond:
                 self._touch(worker_id)
-                self._wait_values(timeout, cancelled)
-                self._agreement.check(worker_id)
+                self._wait_agreed(worker_id, timeout, cancelled)
                 policy = self._require_policy()
                 self._wait(
                     lambda: (
@@ -254,8 +253,9 @@ class Shard(Roster, Joins, Reports, OptimizerSide):
                 self._members.check(worker_id, session)
                 self._check_member(worker_id, step)
                 self._touch(worker_id)
-                self._wait_values(timeout, cancelled)
-                self._agreement.check(worker_id)
+                self._wait_agreed(worker_id, timeout, cancelled)
+                if self._job is not job:  # worker 0 set a restored job's hyper-parameters
+                    optimizers = self._require_job().step_optimizers(options)
                 policy = self._require_policy()
                 self._check_ahead(policy, worker_id, step)
                 skipped = self._skip(policy, worker_id, step)
@@ -281,6 +281,7 @@ class Shard(Roster, Joins, Reports, OptimizerSide):
                     self._apply(update, sync_round=policy.name == "sync")
                 self._finished[worker_id] = max(self._finished.get(worker_id, 0), step + 1)
                 self._counters["applied"] += 1
+                self._capture_due()
                 self._cond.notify_all()
                 return self._result(True, "", worker_id, step)
 
@@ -372,11 +373,9 @@ class Shard(Roster, Joins, Reports, OptimizerSide):
     def _result(self, applied: bool, reason: str, worker_id: int, step: int) -> PushResult:
         # After a late sync push the worker moves on to the step the shard is in.
         after = max(step + 1, self._updates) if reason == "late" else step + 1
-        job = self._job
         absent = self._absent()
         durable = self._durable.get(worker_id, 0)
-        job_id = job.job_id if job is not None else ""
-        return PushResult(applied, reason, self._updates, durable, after, absent, job_id)
+        return PushResult(applied, reason, self._updates, durable, after, absent, self.job_id)
 
     def _apply(self, update: Mapping[str, Any], sync_round: bool) -> None:
         """Applies an update (lock held). A sync round that cannot be applied has been consumed
@@ -408,6 +407,7 @@ class Shard(Roster, Joins, Reports, OptimizerSide):
             # A refusal is kept as the shard's failure: every waiting call wakes to it.
             with contextlib.suppress(StepRefusedError):
                 self._apply(update, sync_round=True)
+            self._capture_due()
         self._cond.notify_all()
 
     def _clocks(self) -> Clocks:

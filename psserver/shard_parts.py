@@ -74,3 +74,6 @@ class ShardParts:
 
     def _start_optimizer_side(self, job: Job | None) -> None:  # OptimizerSide's
         raise NotImplementedError
+
+    def _capture_due(self) -> None:  # Reports'
+        raise NotImplementedError

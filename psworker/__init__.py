@@ -36,7 +36,7 @@ from pswire.tables import RowSparse, Table
 from psworker.api import Client
 from psworker.client import PSClient
 from psworker.connect import connect
-from psworker.data import shard
+from psworker.data import shard, start_epoch
 from psworker.local import LocalClient
 from psworker.ring.client import AllReduceClient
 from psworker.seeding import seed, worker_seed
@@ -80,6 +80,7 @@ __all__ = [
     "connect",
     "seed",
     "shard",
+    "start_epoch",
     "worker_seed",
 ]
 

@@ -48,7 +48,9 @@ from psworker.session import (
     JobIdentity,
     LinkConfig,
     leave_at_exit,
+    say_resumed,
 )
+from psworker.stall import DEFAULT_STALL_WARNING_S, StallWatch, shard_statuses
 from psworker.tables_client import TableReads, into_with_rows, place_rows
 
 T = TypeVar("T")
@@ -83,6 +85,7 @@ class PSClient(ClientState, TableReads):
         compression: str | None = None,
         job_id: str = "",
         replay_bytes: int = DEFAULT_REPLAY_BYTES,
+        stall_warning_s: float = DEFAULT_STALL_WARNING_S,
     ) -> None:
         if not addresses:
             raise ConfigError("connect needs at least one shard address")
@@ -128,6 +131,8 @@ class PSClient(ClientState, TableReads):
         self._absent = AbsentWorkers(worker_id)
         self._fan = FanOut(len(self.addresses))
         self._beats = Heartbeats(self.links, heartbeat_s, worker_id, self.session)
+        probe = partial(shard_statuses, self.links)
+        self._stall = StallWatch(stall_warning_s, worker_id, probe, self.mode, self.staleness)
         self._closed = False
         leave_at_exit(self)
 
@@ -146,6 +151,7 @@ class PSClient(ClientState, TableReads):
             return
         self._closed = True
         self._beats.stop()
+        self._stall.close()
         if self.shard_map is not None:  # only a worker that joined (init) leaves
             self._fan.settle(lambda shard: self.links[shard].leave())
         self._fan.close()
@@ -240,11 +246,13 @@ class PSClient(ClientState, TableReads):
             reply = link.call("Init", lambda stub: stub.Init(stream(), timeout=self.timeout))
             link.identity.check(reply.job_id, f"shard {shard} ({link.address})")
 
-        self._fan_out(init_one)
+        with self._stall.waiting("init (the initial values)", None if send_values else -1):
+            self._fan_out(init_one)
         self.shard_map = shard_map
         self.tables = layouts
         self.step = min(int(r.clock) for r in registered)
         self._beats.start(min((r.heartbeat_timeout_s for r in registered), default=0.0))
+        say_resumed(self.worker_id, self.identity.value, self.step)
 
     def pull(
         self, names: Sequence[str] | None = None, out: Mapping[str, np.ndarray] | None = None
@@ -276,7 +284,9 @@ class PSClient(ClientState, TableReads):
             )
             return self.links[shard].pull(request, into)
 
-        merged = shard_map.merge(self._fan_out(pull_one))
+        with self._stall.reading(f"pull at step {self.step}", self.step):
+            parts = self._fan_out(pull_one)
+        merged = shard_map.merge(parts)
         return shard_map.join(merged, wanted, into, out)
 
     def push(
@@ -361,12 +371,13 @@ class PSClient(ClientState, TableReads):
 
             return done
 
-        if all(fits for *_, fits in plans):  # every shard sent its part before any is awaited
-            # A shard's call that ends early (it restarted) is recovered while others wait.
-            ended = lambda shard, fn: self.links[shard].steps.when_ended(fn)  # noqa: E731
-            results = self._settled(step, *self._fan.settle_started(start, ended))
-        else:
-            results = self._push_all(step, lambda shard: start(shard)())
+        with self._stall.reading(f"step {step}", step + 1):
+            if all(fits for *_, fits in plans):  # every shard sent its part before any waits
+                # A shard's call that ends early (it restarted) is recovered while others wait.
+                ended = lambda shard, fn: self.links[shard].steps.when_ended(fn)  # noqa: E731
+                results = self._settled(step, *self._fan.settle_started(start, ended))
+            else:
+                results = self._push_all(step, lambda shard: start(shard)())
         self._pushed(step, [r for r, _ in results])
         self.last_skipped = any(r.skipped for r, _ in results) or bool(options and options.skip)
         merged = shard_map.merge([arrays for _, arrays in results])

@@ -7,6 +7,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from pswire import envnames
 from pswire.cli import env_default
 from pswire.cluster import ClusterSpec
 from pswire.errors import ConfigError
@@ -93,13 +94,16 @@ def connect(
     them.
 
     ``job_id`` (``$PS_JOB_ID``) fixes the job's identity; ``replay_bytes``
-    (``$PS_REPLAY_BYTES``) bounds the pushes kept for replay after a shard restart.
+    (``$PS_REPLAY_BYTES``) bounds the pushes kept for replay after a shard restart;
+    ``stall_warning_s`` (``$PS_STALL_WARNING``, default 10) is how often a step that waits
+    for other workers logs a warning naming them (0: never).
 
     Raises:
         ConfigError: an unknown mode, a parameter-server mode with no shards, an address
             without a port, unreadable TLS files, launchers that disagree, or inconsistent
             arguments such as several workers but no worker id (a ValueError).
     """
+    envnames.warn_unknown(who="connect()")
     given = mode
     mode = mode or os.environ.get("PS_MODE") or None
     if mode is not None and mode not in CLIENT_MODES:
@@ -135,6 +139,7 @@ def connect(
     for name, env, convert in (
         ("job_id", "PS_JOB_ID", str),
         ("replay_bytes", "PS_REPLAY_BYTES", int),
+        ("stall_warning_s", "PS_STALL_WARNING", float),
     ):
         if name not in options and os.environ.get(env):
             options[name] = env_default(env, None, convert)

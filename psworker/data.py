@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from pswire.errors import ConfigError
-from psworker.api import Elastic
+from psworker.api import Client, Elastic
 from psworker.epochs import EpochPlan, plan_epoch
 
 log = logging.getLogger(__name__)
@@ -351,6 +351,23 @@ _KEPT = (
     "pin_memory_device",
     "in_order",
 )
+
+
+def start_epoch(client: Client, steps_per_epoch: int) -> int:
+    """The epoch a resumed worker starts at: ``client.step // steps_per_epoch``.
+
+    After ``init`` (or ``DistributedOptimizer(...)``) ``client.step`` is the step the shards
+    hold for this worker: 0 for a new job, S for one resumed from a checkpoint at step S (the
+    worker says so in a warning). Start the epoch loop there (``for epoch in
+    range(start_epoch(client, len(batches)), epochs)``) and step an LR scheduler ``client.step``
+    times, so a restarted script continues the run instead of replaying epoch 0.
+
+    Raises:
+        ValueError: ``steps_per_epoch`` < 1.
+    """
+    if steps_per_epoch < 1:
+        raise ValueError(f"steps_per_epoch must be >= 1, got {steps_per_epoch}")
+    return client.step // steps_per_epoch
 
 
 def shard(

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pswire import cli
+from pswire import cli, envnames
 from pswire.cluster import ClusterSpec
 from pswire.errors import ConfigError
 from pswire.job import CLIENT_MODES
@@ -82,17 +82,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``psworker`` / ``python -m psworker``; returns the exit code."""
+    envnames.warn_unknown(who="psworker")
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.staleness is not None and args.staleness < 0:
         parser.error(f"--staleness must be >= 0, got {args.staleness}")
     try:
+        # The target first: a misspelt script is the user's first problem, whatever the cluster.
+        check_target(args.target)
         if args.mode == "local":
             # One process, no shards: psworker.connect() gives a LocalClient.
             os.environ.update(PS_MODE="local", PS_WORKER_ID="0", PS_NUM_WORKERS="1")
         else:
             export_job(args.cluster, args.mode, args.staleness, args.shards, args.elastic)
-        check_target(args.target)
         return run_target(args.target, args.args)
     except _NoTarget as exc:
         parser.error(str(exc))

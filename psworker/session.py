@@ -141,6 +141,21 @@ class AbsentWorkers:
         self.current = absent
 
 
+def say_resumed(worker: int, job: str, step: int) -> None:
+    """Warns that this worker joins a job the shards already trained to ``step`` (> 0): a
+    script that restarts its own epoch count and schedule would otherwise not notice."""
+    if step > 0:
+        log.warning(
+            "worker %d joins job %s already at step %d (the shards resumed it, e.g. from a "
+            "checkpoint): training goes on from there. Start the epoch loop at "
+            "psworker.start_epoch(client, steps_per_epoch) (client.step // steps_per_epoch); "
+            "to start a new job instead, start the shards with --fresh (psctl local --fresh)",
+            worker,
+            job or "?",
+            step,
+        )
+
+
 def leave_at_exit(client: PSClient) -> None:
     """Makes ``client`` leave the job at interpreter exit if the script never closed it: the
     others need not wait out the shards' heartbeat timeout to go on without this worker."""

@@ -27,6 +27,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "$venv/bin/python" -m pip install -q -e '.[dev,demo]'
   echo "$want" >"$stamp"
 fi
+if [ "${1:-test}" = demo ] && [[ ":$PATH:" != *":$venv/bin:"* ]]; then
+  echo "dev.sh: psctl, psserver and psworker are in $venv/bin; in a new shell," \
+    "'source $venv/bin/activate' puts them on PATH" >&2
+fi
 export PATH="$venv/bin:$PATH"
 cmd=${1:-test}
 shift || true

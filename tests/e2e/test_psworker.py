@@ -83,9 +83,20 @@ def test_run_script_with_env_twins_and_exit_code(procs: Processes, tmp_path: Pat
 
 @pytest.mark.timeout(30)
 def test_run_without_cluster_is_a_usage_error(procs: Processes, tmp_path: Path) -> None:
+    (tmp_path / "jobmod.py").write_text(textwrap.dedent(JOB))
     code, out = procs.run([*PSWORKER, "run", "jobmod:train"], timeout=20, cwd=tmp_path)
     assert code == 2, out
     assert "no cluster" in out
+
+
+@pytest.mark.timeout(30)
+def test_a_missing_script_is_reported_before_the_missing_cluster(
+    procs: Processes, tmp_path: Path
+) -> None:
+    code, out = procs.run([*PSWORKER, "run", "nope.py"], timeout=20, cwd=tmp_path)
+    assert code == 2, out
+    assert "no such script: 'nope.py'" in out, out
+    assert "no cluster" not in out, out
 
 
 @pytest.mark.timeout(30)
