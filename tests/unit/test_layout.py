@@ -28,7 +28,6 @@ TORCH_MODULES = {
     "psworker/torch_staging.py",
     "psworker/torch_tables.py",
 }
-MAX_LINES = 500
 
 
 def imported_roots(path: Path) -> set[str]:
@@ -75,11 +74,45 @@ def test_the_numpy_sdk_imports_without_torch() -> None:
     assert out.stdout.strip() == "[0.0, 0.0]"
 
 
-def test_no_module_outside_tests_is_over_500_lines() -> None:
-    long = {}
+def test_every_module_opens_with_the_role_it_holds() -> None:
+    # Split by role, never by length (../shared/STYLE.md): a module is one role, said in the
+    # first line of its docstring; a long cohesive class is fine, so no line count is held.
+    missing = []
     for package in (*FORBIDDEN, "bench", "examples"):
         for path in modules(package):
-            count = len(path.read_text().splitlines())
-            if count > MAX_LINES:
-                long[path.relative_to(REPO).as_posix()] = count
-    assert not long, f"split these modules: {long}"
+            doc = ast.get_docstring(ast.parse(path.read_text(), str(path)))
+            if not doc or not doc.splitlines()[0].strip():
+                missing.append(path.relative_to(REPO).as_posix())
+    assert not missing, f"modules with no docstring saying their role: {missing}"
+
+
+def stub_classes(path: Path) -> list[str]:
+    """Classes in ``path`` that declare methods only to raise NotImplementedError (stand-ins
+    for what another class holds), Protocols aside."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        if any(getattr(b, "id", getattr(b, "attr", "")) == "Protocol" for b in node.bases):
+            continue
+        for item in node.body:
+            if isinstance(item, ast.FunctionDef) and any(
+                isinstance(s, ast.Raise)
+                and "NotImplementedError" in ast.unparse(s.exc or ast.Constant(None))
+                for s in item.body
+            ):
+                found.append(f"{path.relative_to(REPO).as_posix()}:{node.name}.{item.name}")
+    return found
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 26 item 2, not done: Shard's parts (psserver/shard_parts.py) and PSClient's "
+    "(psworker/client_state.py, tables_client.py) still declare each other's state as stubs",
+)
+def test_no_class_declares_stubs_for_another_classs_state() -> None:
+    stubs = [s for package in FORBIDDEN for p in modules(package) for s in stub_classes(p)]
+    # pswire.optim.Optimizer.apply is an abstract method each optimizer overrides: not a stub
+    # for another class's state.
+    stubs = [s for s in stubs if not s.startswith("pswire/optim.py:Optimizer.")]
+    assert not stubs, f"stub declarations: {stubs}"
