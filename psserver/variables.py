@@ -11,7 +11,13 @@ from typing import Any
 
 import numpy as np
 
-from pswire.codec import all_finite, check_tensor
+from pswire.codec import (
+    BATCH_ARRAYS,
+    all_finite,
+    all_finite_together,
+    batched,
+    check_tensor,
+)
 from pswire.errors import InvalidRequestError, StepRefusedError, UnknownVariableError
 from pswire.job import Job
 from pswire.optim import Optimizer
@@ -97,9 +103,9 @@ class Variables:
             for key, grad in update.items()
             if summed or not isinstance(grad, RowSparse)
         ]
-        small = _all_finite_together([values for _, values in checked])
+        small = all_finite_together([values for _, values in checked])
         for key, values in checked:
-            if small and _batched(values):
+            if small and batched(values):
                 continue
             if values.dtype.kind == "f" and not all_finite(values):
                 raise StepRefusedError(
@@ -160,14 +166,14 @@ class Variables:
         if any(squares.get(key, np.inf) > SAFE_SUM_SQUARES for key in trained):
             return True
         # Many small gradients at once: their squares summed together bound each one's.
-        batch = [update[k] for k in trained if _batched(update[k])]
-        small = len(batch) >= BATCH_KEYS and (
+        batch = [update[k] for k in trained if batched(update[k])]
+        small = len(batch) >= BATCH_ARRAYS and (
             _sum_squares(np.concatenate(batch, axis=None)) <= SAFE_SUM_SQUARES
         )
         return any(
             _sum_squares(update[key]) > SAFE_SUM_SQUARES
             for key in trained
-            if not (small and _batched(update[key]))
+            if not (small and batched(update[key]))
         )
 
     def _backup(self, keys: list[str]) -> dict[str, tuple[np.ndarray, dict]]:
@@ -185,11 +191,11 @@ class Variables:
             names = tuple(n for n, v in slots.items() if _is_array(v))
             if layout is None:
                 layout = names
-            if names == layout and _batched(value) and all(_batched(slots[n]) for n in names):
+            if names == layout and batched(value) and all(batched(slots[n]) for n in names):
                 batch.append(key)
             else:
                 alone.append(key)
-        if len(batch) < BATCH_KEYS:
+        if len(batch) < BATCH_ARRAYS:
             return [k for k in keys if not self._measure(k)]
         assert layout is not None
         sizes = np.fromiter((self.values[k].size for k in batch), np.int64, len(batch))
@@ -319,26 +325,6 @@ class Variables:
         for key in out.slots:
             out._measure(key)
         return out
-
-
-# A step checks many small float32 arrays (up to BATCH_ELEMENTS each) in one numpy call over
-# their concatenation, once there are BATCH_KEYS of them: 15,000 four-float variables spent
-# three quarters of their apply in per-variable checks.
-BATCH_KEYS = 64
-BATCH_ELEMENTS = 4096
-
-
-def _batched(array: np.ndarray) -> bool:
-    """Whether ``array`` is checked with others (a small, non-empty float32 array)."""
-    return array.dtype == np.float32 and 0 < array.size <= BATCH_ELEMENTS
-
-
-def _all_finite_together(arrays: list[np.ndarray]) -> bool:
-    """Whether the ``_batched`` ones among ``arrays`` are all finite, checked at once; False
-    when they are too few to batch (or some value is not finite: the caller then checks each
-    one, to name it)."""
-    batch = [a for a in arrays if _batched(a)]
-    return len(batch) >= BATCH_KEYS and all_finite(np.concatenate(batch, axis=None))
 
 
 def _sum_squares(array: np.ndarray) -> float:

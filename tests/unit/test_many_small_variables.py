@@ -12,7 +12,7 @@ from pswire.errors import StepRefusedError
 from pswire.job import Job, VarSpec
 from pswire.optim import SGD, Adam, Optimizer
 
-N = 200  # well past the batch threshold (psserver.variables.BATCH_KEYS)
+N = 200  # well past the batch threshold (pswire.codec.BATCH_ARRAYS)
 BAD = "v137"
 
 
