@@ -24,6 +24,7 @@ from pswire.wiremsg import (
     WireChunk,
     len_field,
     padding,
+    piece_parts,
     spans,
     varint_field,
     whole_chunk,
@@ -77,14 +78,9 @@ def _add_tensor(
     """Appends a piece (a table's rows with their ids) as one ``chunks`` field starting at
     byte ``at`` of its message, its data aligned there when ``align``; returns where the
     next field starts."""
-    if isinstance(piece, RowSparse):
-        values, ids = piece.values, indices_bytes(piece.ids) if len(piece.ids) else b""
-    else:
-        values, ids = piece, b""
-    # A uint16 piece is a gradient compressed to bfloat16 bits (no gradient is an integer).
-    more, size = whole_chunk(
-        key, values, _CHUNKS, values.dtype == np.uint16, ids, at if align else None
-    )
+    values, ids, bf16 = piece_parts(piece)
+    raw = indices_bytes(ids) if ids is not None and len(ids) else b""
+    more, size = whole_chunk(key, values, _CHUNKS, bf16, raw, at if align else None)
     parts += more
     return at + size
 
@@ -98,14 +94,7 @@ def request(
     """A PushPullRequest: the header, every piece whole, this step's ``timeout_ms`` and the
     table rows to read after the push."""
     if sum(p.nbytes for p in pieces.values()) < SMALL_BYTES:
-        message = ps_pb2.PushPullRequest(header=header, timeout_ms=timeout_ms, rows=rows)
-        for key, piece in pieces.items():
-            if isinstance(piece, RowSparse):
-                bf16 = piece.values.dtype == np.uint16
-                message.chunks.append(tensor_to_proto(key, piece.values, bf16, piece.ids))
-            else:
-                message.chunks.append(tensor_to_proto(key, piece, piece.dtype == np.uint16))
-        return message
+        return request_message(header, pieces, rows, timeout_ms)
     parts: list[bytes | memoryview] = [len_field(_HEADER, header.SerializeToString())]
     at = len(parts[0])
     for key, piece in pieces.items():
@@ -113,6 +102,20 @@ def request(
     parts.append(varint_field(_TIMEOUT, timeout_ms))
     parts += [len_field(_ROWS, q.SerializeToString()) for q in rows]
     return b"".join(parts)
+
+
+def request_message(
+    header: ps_pb2.PushHeader,
+    pieces: Mapping[str, np.ndarray | RowSparse],
+    rows: Sequence[ps_pb2.RowQuery],
+    timeout_ms: int,
+) -> ps_pb2.PushPullRequest:
+    """``request`` as a protobuf object, whatever its size (a small step's form)."""
+    message = ps_pb2.PushPullRequest(header=header, timeout_ms=timeout_ms, rows=rows)
+    for key, piece in pieces.items():
+        values, ids, bf16 = piece_parts(piece)
+        message.chunks.append(tensor_to_proto(key, values, bf16, ids))
+    return message
 
 
 def parse_request(data: bytes) -> ps_pb2.PushPullRequest | StepRequest:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from pswire.codec import DEFAULT_CHUNK_BYTES, indices_bytes, wire_bytes
+from pswire.tables import RowSparse
 
 _WIRE_VARINT, _WIRE_LEN = 0, 2
 _BYTE = tuple(bytes((i,)) for i in range(256))
@@ -47,6 +48,14 @@ def _tag(field: int, wire: int) -> bytes:
 def len_field(field: int, payload: bytes) -> bytes:
     """One encoded length-delimited field."""
     return _tag(field, _WIRE_LEN) + _varint(len(payload)) + payload
+
+
+def piece_parts(piece: np.ndarray | RowSparse) -> tuple[np.ndarray, np.ndarray | None, bool]:
+    """(a pushed piece's values, a table's row ids or None, whether the values are bfloat16
+    bit patterns: a uint16 piece is a compressed gradient, as no gradient is an integer)."""
+    if isinstance(piece, RowSparse):
+        return piece.values, piece.ids, piece.values.dtype == np.uint16
+    return piece, None, piece.dtype == np.uint16
 
 
 def encode_chunk_messages(

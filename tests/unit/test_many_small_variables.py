@@ -1,5 +1,6 @@
 """A shard holding many small variables (whose checks run over all of them at once) applies,
-refuses and names a non-finite step exactly as it does for one variable."""
+refuses and names a non-finite step exactly as it does for one variable; so does a worker
+checking many small gradients."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import pytest
 
 from psserver.records import Limits
 from psserver.shard import Shard
-from pswire.errors import StepRefusedError
+from pswire.errors import InvalidRequestError, StepRefusedError
 from pswire.job import Job, VarSpec
 from pswire.optim import SGD, Adam, Optimizer
+from psworker.outgoing import split_push
+from psworker.placement import VarInfo, plan
 
 N = 200  # well past the batch threshold (pswire.codec.BATCH_ARRAYS)
 BAD = "v137"
@@ -65,3 +68,18 @@ def test_a_sync_sum_that_overflows_in_one_of_many_is_refused_naming_it() -> None
     with pytest.raises(StepRefusedError, match=f"the gradient to apply to '{BAD}' is not finite"):
         shard.push(1, 0, grads(bad=3e38))  # float32 sum: inf
     assert state(shard) == before
+
+
+def test_a_nan_in_one_of_many_gradients_is_named_by_the_worker_and_the_shard() -> None:
+    # Both sides check many small gradients at once; the one that fails is still named.
+    shard, values = shard_of("async", 1, SGD(lr=0.1))
+    bad = grads()
+    bad[BAD][2] = np.nan
+    infos = [VarInfo(k, v.shape, "float32") for k, v in values.items()]
+    with pytest.raises(InvalidRequestError, match=rf"'{BAD}': gradient has 1 non-finite"):
+        split_push(bad, plan(infos, 2), {}, set(), None)
+    before = state(shard)
+    with pytest.raises(InvalidRequestError, match=rf"'{BAD}': gradient has 1 non-finite"):
+        shard.push(0, 0, bad)
+    assert state(shard) == before
+    assert shard.push(0, 0, grads()).applied
