@@ -22,7 +22,17 @@ from bench.report import (
 
 # In this order: the wire first, then the pieces it is built from. bench.pushpull (100 MiB,
 # in-process vs processes, chunk sweep) stays a separate diagnostic: python -m bench.pushpull.
-SUITES = ("throughput", "latency", "allreduce", "demo", "apply", "memory", "sparse", "flight")
+SUITES = (
+    "throughput",
+    "latency",
+    "manyvars",
+    "allreduce",
+    "demo",
+    "apply",
+    "memory",
+    "sparse",
+    "flight",
+)
 
 
 def main(argv: list[str] | None = None) -> int:

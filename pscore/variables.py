@@ -11,7 +11,13 @@ from typing import Any
 
 import numpy as np
 
-from pswire.codec import all_finite, check_tensor
+from pswire.codec import (
+    BATCH_ARRAYS,
+    all_finite,
+    all_finite_together,
+    batched,
+    check_tensor,
+)
 from pswire.errors import InvalidRequestError, StepRefusedError, UnknownVariableError
 from pswire.job import Job
 from pswire.optim import Optimizer
@@ -91,10 +97,16 @@ class Variables:
         """
         groups = optimizers or job.optimizers
         specs = job.specs
-        for key, grad in update.items():
-            if isinstance(grad, RowSparse) and not summed:
-                continue  # one push's rows, checked as it arrived; the result is checked too
-            values = grad.values if isinstance(grad, RowSparse) else grad
+        # One push's rows were checked as they arrived (and the result is checked too).
+        checked = [
+            (key, grad.values if isinstance(grad, RowSparse) else grad)
+            for key, grad in update.items()
+            if summed or not isinstance(grad, RowSparse)
+        ]
+        small = all_finite_together([values for _, values in checked])
+        for key, values in checked:
+            if small and batched(values):
+                continue
             if values.dtype.kind == "f" and not all_finite(values):
                 raise StepRefusedError(
                     f"the gradient to apply to '{key}' is not finite (a sum or average of "
@@ -126,7 +138,7 @@ class Variables:
             for key in trained:
                 spec = specs[key]
                 groups[spec.group].apply_blocked(self.values[key], update[key], self.slots[key])
-        bad = [k for k in trained if not self._measure(k)]
+        bad = self._measure_all(trained)
         if bad:
             if backup is not None:
                 for key, (value, slots) in backup.items():
@@ -150,15 +162,61 @@ class Variables:
         optimizer could overflow: then the old values are kept until the results are checked."""
         if any(abs(v) > HYPER_SAFE for g in groups for v in g.params().values()):
             return True
-        for key in trained:
-            if _sum_squares(update[key]) > SAFE_SUM_SQUARES:
-                return True
-            if self._squares.get(key, np.inf) > SAFE_SUM_SQUARES:
-                return True
-        return False
+        squares = self._squares
+        if any(squares.get(key, np.inf) > SAFE_SUM_SQUARES for key in trained):
+            return True
+        # Many small gradients at once: their squares summed together bound each one's.
+        batch = [update[k] for k in trained if batched(update[k])]
+        small = len(batch) >= BATCH_ARRAYS and (
+            _sum_squares(np.concatenate(batch, axis=None)) <= SAFE_SUM_SQUARES
+        )
+        return any(
+            _sum_squares(update[key]) > SAFE_SUM_SQUARES
+            for key in trained
+            if not (small and batched(update[key]))
+        )
 
     def _backup(self, keys: list[str]) -> dict[str, tuple[np.ndarray, dict]]:
         return {k: (self.values[k].copy(), _copy_slots(self.slots[k])) for k in keys}
+
+    def _measure_all(self, keys: list[str]) -> list[str]:
+        """``_measure`` of every key; the keys whose values or slots are not finite. Many
+        small float32 variables with the same slots are measured together: per-variable
+        numpy calls were most of a step of thousands of small variables."""
+        batch: list[str] = []
+        alone: list[str] = []
+        layout: tuple[str, ...] | None = None
+        for key in keys:
+            value, slots = self.values[key], self.slots[key]
+            names = tuple(n for n, v in slots.items() if _is_array(v))
+            if layout is None:
+                layout = names
+            if names == layout and batched(value) and all(batched(slots[n]) for n in names):
+                batch.append(key)
+            else:
+                alone.append(key)
+        if len(batch) < BATCH_ARRAYS:
+            return [k for k in keys if not self._measure(k)]
+        assert layout is not None
+        sizes = np.fromiter((self.values[k].size for k in batch), np.int64, len(batch))
+        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        columns = [[self.values[k] for k in batch]]
+        columns += [[self.slots[k][n] for k in batch] for n in layout]
+        with np.errstate(over="ignore", invalid="ignore"):
+            sums = []
+            for column in columns:
+                flat = np.concatenate(column, axis=None)
+                sums.append(np.add.reduceat(flat * flat, starts))
+            largest = np.maximum.reduce(sums) if len(sums) > 1 else sums[0]
+        self._squares.update(zip(batch, largest.tolist(), strict=True))
+        unsure = {batch[i] for i in np.flatnonzero(~np.isfinite(largest))}
+        bad = {k for k in unsure if not self._finite(k)}
+        bad.update(k for k in alone if not self._measure(k))
+        return [k for k in keys if k in bad]
+
+    def _finite(self, key: str) -> bool:
+        arrays = [self.values[key], *(v for v in self.slots[key].values() if _is_array(v))]
+        return all(all_finite(a) for a in arrays)
 
     def _measure(self, key: str) -> bool:
         """Records the largest sum of squares among a variable and its slots (for the next

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pswire.codec import check_dtype, check_tensor, tensor_nbytes
+from pswire.codec import (
+    all_finite_together,
+    batched,
+    check_dtype,
+    check_tensor,
+    tensor_nbytes,
+)
 from pswire.errors import InvalidRequestError, TooLargeError, UnknownVariableError
 from pswire.optim import Optimizer
 from pswire.optspec import StepOptions, group_optimizers, optimizer_from_spec
@@ -289,6 +295,7 @@ class Job:
                 dense rows for a table or rows for a dense variable, bad row ids.
         """
         out: Grads = {}
+        finite = all_finite_together(grads.values())  # many small ones: at once
         for key, grad in grads.items():
             spec = self.specs.get(key)
             if spec is None:
@@ -307,10 +314,11 @@ class Job:
                     f"variable '{key}' is dense, but the push sent rows by id (not a table)"
                 )
             else:
+                known = finite and batched(grad)
                 if grad.dtype == np.float16 and spec.dtype == "float32" and not spec.average:
                     grad = grad.astype(np.float32)
                 what = "buffer value" if spec.average else "gradient"
-                check_tensor(key, spec.shape, spec.dtype, grad, what)
+                check_tensor(key, spec.shape, spec.dtype, grad, what, known)
             out[key] = grad
         return out
 

@@ -13,13 +13,14 @@ from typing import Any
 
 import numpy as np
 
-from pswire.codec import ChunkAssembler, tensor_to_proto
+from pswire import stepmsg
+from pswire.codec import ChunkAssembler
 from pswire.errors import InvalidRequestError
 from pswire.job import Grads
 from pswire.optspec import NO_OPTIONS, StepOptions
 from pswire.proto import ps_pb2
 from pswire.tables import RowSparse
-from pswire.wiremsg import encode_chunk_messages
+from pswire.wiremsg import encode_chunk_messages, piece_parts
 
 # -- worker side -------------------------------------------------------------------------------
 
@@ -42,7 +43,7 @@ def push_stream(
     header = push_header(worker_id, step, incarnation, options, session)
     yield ps_pb2.PushRequest(header=header)
     for key, piece in pieces.items():
-        array, ids, bf16 = _wire_parts(piece)
+        array, ids, bf16 = piece_parts(piece)
         yield from encode_chunk_messages(key, array, 2, chunk_bytes, bfloat16=bf16, indices=ids)
 
 
@@ -54,13 +55,9 @@ def push_pull_request(
     session: str = "",
     options: StepOptions | None = None,
 ) -> ps_pb2.PushPullRequest:
-    """A PushPullRequest: the header and every piece whole (a table's rows with their ids)."""
+    """A PushPullRequest object (for the unary PushPull): the header and every piece whole."""
     header = push_header(worker_id, step, incarnation, options, session)
-    request = ps_pb2.PushPullRequest(header=header)
-    for key, piece in pieces.items():
-        array, ids, bf16 = _wire_parts(piece)
-        request.chunks.append(tensor_to_proto(key, array, bfloat16=bf16, indices=ids))
-    return request
+    return stepmsg.request_message(header, pieces, (), 0)
 
 
 def push_header(
@@ -80,14 +77,6 @@ def push_header(
             if params:
                 header.values.add(group=group, params=dict(params))
     return header
-
-
-def _wire_parts(piece: np.ndarray | RowSparse) -> tuple[np.ndarray, np.ndarray | None, bool]:
-    """(the values, a table's row ids or None, whether the values are bfloat16 bit patterns:
-    a uint16 piece is a compressed gradient, as no gradient is an integer)."""
-    if isinstance(piece, RowSparse):
-        return piece.values, piece.ids, piece.values.dtype == np.uint16
-    return piece, None, piece.dtype == np.uint16
 
 
 # -- shard side --------------------------------------------------------------------------------

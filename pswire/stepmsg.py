@@ -15,21 +15,22 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from pswire.codec import tensor_to_proto
+from pswire.codec import indices_bytes, tensor_to_proto
 from pswire.proto import ps_pb2
 from pswire.tables import RowSparse
 from pswire.wiremsg import (
     ALIGN,
+    ChunkRuns,
     WireChunk,
+    len_field,
     padding,
-    parse_chunk,
-    parse_message,
+    piece_parts,
+    spans,
     varint_field,
-    whole_chunk_parts,
+    whole_chunk,
 )
 
 SMALL_BYTES = 64 << 10
-_LEN = 2
 # PushPullRequest: header 1, chunks 2, timeout_ms 3, rows 40; PushPullResponse: push 1,
 # chunks 2, clock 3.
 _HEADER = _PUSH = 1
@@ -71,36 +72,17 @@ class StepReply:
         self.clock = 0
 
 
-def _len_field(field: int, payload: bytes) -> bytes:
-    return _key(field) + _uvarint(len(payload)) + payload
-
-
-def _key(field: int) -> bytes:
-    return _uvarint((field << 3) | _LEN)
-
-
-def _uvarint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if not value:
-            out.append(byte)
-            return bytes(out)
-        out.append(byte | 0x80)
-
-
-def _tensor_parts(key: str, piece: np.ndarray | RowSparse, at: int) -> list[bytes | memoryview]:
-    """A piece (a table's rows with their ids) as one ``chunks`` field starting at byte
-    ``at`` of its message, not yet joined; its data aligned in the message."""
-    if isinstance(piece, RowSparse):
-        bf16 = piece.values.dtype == np.uint16  # a compressed gradient (bfloat16 bits)
-        return whole_chunk_parts(key, piece.values, _CHUNKS, bf16, piece.ids, at=at)
-    return whole_chunk_parts(key, piece, _CHUNKS, piece.dtype == np.uint16, at=at)
-
-
-def _size(parts: list[bytes | memoryview]) -> int:
-    return sum(len(p) for p in parts)
+def _add_tensor(
+    parts: list[bytes | memoryview], key: str, piece: np.ndarray | RowSparse, at: int, align: bool
+) -> int:
+    """Appends a piece (a table's rows with their ids) as one ``chunks`` field starting at
+    byte ``at`` of its message, its data aligned there when ``align``; returns where the
+    next field starts."""
+    values, ids, bf16 = piece_parts(piece)
+    raw = indices_bytes(ids) if ids is not None and len(ids) else b""
+    more, size = whole_chunk(key, values, _CHUNKS, bf16, raw, at if align else None)
+    parts += more
+    return at + size
 
 
 def request(
@@ -112,20 +94,28 @@ def request(
     """A PushPullRequest: the header, every piece whole, this step's ``timeout_ms`` and the
     table rows to read after the push."""
     if sum(p.nbytes for p in pieces.values()) < SMALL_BYTES:
-        message = ps_pb2.PushPullRequest(header=header, timeout_ms=timeout_ms, rows=rows)
-        for key, piece in pieces.items():
-            if isinstance(piece, RowSparse):
-                bf16 = piece.values.dtype == np.uint16
-                message.chunks.append(tensor_to_proto(key, piece.values, bf16, piece.ids))
-            else:
-                message.chunks.append(tensor_to_proto(key, piece, piece.dtype == np.uint16))
-        return message
-    parts: list[bytes | memoryview] = [_len_field(_HEADER, header.SerializeToString())]
+        return request_message(header, pieces, rows, timeout_ms)
+    parts: list[bytes | memoryview] = [len_field(_HEADER, header.SerializeToString())]
+    at = len(parts[0])
     for key, piece in pieces.items():
-        parts += _tensor_parts(key, piece, _size(parts))
+        at = _add_tensor(parts, key, piece, at, align=True)
     parts.append(varint_field(_TIMEOUT, timeout_ms))
-    parts += [_len_field(_ROWS, q.SerializeToString()) for q in rows]
+    parts += [len_field(_ROWS, q.SerializeToString()) for q in rows]
     return b"".join(parts)
+
+
+def request_message(
+    header: ps_pb2.PushHeader,
+    pieces: Mapping[str, np.ndarray | RowSparse],
+    rows: Sequence[ps_pb2.RowQuery],
+    timeout_ms: int,
+) -> ps_pb2.PushPullRequest:
+    """``request`` as a protobuf object, whatever its size (a small step's form)."""
+    message = ps_pb2.PushPullRequest(header=header, timeout_ms=timeout_ms, rows=rows)
+    for key, piece in pieces.items():
+        values, ids, bf16 = piece_parts(piece)
+        message.chunks.append(tensor_to_proto(key, values, bf16, ids))
+    return message
 
 
 def parse_request(data: bytes) -> ps_pb2.PushPullRequest | StepRequest:
@@ -137,7 +127,12 @@ def parse_request(data: bytes) -> ps_pb2.PushPullRequest | StepRequest:
     if len(data) < SMALL_BYTES:
         return ps_pb2.PushPullRequest.FromString(data)
     out = StepRequest()
-    for field, wire, value in parse_message(data):
+    buf = memoryview(data)
+    runs = ChunkRuns(buf, ps_pb2.PushPullRequest)
+    for field, wire, value, start, end in spans(buf):
+        if field == _CHUNKS and isinstance(value, memoryview):
+            runs.add(value, start, end)
+            continue
         if field == _TIMEOUT:
             if not isinstance(value, int):
                 raise ValueError(f"PushPullRequest.timeout_ms has wire type {wire}")
@@ -149,16 +144,15 @@ def parse_request(data: bytes) -> ps_pb2.PushPullRequest | StepRequest:
             raise ValueError(f"PushPullRequest field {field} has wire type {wire}")
         if field == _HEADER:
             out.header.MergeFromString(bytes(value))  # repeated: merged, as protobuf does
-        elif field == _CHUNKS:
-            out.chunks.append(parse_chunk(value))
         else:
             out.rows.append(_parse_row_query(value))
+    out.chunks = runs.finish()
     return out
 
 
 def _parse_row_query(buf: memoryview) -> RowAsk:
     ask = RowAsk()
-    for field, wire, value in parse_message(buf):  # type: ignore[arg-type]
+    for field, wire, value, _, _ in spans(buf):
         if field not in (1, 2):
             continue
         if not isinstance(value, memoryview):
@@ -191,11 +185,11 @@ def reply_tensors(arrays: Mapping[str, np.ndarray], owned: frozenset[str]) -> Re
     # data is aligned from where the tensors start, and ``reply`` pads the result to keep it.
     at = 0
     for key, array in arrays.items():
-        parts = whole_chunk_parts(key, array, _CHUNKS, at=at)
+        parts, size = whole_chunk(key, array, _CHUNKS, False, b"", at)
         if key not in owned:
             parts[3] = bytes(parts[3])  # the data: copied while the shard's lock is held
         out.parts += parts
-        at += _size(parts)
+        at += size
     return out
 
 
@@ -205,7 +199,7 @@ def reply(
     """A PushPullResponse: the push's result, the tensors, the clock they were read at."""
     if not tensors.parts:
         return ps_pb2.PushPullResponse(push=push, chunks=tensors.chunks, clock=clock)
-    head = _len_field(_PUSH, push.SerializeToString())
+    head = len_field(_PUSH, push.SerializeToString())
     if len(head) % ALIGN:  # a padding field keeps the tensors' data aligned
         head += padding((-len(head) - len(padding(0))) % ALIGN)
     return b"".join([head, *tensors.parts, varint_field(_CLOCK, clock)])
@@ -220,8 +214,12 @@ def parse_reply(data: bytes) -> ps_pb2.PushPullResponse | StepReply:
     if len(data) < SMALL_BYTES:
         return ps_pb2.PushPullResponse.FromString(data)
     out = StepReply()
-    for field, wire, value in parse_message(data):
-        if field == _CLOCK:
+    buf = memoryview(data)
+    runs = ChunkRuns(buf, ps_pb2.PushPullResponse)
+    for field, wire, value, start, end in spans(buf):
+        if field == _CHUNKS and isinstance(value, memoryview):
+            runs.add(value, start, end)
+        elif field == _CLOCK:
             if not isinstance(value, int):
                 raise ValueError(f"PushPullResponse.clock has wire type {wire}")
             out.clock = value
@@ -230,6 +228,5 @@ def parse_reply(data: bytes) -> ps_pb2.PushPullResponse | StepReply:
                 raise ValueError(f"PushPullResponse field {field} has wire type {wire}")
             if field == _PUSH:
                 out.push.MergeFromString(bytes(value))
-            else:
-                out.chunks.append(parse_chunk(value))
+    out.chunks = runs.finish()
     return out

@@ -5,6 +5,8 @@ from pswire.errors import (
     CallCancelledError,
     ClientClosedError,
     ConfigError,
+    CorruptCheckpointError,
+    DuplicateWorkerError,
     HyperParameterMismatchError,
     InvalidRequestError,
     ModelMismatchError,
@@ -13,11 +15,13 @@ from pswire.errors import (
     ShapeMismatchError,
     ShardBusyError,
     ShardRestartedError,
+    StepRefusedError,
     TooLargeError,
     UnauthenticatedError,
     UnavailableError,
     UnknownVariableError,
     WaitTimeoutError,
+    WorkerDroppedError,
 )
 from pswire.optim import (
     SGD,
@@ -53,7 +57,11 @@ __all__ = [
     "Client",
     "ClientClosedError",
     "ConfigError",
+    "CorruptCheckpointError",
     "DistributedOptimizer",
+    "DuplicateWorkerError",
+    "Embedding",
+    "EmbeddingBag",
     "HyperParameterMismatchError",
     "InvalidRequestError",
     "LocalClient",
@@ -70,12 +78,14 @@ __all__ = [
     "ShardBusyError",
     "ShardRestartedError",
     "StepOptions",
+    "StepRefusedError",
     "Table",
     "TooLargeError",
     "UnauthenticatedError",
     "UnavailableError",
     "UnknownVariableError",
     "WaitTimeoutError",
+    "WorkerDroppedError",
     "__version__",
     "connect",
     "seed",
@@ -85,10 +95,18 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    # psworker.DistributedOptimizer without importing torch for numpy-only users.
-    if name == "DistributedOptimizer":
-        from psworker.torch import DistributedOptimizer
+# The torch-facing names, imported on first use: a numpy-only user never imports torch.
+_TORCH_NAMES = {
+    "DistributedOptimizer": "psworker.torch",
+    "Embedding": "psworker.torch_tables",
+    "EmbeddingBag": "psworker.torch_tables",
+}
 
-        return DistributedOptimizer
-    raise AttributeError(f"module 'psworker' has no attribute {name!r}")
+
+def __getattr__(name: str) -> object:
+    module = _TORCH_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'psworker' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

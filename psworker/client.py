@@ -391,7 +391,9 @@ class PSClient(ClientState, TableReads):
             UnknownVariableError, InvalidRequestError: a name not in the model, or a table.
         """
         shard_map = self._require_map()
-        wanted = list(names) if names is not None else [v.name for v in shard_map.variables]
+        if names is None:  # every variable: the map knows each shard's keys
+            return [v.name for v in shard_map.variables], [list(k) for k in shard_map.keys_by_shard]
+        wanted = list(names)
         keys_by_shard: list[list[str]] = [[] for _ in self.addresses]
         for name in wanted:
             parts = shard_map.pieces_of(name)

@@ -13,7 +13,13 @@ from itertools import pairwise
 
 import numpy as np
 
-from pswire.codec import all_finite, check_tensor, float32_to_bfloat16
+from pswire.codec import (
+    all_finite,
+    all_finite_together,
+    batched,
+    check_tensor,
+    float32_to_bfloat16,
+)
 from pswire.errors import InvalidRequestError, ModelMismatchError, not_in_model
 from pswire.job import Job, VarSpec
 from pswire.proto import ps_pb2
@@ -39,8 +45,9 @@ def split_push(
         ShapeMismatchError, InvalidRequestError: wrong shape or dtype, non-finite values, bad
             row ids.
     """
-    infos = {v.name: v for v in shard_map.variables}
+    infos = shard_map.infos
     arrays: dict[str, np.ndarray] = {}
+    finite = all_finite_together(grads.values())  # many small ones: at once
     for name, grad in grads.items():
         if isinstance(grad, RowSparse):
             continue
@@ -49,7 +56,7 @@ def split_push(
             raise not_in_model(name, infos)
         array = np.asarray(grad)
         what = "buffer value" if name in buffers else "gradient"
-        check_tensor(name, info.shape, info.dtype, array, what)
+        check_tensor(name, info.shape, info.dtype, array, what, finite and batched(array))
         arrays[name] = array if name in buffers else compress(array, compression)
     pieces: Pieces = [dict(p) for p in shard_map.split(arrays)]
     for name, grad in grads.items():

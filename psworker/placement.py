@@ -75,8 +75,22 @@ class ShardMap:
     def _by_key(self) -> dict[str, Piece]:
         return {p.key: p for p in self.pieces}
 
+    @functools.cached_property
+    def infos(self) -> dict[str, VarInfo]:
+        """The variables by name (computed once: the map never changes)."""
+        return {v.name: v for v in self.variables}
+
     def pieces_of(self, var: str) -> list[Piece]:
         return list(self._by_var.get(var, ()))
+
+    @functools.cached_property
+    def keys_by_shard(self) -> tuple[tuple[str, ...], ...]:
+        """Every shard's piece keys, in model order (computed once: a step reads them all)."""
+        keys: list[list[str]] = [[] for _ in range(self.num_shards)]
+        for v in self.variables:
+            for p in self._by_var.get(v.name, ()):
+                keys[p.shard].append(p.key)
+        return tuple(tuple(k) for k in keys)
 
     def on_shard(self, shard: int) -> list[Piece]:
         return [p for p in self.pieces if p.shard == shard]
@@ -139,11 +153,12 @@ class ShardMap:
         one new array of its full shape. ``join`` then has nothing left to copy."""
         out = out or {}
         into: dict[str, np.ndarray] = {}
+        by_var = self._by_var
         for name in names:
-            parts = self.pieces_of(name)
+            parts = by_var.get(name, [])
             whole = out.get(name)
             if whole is None and len(parts) > 1:
-                info = next(v for v in self.variables if v.name == name)
+                info = self.infos[name]
                 whole = np.empty(info.shape, dtype=info.dtype)
             if whole is not None:
                 into.update({p.key: _rows(whole, p, len(parts)) for p in parts})
@@ -173,10 +188,11 @@ class ShardMap:
         into = into or {}
         out = out or {}
         result: dict[str, np.ndarray] = {}
+        by_var = self._by_var
         for name in names:
-            parts = self.pieces_of(name)
+            parts = by_var.get(name)
             if not parts:
-                raise not_in_model(name, self._by_var)
+                raise not_in_model(name, by_var)
             target = out.get(name)
             if target is not None:
                 for p in parts:

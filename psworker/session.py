@@ -10,22 +10,19 @@ import threading
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
 from pswire.errors import ModelMismatchError, PSError
 from pswire.proto import ps_pb2
+from pswire.stubs import ParameterServerStub
 
 log = logging.getLogger(__name__)
 # A worker keeps its pushes since the shard's newest checkpoint, to replay them if the shard
 # restarts: at most this many bytes per shard (or four pushes, if more); when full it asks the
 # shard to checkpoint, then forgets what the checkpoint holds.
 DEFAULT_REPLAY_BYTES = 64 << 20
-
-if TYPE_CHECKING:
-    from psworker.client import PSClient
-    from psworker.link import ShardLink
 
 
 @dataclass(frozen=True)
@@ -74,11 +71,41 @@ class JobIdentity:
 MIN_HEARTBEAT_S = 0.05
 
 
+class Beating(Protocol):
+    """What a heartbeat needs of a shard's link (``ShardLink`` is one)."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def stub(self) -> ParameterServerStub: ...
+
+
+class Leaving(Beating, Protocol):
+    """What leaving a job needs of a shard's link."""
+
+    def leave(self) -> None: ...
+
+
+class Joined(Protocol):
+    """What leaving at exit needs of a client (``PSClient`` is one)."""
+
+    _closed: bool
+
+    @property
+    def links(self) -> Sequence[Leaving]: ...
+
+    @property
+    def shard_map(self) -> object | None: ...
+
+    def close(self) -> None: ...
+
+
 class Heartbeats:
     """A background thread telling every shard, every ``interval`` seconds, that this worker
     is alive (0: none)."""
 
-    def __init__(self, links: Sequence[ShardLink], interval: float, worker: int, session: str):
+    def __init__(self, links: Sequence[Beating], interval: float, worker: int, session: str):
         self._links = links
         self.interval = interval
         self._request = ps_pb2.HeartbeatRequest(worker_id=worker, session=session)
@@ -156,13 +183,13 @@ def say_resumed(worker: int, job: str, step: int) -> None:
         )
 
 
-def leave_at_exit(client: PSClient) -> None:
+def leave_at_exit(client: Joined) -> None:
     """Makes ``client`` leave the job at interpreter exit if the script never closed it: the
     others need not wait out the shards' heartbeat timeout to go on without this worker."""
     atexit.register(_leave, weakref.ref(client))
 
 
-def _leave(ref: weakref.ref[PSClient]) -> None:
+def _leave(ref: weakref.ref[Joined]) -> None:
     # One shard after another: the thread pools that close() fans out on are shut down by now.
     client = ref()
     if client is None or client._closed or client.shard_map is None:
