@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -20,8 +19,11 @@ from typing import TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from psctl import admin
 from psctl.local_add import AddRequests
-from pswire.errors import ConfigError
+from psctl.nodes import Layout, NodeError, Nodes, NodesConfig
+from psctl.run_folder import RunFolder
+from pswire.errors import ConfigError, PSError
 from pswire.job import CLIENT_MODES, MODES
 from pswire.security import ClientSecurity
 from psworker.elastic import parse_bounds
@@ -55,9 +57,26 @@ class LocalConfig:
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
     grace_s: float = DEFAULT_GRACE_S
     elastic: str | None = None  # "MIN:MAX": workers may be added and may fail (see LocalCluster)
+    export: str | None = None  # write the final model here once every worker succeeded
+    nodes: NodesConfig | None = None  # one node of a multi-node job (psctl.nodes)
 
     def __post_init__(self) -> None:
         problems = []
+        if self.export is not None and self.mode in SHARDLESS_MODES:
+            problems.append(
+                f"--export reads the final model from the shards; mode {self.mode} has none "
+                "(save it from the training script)"
+            )
+        if self.nodes is not None:
+            if self.elastic is not None:
+                problems.append("--elastic and --nnodes: give an elastic range as --nnodes MIN:MAX")
+            if self.nodes.elastic and self.mode not in MODES:
+                problems.append(
+                    f"--nnodes {self.nodes.nnodes} (elastic) needs a parameter-server mode "
+                    f"{MODES}, not {self.mode}"
+                )
+            if self.mode == "local":
+                problems.append("--mode local runs one process; it cannot span nodes")
         if self.elastic is not None:
             try:
                 _, high = parse_bounds(self.elastic, "--elastic")
@@ -192,6 +211,9 @@ class LocalCluster:
         self._signal: int | None = None
         self._shards: list[str] = []
         self._adds: AddRequests | None = None
+        self._nodes: Nodes | None = None
+        self._host = "127.0.0.1"  # where shards listen; a node's address towards node 0
+        self._elastic = config.elastic  # the workers' "MIN:MAX" (from --nnodes on a node)
 
     def request_stop(self, signum: int) -> None:
         """Asks a running ``run`` to stop everything; safe to call from a signal handler."""
@@ -201,23 +223,99 @@ class LocalCluster:
     def run(self) -> int:
         """Launches the cluster, waits for the workers, stops everything; returns the exit code."""
         deadline = time.monotonic() + self.config.timeout_s
-        with tempfile.TemporaryDirectory(prefix="psctl-") as tmp:
-            try:
-                addresses = self._start_servers(Path(tmp), deadline)
-                self._start_workers(addresses)
-                if self.config.elastic is not None:
-                    info = {"shards": addresses, "elastic": self.config.elastic}
-                    self._adds = AddRequests(Path(tmp), info)
-                    self.say(f"elastic {self.config.elastic}: add workers with `psctl local add`")
-                code = self._supervise(deadline)
-            except _Stop as stop:
-                self.say(str(stop))
-                code = stop.code
-            finally:
-                self._stop_all()
-                self._output.close()
+        folder = RunFolder()
+        self.say(f"run folder {folder.path} (psctl status and psctl local add find the job there)")
+        try:
+            code = self._run(folder, deadline)
+        finally:
+            folder.remove()
         self.say(f"exit code {code}")
         return code
+
+    def _run(self, folder: RunFolder, deadline: float) -> int:
+        cfg = self.config
+        try:
+            layout = None
+            if cfg.nodes is not None:
+                self._nodes = Nodes(cfg.nodes, cfg.start_timeout_s)
+                self._host = self._nodes.bind_host
+                job = {"mode": cfg.mode, "staleness": cfg.staleness, "workers": cfg.workers}
+                self._nodes.agree(job)
+            addresses = self._start_servers(folder.path, deadline)
+            folder.publish(shards=addresses, mode=cfg.mode, workers=cfg.workers)
+            if self._nodes is not None:
+                layout = self._nodes.join(addresses, cfg.workers)
+                addresses = layout.shards
+                last = layout.first_worker + cfg.workers - 1
+                self.say(
+                    f"node {self._nodes.rank}: job shards {addresses}, this node's workers "
+                    f"{layout.first_worker}..{last} of {layout.num_workers}"
+                )
+                self._nodes.start_beating()
+            self._start_workers(addresses, layout)
+            info: dict = {"shards": addresses, "elastic": self._elastic}
+            if self._nodes is not None:
+                info["node_rank"] = self._nodes.rank
+            folder.publish(**info)
+            if cfg.elastic is not None:
+                self._adds = AddRequests(folder.path)
+                self.say(f"elastic {cfg.elastic}: add workers with `psctl local add`")
+            code = self._supervise(deadline)
+            code = self._finish(code, deadline)
+        except _Stop as stop:
+            self.say(str(stop))
+            code = stop.code
+        except (NodeError, PSError) as exc:
+            self.say(str(exc))
+            code = 1
+        finally:
+            self._stop_all()
+            if self._nodes is not None:
+                self._nodes.close()
+            self._output.close()
+        return code
+
+    def _finish(self, code: int, deadline: float) -> int:
+        """Once this node's workers are done: waits for the other nodes its shards (or its
+        store) may serve, exports the model (``--export``) while the shards still run, and
+        (node 0) releases the other nodes' shards."""
+        nodes = self._nodes
+        if nodes is not None:
+            nodes.finish(code)
+            if code == 0 and (self._servers or nodes.rank == 0):
+                waiting = nodes.others_running()
+                if waiting:
+                    self.say(f"this node's workers are done; waiting for nodes {waiting}")
+                while waiting:
+                    self._tick(deadline)
+                    for line in nodes.check():
+                        self.say(line)
+                    waiting = nodes.others_running()
+        if code == 0 and self.config.export is not None and (nodes is None or nodes.rank == 0):
+            try:
+                written = admin.export_state_dict(self._shards, self.config.export)
+            except (PSError, OSError) as exc:
+                code = 1
+                self.say(f"--export {self.config.export} failed: {exc}")
+            else:
+                self.say(
+                    f"exported the final model ({len(written.tensors)} tensors, shard clocks "
+                    f"{written.clocks}) to {written.path}"
+                )
+        if nodes is not None and nodes.rank == 0:
+            nodes.release()
+        elif nodes is not None and code == 0 and self._servers:
+            self.say("waiting for node 0 to release this node's shards")
+            while not nodes.released():
+                self._tick(deadline)
+        return code
+
+    def _tick(self, deadline: float) -> None:
+        """One wait of a finishing node: interrupts and the run's deadline end it."""
+        self._check_interrupt()
+        if time.monotonic() >= deadline:
+            raise _Stop(EXIT_TIMEOUT, f"timed out after {self.config.timeout_s:g}s")
+        time.sleep(4 * _POLL_S)
 
     def say(self, message: str) -> None:
         self._output.say(message)
@@ -232,12 +330,19 @@ class LocalCluster:
         env.pop("TF_CONFIG", None)
         # Each waiting pull and push holds a server thread: leave room for every worker.
         threads = str(max(64, 4 * cfg.workers + 16))
-        # Local and allreduce modes have no shards.
+        # Local and allreduce modes have no shards; nor has a node but 0 of an elastic job.
         servers = 0 if cfg.mode in SHARDLESS_MODES else cfg.servers
+        if cfg.nodes is not None and cfg.nodes.elastic and cfg.nodes.node_rank != 0:
+            if servers:
+                self.say(
+                    "starting no shards: in an elastic multi-node job they run on node 0, so "
+                    "the model outlives any node that leaves"
+                )
+            servers = 0
         port_files = [folder / f"ps{i}.port" for i in range(servers)]
         checkpoints = env.get("PS_CHECKPOINT_DIR")
         for i, port_file in enumerate(port_files):
-            argv = [sys.executable, "-m", "psserver", "--host", "127.0.0.1", "--port", "0"]
+            argv = [sys.executable, "-m", "psserver", "--host", self._host, "--port", "0"]
             argv += ["--port-file", str(port_file), "--threads", threads]
             argv += ["--grace", str(cfg.grace_s)]
             if checkpoints:
@@ -249,7 +354,7 @@ class LocalCluster:
             self._read_port(s, f, start_deadline)
             for s, f in zip(self._servers, port_files, strict=True)
         ]
-        addresses = [f"127.0.0.1:{p}" for p in ports]
+        addresses = [f"{self._host}:{p}" for p in ports]
         for child, address in zip(self._servers, addresses, strict=True):
             self._wait_serving(child, address, start_deadline)
             self.say(f"{child.name} serving at {address} (pid {child.proc.pid})")
@@ -290,19 +395,32 @@ class LocalCluster:
                     pass  # not up yet; the deadline above bounds the retries
                 time.sleep(_POLL_S)
 
-    def _start_workers(self, ps: list[str]) -> None:
+    def _start_workers(self, ps: list[str], layout: Layout | None = None) -> None:
         cfg = self.config
         self._shards = ps
-        if cfg.elastic is not None:
+        first = layout.first_worker if layout is not None else 0
+        total = layout.num_workers if layout is not None else cfg.workers
+        if layout is not None and layout.elastic is not None:
+            self._elastic = layout.elastic
+        if self._elastic is not None:
             for i in range(cfg.workers):
-                self._start_elastic_worker(i)
+                self._start_elastic_worker(first + i, total)
             return
-        placeholders = [f"127.0.0.1:{port}" for port in _free_ports(cfg.workers)]
-        for i in range(cfg.workers):
+        placeholders = [f"127.0.0.1:{port}" for port in _free_ports(total)]
+        for i in range(first, first + cfg.workers):
             env = _child_env()
             if cfg.mode == "local":
                 # No cluster at all: psworker.connect() then trains in this one process.
                 env.pop("TF_CONFIG", None)
+            elif cfg.mode == "allreduce" and cfg.nodes is not None and layout is not None:
+                # The ring's addresses by rendezvous in the store node 0's launcher hosts.
+                env.pop("TF_CONFIG", None)
+                env.update(
+                    MASTER_ADDR=cfg.nodes.host,
+                    MASTER_PORT=str(cfg.nodes.port),
+                    TORCHELASTIC_USE_AGENT_STORE="True",
+                    TORCHELASTIC_RUN_ID=layout.job_id,
+                )
             else:
                 env["TF_CONFIG"] = json.dumps(
                     {
@@ -313,23 +431,23 @@ class LocalCluster:
             env["PS_MODE"] = cfg.mode
             env["PS_STALENESS"] = str(cfg.staleness)
             env["PS_WORKER_ID"] = str(i)
-            env["PS_NUM_WORKERS"] = str(cfg.workers)
+            env["PS_NUM_WORKERS"] = str(total)
             child = self._spawn(f"worker{i}", cfg.command, env)
             self.say(f"{child.name} started (pid {child.proc.pid})")
             self._workers.append(child)
 
-    def _start_elastic_worker(self, i: int) -> _Child:
+    def _start_elastic_worker(self, i: int, count: int | None = None) -> _Child:
         """Worker ``i`` of an elastic job: the shards in $PS_SHARDS, no TF_CONFIG."""
         cfg = self.config
         env = _child_env()
         env.pop("TF_CONFIG", None)
         env.update(
             PS_SHARDS=",".join(self._shards),
-            PS_ELASTIC=str(cfg.elastic),
+            PS_ELASTIC=str(self._elastic),
             PS_MODE=cfg.mode,
             PS_STALENESS=str(cfg.staleness),
             PS_WORKER_ID=str(i),
-            PS_NUM_WORKERS=str(cfg.workers),
+            PS_NUM_WORKERS=str(count or cfg.workers),
         )
         child = self._spawn(f"worker{i}", cfg.command, env)
         self.say(f"{child.name} started (pid {child.proc.pid})")
@@ -376,6 +494,9 @@ class LocalCluster:
                 before = len(self._workers)
                 self._adds.poll(self._add_workers)
                 running.update(self._workers[before:])
+            if self._nodes is not None:
+                for line in self._nodes.check():
+                    self.say(line)
             try:
                 child, code = self._exits.get(timeout=min(left, 0.2))
             except queue.Empty:
@@ -385,7 +506,7 @@ class LocalCluster:
             self._check_interrupt()
             if child in running:
                 running.discard(child)
-                if code != 0 and self._adds is not None:
+                if code != 0 and self._elastic is not None:
                     self.say(
                         f"{child.name} failed with {_describe(code)}; the elastic job goes on "
                         "without it"

@@ -51,6 +51,7 @@ class AllReduceClient(PushThenPull):
         compression: str | None = None,
         server: RingServer | None = None,
         security: ClientSecurity | None = None,
+        rendezvous: object = None,
     ) -> None:
         if compression not in COMPRESSIONS:
             raise ConfigError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
@@ -60,6 +61,8 @@ class AllReduceClient(PushThenPull):
         self.bucket_bytes = bucket_bytes
         self.compression = compression
         self.ring = Ring(rank, peers, timeout=timeout, server=server, security=security)
+        # The rendezvous store (psworker.ring.rendezvous) this rank may host: kept until close.
+        self._rendezvous = rendezvous
         self._local = LocalClient()
         self._buffers: set[str] = set()
         self._plan: BucketPlan | None = None
@@ -87,6 +90,7 @@ class AllReduceClient(PushThenPull):
         """Stops this worker's ring server; later calls raise ClientClosedError."""
         self.ring.close()
         self._local.close()
+        self._rendezvous = None
 
     def init(
         self,
