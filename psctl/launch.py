@@ -237,7 +237,7 @@ class LocalCluster:
         try:
             layout = None
             if cfg.nodes is not None:
-                self._nodes = Nodes(cfg.nodes, cfg.start_timeout_s)
+                self._nodes = Nodes(cfg.nodes, cfg.start_timeout_s, self._check_interrupt)
                 self._host = self._nodes.bind_host
                 job = {"mode": cfg.mode, "staleness": cfg.staleness, "workers": cfg.workers}
                 self._nodes.agree(job)
@@ -265,7 +265,7 @@ class LocalCluster:
         except _Stop as stop:
             self.say(str(stop))
             code = stop.code
-        except (NodeError, PSError) as exc:
+        except (NodeError, PSError, ConfigError) as exc:
             self.say(str(exc))
             code = 1
         finally:

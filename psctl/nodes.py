@@ -18,11 +18,12 @@ import contextlib
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from psworker.elastic import parse_bounds
-from psworker.ring.rendezvous import local_host_towards, open_store, wait_keys
+from psworker.ring.rendezvous import local_host_towards, open_store
 
 DEFAULT_JOIN_TIMEOUT_S = 300.0
 DEFAULT_NODE_TIMEOUT_S = 15.0
@@ -96,11 +97,25 @@ class Layout:
 class Nodes:
     """This node's side of the rendezvous: join, exchange, beat, watch the others, finish."""
 
-    def __init__(self, config: NodesConfig, timeout_s: float) -> None:
+    def __init__(
+        self, config: NodesConfig, timeout_s: float, interrupted: Callable[[], None]
+    ) -> None:
+        """Hosts (node 0) or reaches the store; ``interrupted`` is called during every wait
+        and may raise to end it (a signal, the run's deadline).
+
+        Raises:
+            UnavailableError: the store could not be hosted or reached within the join timeout.
+        """
         self.config = config
         self.rank = config.node_rank
+        self._interrupted = interrupted
         self._store = open_store(
-            config.host, config.port, config.bounds[1], self.rank == 0, config.join_timeout_s
+            config.host,
+            config.port,
+            config.bounds[1],
+            self.rank == 0,
+            config.join_timeout_s,
+            interrupted,
         )
         self._stop = threading.Event()
         self._beater: threading.Thread | None = None
@@ -182,23 +197,27 @@ class Nodes:
         return [i for i in range(self.config.bounds[1]) if self._store.check([f"node/{i}"])]
 
     def _wait_count(self, count: int) -> None:
-        deadline = time.monotonic() + self.config.join_timeout_s
-        while len(self._joined()) < count:
-            if time.monotonic() >= deadline:
-                raise NodeError(
-                    f"only nodes {self._joined()} joined within {self.config.join_timeout_s:g} s; "
-                    f"--nnodes {self.config.nnodes} needs at least {count}"
-                )
-            time.sleep(_POLL_S)
+        self._poll(lambda: len(self._joined()) >= count, f"at least {count} nodes")
 
     def _wait(self, keys: list[str], what: str) -> None:
-        try:
-            wait_keys(self._store, keys, self.config.join_timeout_s, f"node {self.rank} waiting")
-        except Exception as exc:
-            raise NodeError(
-                f"node {self.rank}: {what} did not arrive at {self.config.rdzv} within "
-                f"{self.config.join_timeout_s:g} s ({exc})"
-            ) from None
+        self._poll(lambda: all(self._store.check([k]) for k in keys), what)
+
+    def _poll(self, done: Callable[[], bool], what: str) -> None:
+        """Polls ``done`` until true (interruptible, unlike a store wait).
+
+        Raises:
+            NodeError: not within the join timeout; the message names who joined.
+        """
+        deadline = time.monotonic() + self.config.join_timeout_s
+        while not done():
+            if time.monotonic() >= deadline:
+                raise NodeError(
+                    f"node {self.rank}: {what} did not arrive at {self.config.rdzv} within "
+                    f"{self.config.join_timeout_s:g} s (nodes joined: {self._joined()}; "
+                    f"--nnodes {self.config.nnodes})"
+                )
+            self._interrupted()
+            time.sleep(_POLL_S)
 
     # -- while it runs -----------------------------------------------------------------------
 

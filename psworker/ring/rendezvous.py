@@ -11,7 +11,8 @@ process shares it). torch is imported only here, and only when a rendezvous is n
 from __future__ import annotations
 
 import socket
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -70,8 +71,44 @@ class RendezvousSettings:
         return f"the rendezvous store at {self.host}:{self.port} ($MASTER_ADDR:$MASTER_PORT)"
 
 
-def open_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> Any:
-    """A ``torch.distributed.TCPStore`` (imported here: only rendezvous needs torch).
+def wait_listening(
+    host: str, port: int, timeout_s: float, interrupted: Callable[[], None] | None = None
+) -> None:
+    """Waits until something accepts TCP connections at ``host:port``.
+
+    TCPStore's own client backs off for up to a minute between tries when the server is not
+    up yet; connecting here first, every 0.1 s, joins as soon as it is (and ``interrupted``,
+    called between tries, may raise to give up early).
+
+    Raises:
+        UnavailableError: nothing listened within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise UnavailableError(
+                    f"nothing listens at {host}:{port} after {timeout_s:g} s ({exc}): is the "
+                    "rendezvous host (rank or node 0) running, and is the address right?"
+                ) from None
+        if interrupted is not None:
+            interrupted()
+        time.sleep(0.1)
+
+
+def open_store(
+    host: str,
+    port: int,
+    world_size: int,
+    is_master: bool,
+    timeout_s: float,
+    interrupted: Callable[[], None] | None = None,
+) -> Any:
+    """A ``torch.distributed.TCPStore`` (imported here: only rendezvous needs torch); a client
+    first waits for the server to listen (``wait_listening``).
 
     Raises:
         ConfigError: torch is not installed.
@@ -84,6 +121,8 @@ def open_store(host: str, port: int, world_size: int, is_master: bool, timeout_s
             f"rendezvous through {host}:{port} needs torch's TCPStore: install torch, or give "
             "the ring's addresses (addresses=..., TF_CONFIG's cluster.worker)"
         ) from exc
+    if not is_master:
+        wait_listening(host, port, timeout_s, interrupted)
     try:
         return TCPStore(
             host,
