@@ -4,6 +4,7 @@ an error naming it, while an elastic job goes on without it; never a hang."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -88,10 +89,8 @@ def test_two_nodes_train_the_model_of_one_launcher_with_all_of_it(
 def kill_node(procs: Processes, lines: Lines) -> None:
     """kill -9 of a whole node: its launcher and every shard and worker it started."""
     for pid in [lines.proc.pid, *adopt_children(procs, lines)]:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 @pytest.mark.timeout(150)
