@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +18,15 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from psctl import admin
+from psctl.children import (
+    EXIT_SIGNAL_BASE,
+    Child,
+    PrefixedOutput,
+    child_env,
+    describe,
+    exit_code,
+    free_ports,
+)
 from psctl.local_add import AddRequests
 from psctl.nodes import Layout, NodeError, Nodes, NodesConfig
 from psctl.run_folder import RunFolder
@@ -27,7 +34,6 @@ from pswire.errors import ConfigError, PSError
 from pswire.job import CLIENT_MODES, MODES
 from pswire.security import ClientSecurity
 from psworker.elastic import parse_bounds
-from psworker.launchers import LAUNCHER_VARIABLES
 
 # "local" runs the one worker with no shards: the same script, the reference mode.
 # "allreduce" runs no shards either: the workers form a ring at their TF_CONFIG addresses.
@@ -40,7 +46,6 @@ DEFAULT_GRACE_S = 5.0
 DEFAULT_STALENESS = 1
 # Exit codes beside the workers' own: the shell's for "timed out" and for death by a signal.
 EXIT_TIMEOUT = 124
-EXIT_SIGNAL_BASE = 128
 _POLL_S = 0.05
 
 
@@ -110,81 +115,12 @@ class LocalConfig:
             raise ValueError("; ".join(problems))
 
 
-class PrefixedOutput:
-    """Where a run's output goes: each line under its process's ``[name]`` prefix (``[psctl]``
-    for the launcher's own), whole lines only, though children's readers write at once.
-
-    Subclasses may render lines differently (``psctl.progress.ProgressOutput``).
-    """
-
-    def __init__(self, stream: TextIO | None = None) -> None:
-        self._stream = stream if stream is not None else sys.stdout
-        self.lock = threading.Lock()
-
-    def line(self, name: str, text: str) -> None:
-        with self.lock:
-            self.write(f"[{name}] {text}")
-
-    def say(self, message: str) -> None:
-        self.line("psctl", message)
-
-    def close(self) -> None:
-        """Called once every child's output has been read; nothing to release here."""
-
-    def write(self, text: str) -> None:
-        """Writes one line; the caller holds ``lock``."""
-        self._stream.write(text + "\n")
-        self._stream.flush()
-
-
 class _Stop(Exception):
     """Ends a local run early with an exit code; the message says why."""
 
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-class _Child:
-    """One launched process, its output pumped line by line to the run's output."""
-
-    def __init__(
-        self,
-        name: str,
-        argv: Sequence[str],
-        env: dict[str, str],
-        output: PrefixedOutput,
-        exits: queue.Queue[tuple[_Child, int]],
-    ) -> None:
-        self.name = name
-        self.proc = subprocess.Popen(
-            list(argv),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        self._output, self._exits = output, exits
-        self._reader = threading.Thread(target=self._pump, name=f"out-{name}", daemon=True)
-        self._waiter = threading.Thread(target=self._wait, name=f"wait-{name}", daemon=True)
-        self._reader.start()
-        self._waiter.start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in iter(self.proc.stdout.readline, b""):
-            self._output.line(self.name, raw.decode(errors="replace").rstrip("\r\n"))
-        self.proc.stdout.close()
-
-    def _wait(self) -> None:
-        self._exits.put((self, self.proc.wait()))
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def finish_output(self, timeout: float) -> None:
-        """Waits for the rest of the output (bounded: a grandchild may hold the pipe open)."""
-        self._reader.join(timeout)
 
 
 class LocalCluster:
@@ -205,9 +141,9 @@ class LocalCluster:
     ) -> None:
         self.config = config
         self._output: PrefixedOutput = output if output is not None else PrefixedOutput(out)
-        self._exits: queue.Queue[tuple[_Child, int]] = queue.Queue()
-        self._servers: list[_Child] = []
-        self._workers: list[_Child] = []
+        self._exits: queue.Queue[tuple[Child, int]] = queue.Queue()
+        self._servers: list[Child] = []
+        self._workers: list[Child] = []
         self._signal: int | None = None
         self._shards: list[str] = []
         self._adds: AddRequests | None = None
@@ -281,16 +217,7 @@ class LocalCluster:
         (node 0) releases the other nodes' shards."""
         nodes = self._nodes
         if nodes is not None:
-            nodes.finish(code)
-            if code == 0 and (self._servers or nodes.rank == 0):
-                waiting = nodes.others_running()
-                if waiting:
-                    self.say(f"this node's workers are done; waiting for nodes {waiting}")
-                while waiting:
-                    self._tick(deadline)
-                    for line in nodes.check():
-                        self.say(line)
-                    waiting = nodes.others_running()
+            nodes.settle(code, bool(self._servers), lambda: self._tick(deadline), self.say)
         if code == 0 and self.config.export is not None and (nodes is None or nodes.rank == 0):
             try:
                 written = admin.export_state_dict(self._shards, self.config.export)
@@ -302,12 +229,8 @@ class LocalCluster:
                     f"exported the final model ({len(written.tensors)} tensors, shard clocks "
                     f"{written.clocks}) to {written.path}"
                 )
-        if nodes is not None and nodes.rank == 0:
-            nodes.release()
-        elif nodes is not None and code == 0 and self._servers:
-            self.say("waiting for node 0 to release this node's shards")
-            while not nodes.released():
-                self._tick(deadline)
+        if nodes is not None:
+            nodes.release(code == 0 and bool(self._servers), lambda: self._tick(deadline), self.say)
         return code
 
     def _tick(self, deadline: float) -> None:
@@ -325,7 +248,7 @@ class LocalCluster:
     def _start_servers(self, folder: Path, deadline: float) -> list[str]:
         cfg = self.config
         start_deadline = min(deadline, time.monotonic() + cfg.start_timeout_s)
-        env = _child_env()
+        env = child_env()
         # Servers get their port from the flags; a TF_CONFIG meant for workers is not theirs.
         env.pop("TF_CONFIG", None)
         # Each waiting pull and push holds a server thread: leave room for every worker.
@@ -360,7 +283,7 @@ class LocalCluster:
             self.say(f"{child.name} serving at {address} (pid {child.proc.pid})")
         return addresses
 
-    def _read_port(self, child: _Child, port_file: Path, deadline: float) -> int:
+    def _read_port(self, child: Child, port_file: Path, deadline: float) -> int:
         while True:
             self._check_interrupt()
             if port_file.exists():
@@ -373,7 +296,7 @@ class LocalCluster:
                 raise _Stop(1, f"{child.name} wrote no port file within the start timeout")
             time.sleep(_POLL_S)
 
-    def _wait_serving(self, child: _Child, address: str, deadline: float) -> None:
+    def _wait_serving(self, child: Child, address: str, deadline: float) -> None:
         request = health_pb2.HealthCheckRequest(service="")
         with ClientSecurity.from_env().channel(address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
@@ -406,9 +329,9 @@ class LocalCluster:
             for i in range(cfg.workers):
                 self._start_elastic_worker(first + i, total)
             return
-        placeholders = [f"127.0.0.1:{port}" for port in _free_ports(total)]
+        placeholders = [f"127.0.0.1:{port}" for port in free_ports(total)]
         for i in range(first, first + cfg.workers):
-            env = _child_env()
+            env = child_env()
             if cfg.mode == "local":
                 # No cluster at all: psworker.connect() then trains in this one process.
                 env.pop("TF_CONFIG", None)
@@ -436,10 +359,10 @@ class LocalCluster:
             self.say(f"{child.name} started (pid {child.proc.pid})")
             self._workers.append(child)
 
-    def _start_elastic_worker(self, i: int, count: int | None = None) -> _Child:
+    def _start_elastic_worker(self, i: int, count: int | None = None) -> Child:
         """Worker ``i`` of an elastic job: the shards in $PS_SHARDS, no TF_CONFIG."""
         cfg = self.config
-        env = _child_env()
+        env = child_env()
         env.pop("TF_CONFIG", None)
         env.update(
             PS_SHARDS=",".join(self._shards),
@@ -473,9 +396,9 @@ class LocalCluster:
         started = [self._start_elastic_worker(i) for i in free[:count]]
         return [(c.name, c.proc.pid) for c in started]
 
-    def _spawn(self, name: str, argv: Sequence[str], env: dict[str, str]) -> _Child:
+    def _spawn(self, name: str, argv: Sequence[str], env: dict[str, str]) -> Child:
         try:
-            return _Child(name, argv, env, self._output, self._exits)
+            return Child(name, argv, env, self._output, self._exits)
         except OSError as exc:
             raise _Stop(1, f"could not start {name} ({argv[0]}): {exc}") from exc
 
@@ -508,22 +431,22 @@ class LocalCluster:
                 running.discard(child)
                 if code != 0 and self._elastic is not None:
                     self.say(
-                        f"{child.name} failed with {_describe(code)}; the elastic job goes on "
+                        f"{child.name} failed with {describe(code)}; the elastic job goes on "
                         "without it"
                     )
                     failures.append(code)
                     continue
                 if code != 0:
-                    raise _Stop(_exit_code(code), f"{child.name} failed with {_describe(code)}")
+                    raise _Stop(exit_code(code), f"{child.name} failed with {describe(code)}")
                 finished += 1
                 self.say(f"{child.name} finished")
             elif child in self._servers:
                 raise _Stop(
-                    _exit_code(code) or 1,
-                    f"{child.name} stopped with {_describe(code)} while workers were running",
+                    exit_code(code) or 1,
+                    f"{child.name} stopped with {describe(code)} while workers were running",
                 )
         if failures and not finished:
-            return _exit_code(failures[0])
+            return exit_code(failures[0])
         return 0
 
     def _check_interrupt(self) -> None:
@@ -553,45 +476,7 @@ class LocalCluster:
             child.finish_output(timeout=2.0)
         for server in self._servers:
             if server.proc.returncode not in (0, None):
-                self.say(f"{server.name} stopped with {_describe(server.proc.returncode)}")
-
-
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    # The cluster psctl builds is the only one its children may see; a PS_CLUSTER left in the
-    # caller's shell would override it in `psworker run`.
-    env.pop("PS_CLUSTER", None)
-    # Nor may an outer launcher's (torchrun's, Slurm's): they would conflict with ours.
-    for name in LAUNCHER_VARIABLES:
-        env.pop(name, None)
-    # Children's output goes through a pipe; unbuffered, their lines appear as they happen.
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
-
-
-def _free_ports(count: int) -> list[int]:
-    """Ports free right now, for the workers' placeholder addresses (nothing binds them)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sockets.append(s)
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def _exit_code(returncode: int) -> int:
-    """A child's return code as a shell reports it: death by signal N is 128 + N."""
-    return EXIT_SIGNAL_BASE - returncode if returncode < 0 else returncode
-
-
-def _describe(returncode: int) -> str:
-    if returncode < 0:
-        return f"signal {signal.Signals(-returncode).name}"
-    return f"exit code {returncode}"
+                self.say(f"{server.name} stopped with {describe(server.proc.returncode)}")
 
 
 def run_local(

@@ -288,22 +288,42 @@ class Nodes:
             ) from None
         return news
 
-    def finish(self, code: int) -> None:
-        """Says this node's workers are done (with ``code``)."""
+    def settle(
+        self, code: int, serving: bool, tick: Callable[[], None], say: Callable[[str], None]
+    ) -> None:
+        """This node's workers are done with ``code``: tells the others, and while this node
+        serves them (its shards, or node 0's store) waits until they are done too. ``tick``
+        is called between polls (it sleeps, and raises to give up)."""
         with contextlib.suppress(Exception):  # node 0 gone: nobody to tell
             self._store.set(f"done/{self.rank}", str(code))
+        if code != 0 or not (serving or self.rank == 0):
+            return
+        waiting = self.others_running()
+        if waiting:
+            say(f"this node's workers are done; waiting for nodes {waiting}")
+        while waiting:
+            tick()
+            for line in self.check():
+                say(line)
+            waiting = self.others_running()
 
-    def release(self) -> None:
-        """Node 0: the job is over (exported if asked); the other nodes may stop their shards."""
-        with contextlib.suppress(Exception):
-            self._store.set("released", "1")
+    def release(self, serving: bool, tick: Callable[[], None], say: Callable[[str], None]) -> None:
+        """Node 0: the job is over (exported if asked), the others may stop their shards. The
+        others, when ``serving``: wait for that (or for node 0 to be gone)."""
+        if self.rank == 0:
+            with contextlib.suppress(Exception):
+                self._store.set("released", "1")
+            return
+        if serving:
+            say("waiting for node 0 to release this node's shards")
+            while not self._released():
+                tick()
 
-    def released(self) -> bool:
-        """Whether node 0 released the shards (or is gone, which ends the job as well)."""
+    def _released(self) -> bool:
         try:
             return bool(self._store.check(["released"]))
         except Exception:
-            return True
+            return True  # node 0 is gone: nothing to wait for
 
     def others_running(self) -> list[int]:
         """Nodes that joined, are neither done nor gone (what this node's shards may serve)."""
