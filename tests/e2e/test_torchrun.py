@@ -117,7 +117,7 @@ def digits_lines(out: str) -> dict[int, list[str]]:
     return found
 
 
-# Slow (~1 min a mode on 2 cores: the digits CNN trained twice, under torchrun and psctl
+# Slow (1.5-2 min a mode on 2 busy cores: the digits CNN trained twice, under torchrun and psctl
 # local). The fast tests above pin the same launch paths with a numpy worker.
 @pytest.mark.slow
 @pytest.mark.timeout(300)
