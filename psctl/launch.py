@@ -73,15 +73,7 @@ class LocalConfig:
                 "(save it from the training script)"
             )
         if self.nodes is not None:
-            if self.elastic is not None:
-                problems.append("--elastic and --nnodes: give an elastic range as --nnodes MIN:MAX")
-            if self.nodes.elastic and self.mode not in MODES:
-                problems.append(
-                    f"--nnodes {self.nodes.nnodes} (elastic) needs a parameter-server mode "
-                    f"{MODES}, not {self.mode}"
-                )
-            if self.mode == "local":
-                problems.append("--mode local runs one process; it cannot span nodes")
+            problems += self.nodes.refusals(self.mode, self.elastic)
         if self.elastic is not None:
             try:
                 _, high = parse_bounds(self.elastic, "--elastic")
@@ -229,6 +221,8 @@ class LocalCluster:
                     f"exported the final model ({len(written.tensors)} tensors, shard clocks "
                     f"{written.clocks}) to {written.path}"
                 )
+        elif code == 0 and self.config.export is not None:
+            self.say("node 0 exports the model (--export on other nodes is not used)")
         if nodes is not None:
             nodes.release(code == 0 and bool(self._servers), lambda: self._tick(deadline), self.say)
         return code

@@ -366,7 +366,11 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def _status(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     run = None
-    if args.addresses or args.cluster is not None or launchers.shard_addresses() is not None:
+    try:
+        env_says = launchers.shard_addresses() is not None
+    except ValueError:
+        env_says = True  # malformed: admin.shard_addresses reports it
+    if args.addresses or args.cluster is not None or env_says:
         addresses = admin.shard_addresses(parser, args)
     else:
         try:
@@ -378,6 +382,19 @@ def _status(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             parser.error(f"the newest job, {run.describe()}, has no shards (mode allreduce?)")
     if args.watch is not None and not args.watch > 0:
         parser.error(f"--watch must be > 0 seconds, got {args.watch}")
+    try:
+        return _show_status(parser, args, addresses, run)
+    except KeyboardInterrupt:  # Ctrl-C ends --watch
+        return 0
+
+
+def _show_status(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    addresses: list[str],
+    run: run_folder.Run | None,
+) -> int:
+    """Prints the status once, or (--watch) again every interval until the job ends."""
     render = status_view.render_json if args.json else status_view.render_table
     while True:
         try:
@@ -391,10 +408,7 @@ def _status(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         code = 0 if status_view.all_serving(health, statuses) else 1
         if args.watch is None:
             return code
-        try:
-            time.sleep(args.watch)
-        except KeyboardInterrupt:
-            return code
+        time.sleep(args.watch)
         if run is not None and not run_folder.is_live(run.folder):
             print(f"the job in {run.folder} has ended", flush=True)
             return 0

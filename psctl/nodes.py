@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pswire.job import MODES
 from psworker.elastic import parse_bounds
 from psworker.ring.rendezvous import local_host_towards, open_store
 
@@ -63,6 +64,20 @@ class NodesConfig:
                 problems.append(f"{name} must be > 0 seconds, got {value}")
         if problems:
             raise ValueError("; ".join(problems))
+
+    def refusals(self, mode: str, elastic: str | None) -> list[str]:
+        """Why this node cannot run a ``psctl local`` job in ``mode`` (with ``--elastic``)."""
+        problems = []
+        if elastic is not None:
+            problems.append("--elastic and --nnodes: give an elastic range as --nnodes MIN:MAX")
+        if self.elastic and mode not in MODES:
+            problems.append(
+                f"--nnodes {self.nnodes} (elastic) needs a parameter-server mode {MODES}, "
+                f"not {mode}"
+            )
+        if mode == "local":
+            problems.append("--mode local runs one process; it cannot span nodes")
+        return problems
 
     @property
     def bounds(self) -> tuple[int, int]:

@@ -70,3 +70,17 @@ def test_export_writes_the_final_async_model(procs: Processes, tmp_path: Path) -
         "the export is neither worker's final model"
     )
     assert sorted(model) == ["v0", "v1"]
+
+
+def test_add_help_promises_the_run_folder_the_launcher_prints(
+    procs: Processes, tmp_path: Path
+) -> None:
+    env = child_env(TMPDIR=str(tmp_path))
+    args = [*PSCTL, "local", "--mode", "local", "--", sys.executable, "-c", "pass"]
+    code, out = procs.run(args, timeout=60, env=env)
+    assert code == 0, out
+    printed = re.search(r"^\[psctl\] run folder (\S+) ", out, re.M)
+    assert printed is not None, out
+    assert not Path(printed.group(1)).exists()  # removed when the job ends
+    code, help_text = procs.run([*PSCTL, "local", "add", "--help"], timeout=30, env=env)
+    assert code == 0 and "prints it as `run folder ...`" in " ".join(help_text.split())
