@@ -86,6 +86,36 @@ def test_two_nodes_train_the_model_of_one_launcher_with_all_of_it(
         np.testing.assert_array_equal(together[name], alone[name])
 
 
+@pytest.mark.timeout(150)
+def test_two_nodes_all_reduce_as_one_launcher_with_all_of_it(
+    procs: Processes, tmp_path: Path
+) -> None:
+    # The workers find the ring through the store node 0's launcher hosts (no TF_CONFIG).
+    env = child_env(TMPDIR=str(tmp_path))
+    (tmp_path / "nodes").mkdir()
+    (tmp_path / "one").mkdir()
+    rdzv = f"127.0.0.1:{free_port()}"
+    flags = ["--mode", "allreduce", "--workers", "2", "--timeout", "100"]
+    worker = ["--steps", "6", "--out", str(tmp_path / "nodes")]
+    nodes = [node(procs, r, "2", rdzv, flags, worker, env) for r in (0, 1)]
+    codes = [finished(n, 120) for n in nodes]
+    for n in nodes:
+        adopt_children(procs, n)
+    assert codes == [0, 0], "\n---\n".join(n.text() for n in nodes)
+    args = [*PSCTL, "local", "--mode", "allreduce", "--workers", "4", "--timeout", "100", "--"]
+    args += [sys.executable, ENV_WORKER, "--steps", "6", "--out", str(tmp_path / "one")]
+    code, out = procs.run(args, timeout=110, env=env)
+    assert code == 0, out
+    for w in range(4):
+        with (
+            np.load(tmp_path / "nodes" / f"worker{w}.npz") as a,
+            np.load(tmp_path / "one" / f"worker{w}.npz") as b,
+        ):
+            assert a.files == b.files
+            for name in a.files:
+                np.testing.assert_array_equal(a[name], b[name])
+
+
 def kill_node(procs: Processes, lines: Lines) -> None:
     """kill -9 of a whole node: its launcher and every shard and worker it started."""
     for pid in [lines.proc.pid, *adopt_children(procs, lines)]:
