@@ -226,10 +226,12 @@ class Nodes:
         deadline = time.monotonic() + self.config.join_timeout_s
         while not done():
             if time.monotonic() >= deadline:
+                joined = self._joined()
+                missing = [i for i in range(self.config.bounds[0]) if i not in joined]
                 raise NodeError(
                     f"node {self.rank}: {what} did not arrive at {self.config.rdzv} within "
-                    f"{self.config.join_timeout_s:g} s (nodes joined: {self._joined()}; "
-                    f"--nnodes {self.config.nnodes})"
+                    f"{self.config.join_timeout_s:g} s (joined: nodes {joined}; still missing: "
+                    f"nodes {missing}; --nnodes {self.config.nnodes})"
                 )
             self._interrupted()
             time.sleep(_POLL_S)
