@@ -8,8 +8,10 @@ node order, node i's workers take the ids after those of nodes 0..i-1, and a nod
 goes silent stops every other node with an error naming it. Elastic (``--nnodes MIN:MAX``):
 the shards run on node 0 only (the model must outlive any node that leaves), node i's workers
 take ids ``[i*W, (i+1)*W)`` of an elastic job of ``MIN*W`` to ``MAX*W`` workers, node 0 starts
-once MIN nodes are in, later nodes join the running job, and a node that leaves is reported
-while the rest go on. torch is imported only here (``psworker.ring.rendezvous``).
+once MIN nodes are in, later nodes join the running job, a node that leaves is reported while
+the rest go on, and a launcher started again with a rank whose holder has been silent for the
+node timeout takes it back (its workers rejoin under their old ids). torch is imported only
+here (``psworker.ring.rendezvous``).
 """
 
 from __future__ import annotations
@@ -56,12 +58,13 @@ class NodesConfig:
             problems.append(f"--rdzv must be HOST:PORT, got {self.rdzv!r}")
         if not 0 <= self.node_rank < high:
             problems.append(f"--node-rank must be in [0, {high}) for --nnodes {self.nnodes}")
-        for name, value in (
-            ("--join-timeout", self.join_timeout_s),
-            ("--node-timeout", self.node_timeout_s),
-        ):
-            if not value > 0:
-                problems.append(f"{name} must be > 0 seconds, got {value}")
+        if not self.join_timeout_s > 0:
+            problems.append(f"--join-timeout must be > 0 seconds, got {self.join_timeout_s}")
+        if not self.node_timeout_s >= 2 * _BEAT_S:
+            problems.append(
+                f"--node-timeout must be >= {2 * _BEAT_S:g} seconds (nodes beat every "
+                f"{_BEAT_S:g} s), got {self.node_timeout_s}"
+            )
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -153,10 +156,7 @@ class Nodes:
             NodeError: this node rank is taken, or a setting differs from node 0's.
         """
         if int(self._store.add(f"claim/{self.rank}", 1)) > 1:
-            raise NodeError(
-                f"node rank {self.rank} is already taken in the job at {self.config.rdzv}: "
-                "give each launcher its own --node-rank"
-            )
+            self._rejoin()
         job = {**job, "nnodes": self.config.nnodes}
         if self.rank == 0:
             self._store.set("job", json.dumps({**job, "job_id": f"nodes-{time.time_ns():x}"}))
@@ -169,6 +169,29 @@ class Nodes:
                     f"node {self.rank} has {key} {job.get(key)!r} but node 0 has "
                     f"{theirs.get(key)!r}: every node must run the same job"
                 )
+
+    def _rejoin(self) -> None:
+        """This node rank was claimed before: an elastic job takes it back when its last
+        holder has been silent for the node timeout (it left; its worker ids rejoin).
+
+        Raises:
+            NodeError: a fixed-size job, or the rank's holder still beats.
+        """
+        taken = (
+            f"node rank {self.rank} is already taken in the job at {self.config.rdzv}: give each "
+            "launcher its own --node-rank"
+        )
+        if not self.config.elastic or self.rank == 0:
+            raise NodeError(taken)
+        before = int(self._store.add(f"beat/{self.rank}", 0))
+        deadline = time.monotonic() + self.config.node_timeout_s
+        while time.monotonic() < deadline:
+            if int(self._store.add(f"beat/{self.rank}", 0)) != before:
+                raise NodeError(f"{taken} (its launcher still beats)")
+            self._interrupted()
+            time.sleep(_POLL_S)
+        with contextlib.suppress(Exception):  # a rank that left after finishing
+            self._store.delete_key(f"done/{self.rank}")
 
     def join(self, shards: list[str], workers: int) -> Layout:
         """Publishes this node's shards and worker count, waits for the others (all of them,
@@ -273,7 +296,13 @@ class Nodes:
         try:
             joined = self._joined()
             for rank in joined:
-                if rank == self.rank or rank in self._gone:
+                if rank == self.rank:
+                    continue
+                if rank in self._gone:
+                    if int(self._store.add(f"beat/{rank}", 0)) != self._seen[rank][0]:
+                        self._gone.discard(rank)
+                        self._seen[rank] = (int(self._store.add(f"beat/{rank}", 0)), now)
+                        news.append(f"node {rank} rejoined the job")
                     continue
                 done = self._store.check([f"done/{rank}"])
                 if done:

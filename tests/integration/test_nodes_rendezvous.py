@@ -88,3 +88,23 @@ def test_a_node_that_never_comes_is_named() -> None:
     node0.agree(JOB)
     with pytest.raises(NodeError, match=r"all 2 nodes did not arrive .*still missing: nodes \[1\]"):
         node0.join(["a:1"], 1)
+
+
+@pytest.mark.timeout(60)
+def test_an_elastic_rank_is_taken_back_only_once_its_holder_is_silent() -> None:
+    rdzv = f"127.0.0.1:{free_port()}"
+
+    def launcher(rank: int) -> Nodes:
+        config = NodesConfig("1:3", rank, rdzv, join_timeout_s=30.0, node_timeout_s=2.5)
+        return Nodes(config, 30.0, never)
+
+    node0, first = launcher(0), launcher(1)
+    node0.agree(JOB)
+    first.agree(JOB)
+    first.start_beating()
+    with pytest.raises(NodeError, match=r"node rank 1 is already taken .* still beats"):
+        launcher(1).agree(JOB)
+    first.close()  # its launcher is gone: no more beats
+    launcher(1).agree(JOB)  # after 2.5 s of silence the rank is free again
+    with pytest.raises(NodeError, match="node rank 0 is already taken"):
+        launcher(0).agree(JOB)  # node 0 hosts the store: never taken back

@@ -33,6 +33,8 @@ def test_nodes_config_reads_fixed_and_elastic_ranges():
         (("2", 0, "h:70000"), "--rdzv must be HOST:PORT"),
         (("3:2", 0, "h:1"), "1 <= MIN <= MAX"),
         (("x", 0, "h:1"), "--nnodes"),
+        (("2", 0, "h:1", 30.0, 1.0), r"--node-timeout must be >= 2 seconds"),
+        (("2", 0, "h:1", 0.0), "--join-timeout must be > 0"),
     ],
 )
 def test_bad_node_settings_are_refused(args, message):
