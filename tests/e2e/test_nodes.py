@@ -150,26 +150,35 @@ def test_a_fixed_size_job_stops_with_the_lost_node_named(
     assert all(s in out for s in says), out
 
 
-# Slow (~50-70 s on 2 cores: node 0 must still be training when node 1 has joined, trained and
-# been killed, and then go on past the shards' heartbeat timeout). The fixed-size kill above is
+# Slow (~60-90 s on 2 cores: node 0 must still be training when node 1 has joined, trained,
+# been killed and started again, past the heartbeat and node timeouts). The fixed-size kill above is
 # the fast check that a lost node never hangs the job.
 # Run: `pytest -m slow tests/e2e/test_nodes.py`.
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_an_elastic_job_goes_on_when_a_node_is_killed(procs: Processes, tmp_path: Path) -> None:
+def test_an_elastic_job_goes_on_when_a_node_is_killed_and_takes_it_back(
+    procs: Processes, tmp_path: Path
+) -> None:
     # The shards drop the lost node's workers after 3 s without heartbeats.
     env = child_env(TMPDIR=str(tmp_path), PS_HEARTBEAT_TIMEOUT="3")
     rdzv = f"127.0.0.1:{free_port()}"
-    flags = ["--servers", "1", "--workers", "1", "--timeout", "150", "--node-timeout", "3"]
-    first = node(procs, 0, "1:2", rdzv, flags, ["--steps", "250", "--pace", "0.1"], env)
+    flags = ["--servers", "1", "--workers", "1", "--timeout", "200", "--node-timeout", "3"]
+    worker = ["--steps", "400", "--pace", "0.1"]  # the job's last step: joiners stop there too
+    first = node(procs, 0, "1:2", rdzv, flags, worker, env)
     first.wait_for(lambda: '"step": 2' in first.text(), 90, "node 0 training")
-    second = node(procs, 1, "1:2", rdzv, flags, ["--steps", "100000", "--pace", "0.1"], env)
+    second = node(procs, 1, "1:2", rdzv, flags, worker, env)
     second.wait_for(lambda: '"step"' in second.text(), 90, "node 1 training")
     assert "starting no shards" in second.text()  # an elastic job's shards live on node 0
     kill_node(procs, second)
-    code = finished(first, 150)
-    adopt_children(procs, first)
+    first.wait_for(lambda: "it left the job" in first.text(last=10**6), 60, "node 1 gone")
+    # The same node started again takes its rank back; its worker rejoins at the job's step.
+    again = node(procs, 1, "1:2", rdzv, flags, worker, env)
+    codes = [finished(n, 180) for n in (first, again)]
+    for n in (first, again):
+        adopt_children(procs, n)
     out = first.text(last=10**6)
-    assert code == 0, out
+    assert codes == [0, 0], out + "\n---\n" + again.text()
     assert "node 1 joined the job" in out and "it left the job; the elastic job goes on" in out
-    assert '"done": 250' in out, out
+    assert "node 1 rejoined the job" in out, out
+    assert '"done": 400' in out and '"done": 400' in again.text(), again.text()
+    assert '"ready": 0' not in again.text()  # it joined the running job, not a new one
