@@ -9,6 +9,13 @@ Under ``psctl local`` every copy is one worker of a parameter-server job (``TF_C
 
     psctl local --servers 2 --workers 2 [--mode async] -- python examples/train_digits.py
 
+Under torchrun each rank is a worker: with no ``PS_*`` variable at all they average gradients
+over a ring they find through torchrun's ``MASTER_ADDR:MASTER_PORT`` (mode allreduce); with the
+shards' addresses they are workers of those shards::
+
+    torchrun --nproc-per-node 2 examples/train_digits.py
+    PS_SHARDS=127.0.0.1:7000,127.0.0.1:7001 torchrun --nproc-per-node 2 examples/train_digits.py
+
 Without the marked lines (and with ``opt = torch.optim.SGD(model.parameters(), lr=0.05,
 momentum=0.9)`` and ``for x_batch, y_batch in loader:``) this is an ordinary single-process script.
 """

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -20,12 +17,23 @@ from typing import TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from psctl import admin
+from psctl.children import (
+    EXIT_SIGNAL_BASE,
+    Child,
+    PrefixedOutput,
+    child_env,
+    describe,
+    exit_code,
+    free_ports,
+)
 from psctl.local_add import AddRequests
-from pswire.errors import ConfigError
+from psctl.nodes import Layout, NodeError, Nodes, NodesConfig
+from psctl.run_folder import RunFolder
+from pswire.errors import ConfigError, PSError
 from pswire.job import CLIENT_MODES, MODES
 from pswire.security import ClientSecurity
 from psworker.elastic import parse_bounds
-from psworker.launchers import LAUNCHER_VARIABLES
 
 # "local" runs the one worker with no shards: the same script, the reference mode.
 # "allreduce" runs no shards either: the workers form a ring at their TF_CONFIG addresses.
@@ -38,7 +46,6 @@ DEFAULT_GRACE_S = 5.0
 DEFAULT_STALENESS = 1
 # Exit codes beside the workers' own: the shell's for "timed out" and for death by a signal.
 EXIT_TIMEOUT = 124
-EXIT_SIGNAL_BASE = 128
 _POLL_S = 0.05
 
 
@@ -56,9 +63,18 @@ class LocalConfig:
     grace_s: float = DEFAULT_GRACE_S
     elastic: str | None = None  # "MIN:MAX": workers may be added and may fail (see LocalCluster)
     fresh: bool = False  # shards set their old checkpoints aside (psserver --fresh)
+    export: str | None = None  # write the final model here once every worker succeeded
+    nodes: NodesConfig | None = None  # one node of a multi-node job (psctl.nodes)
 
     def __post_init__(self) -> None:
         problems = []
+        if self.export is not None and self.mode in SHARDLESS_MODES:
+            problems.append(
+                f"--export reads the final model from the shards; mode {self.mode} has none "
+                "(save it from the training script)"
+            )
+        if self.nodes is not None:
+            problems += self.nodes.refusals(self.mode, self.elastic)
         if self.elastic is not None:
             try:
                 _, high = parse_bounds(self.elastic, "--elastic")
@@ -92,81 +108,12 @@ class LocalConfig:
             raise ValueError("; ".join(problems))
 
 
-class PrefixedOutput:
-    """Where a run's output goes: each line under its process's ``[name]`` prefix (``[psctl]``
-    for the launcher's own), whole lines only, though children's readers write at once.
-
-    Subclasses may render lines differently (``psctl.progress.ProgressOutput``).
-    """
-
-    def __init__(self, stream: TextIO | None = None) -> None:
-        self._stream = stream if stream is not None else sys.stdout
-        self.lock = threading.Lock()
-
-    def line(self, name: str, text: str) -> None:
-        with self.lock:
-            self.write(f"[{name}] {text}")
-
-    def say(self, message: str) -> None:
-        self.line("psctl", message)
-
-    def close(self) -> None:
-        """Called once every child's output has been read; nothing to release here."""
-
-    def write(self, text: str) -> None:
-        """Writes one line; the caller holds ``lock``."""
-        self._stream.write(text + "\n")
-        self._stream.flush()
-
-
 class _Stop(Exception):
     """Ends a local run early with an exit code; the message says why."""
 
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-class _Child:
-    """One launched process, its output pumped line by line to the run's output."""
-
-    def __init__(
-        self,
-        name: str,
-        argv: Sequence[str],
-        env: dict[str, str],
-        output: PrefixedOutput,
-        exits: queue.Queue[tuple[_Child, int]],
-    ) -> None:
-        self.name = name
-        self.proc = subprocess.Popen(
-            list(argv),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        self._output, self._exits = output, exits
-        self._reader = threading.Thread(target=self._pump, name=f"out-{name}", daemon=True)
-        self._waiter = threading.Thread(target=self._wait, name=f"wait-{name}", daemon=True)
-        self._reader.start()
-        self._waiter.start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in iter(self.proc.stdout.readline, b""):
-            self._output.line(self.name, raw.decode(errors="replace").rstrip("\r\n"))
-        self.proc.stdout.close()
-
-    def _wait(self) -> None:
-        self._exits.put((self, self.proc.wait()))
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def finish_output(self, timeout: float) -> None:
-        """Waits for the rest of the output (bounded: a grandchild may hold the pipe open)."""
-        self._reader.join(timeout)
 
 
 class LocalCluster:
@@ -187,12 +134,15 @@ class LocalCluster:
     ) -> None:
         self.config = config
         self._output: PrefixedOutput = output if output is not None else PrefixedOutput(out)
-        self._exits: queue.Queue[tuple[_Child, int]] = queue.Queue()
-        self._servers: list[_Child] = []
-        self._workers: list[_Child] = []
+        self._exits: queue.Queue[tuple[Child, int]] = queue.Queue()
+        self._servers: list[Child] = []
+        self._workers: list[Child] = []
         self._signal: int | None = None
         self._shards: list[str] = []
         self._adds: AddRequests | None = None
+        self._nodes: Nodes | None = None
+        self._host = "127.0.0.1"  # where shards listen; a node's address towards node 0
+        self._elastic = config.elastic  # the workers' "MIN:MAX" (from --nnodes on a node)
 
     def request_stop(self, signum: int) -> None:
         """Asks a running ``run`` to stop everything; safe to call from a signal handler."""
@@ -202,23 +152,88 @@ class LocalCluster:
     def run(self) -> int:
         """Launches the cluster, waits for the workers, stops everything; returns the exit code."""
         deadline = time.monotonic() + self.config.timeout_s
-        with tempfile.TemporaryDirectory(prefix="psctl-") as tmp:
-            try:
-                addresses = self._start_servers(Path(tmp), deadline)
-                self._start_workers(addresses)
-                if self.config.elastic is not None:
-                    info = {"shards": addresses, "elastic": self.config.elastic}
-                    self._adds = AddRequests(Path(tmp), info)
-                    self.say(f"elastic {self.config.elastic}: add workers with `psctl local add`")
-                code = self._supervise(deadline)
-            except _Stop as stop:
-                self.say(str(stop))
-                code = stop.code
-            finally:
-                self._stop_all()
-                self._output.close()
+        folder = RunFolder()
+        self.say(f"run folder {folder.path} (psctl status and psctl local add find the job there)")
+        try:
+            code = self._run(folder, deadline)
+        finally:
+            folder.remove()
         self.say(f"exit code {code}")
         return code
+
+    def _run(self, folder: RunFolder, deadline: float) -> int:
+        cfg = self.config
+        try:
+            layout = None
+            if cfg.nodes is not None:
+                self._nodes = Nodes(cfg.nodes, cfg.start_timeout_s, self._check_interrupt)
+                self._host = self._nodes.bind_host
+                job = {"mode": cfg.mode, "staleness": cfg.staleness, "workers": cfg.workers}
+                self._nodes.agree(job)
+            addresses = self._start_servers(folder.path, deadline)
+            folder.publish(shards=addresses, mode=cfg.mode, workers=cfg.workers)
+            if self._nodes is not None:
+                layout = self._nodes.join(addresses, cfg.workers)
+                addresses = layout.shards
+                last = layout.first_worker + cfg.workers - 1
+                self.say(
+                    f"node {self._nodes.rank}: job shards {addresses}, this node's workers "
+                    f"{layout.first_worker}..{last} of {layout.num_workers}"
+                )
+                self._nodes.start_beating()
+            self._start_workers(addresses, layout)
+            info: dict = {"shards": addresses, "elastic": self._elastic}
+            if self._nodes is not None:
+                info["node_rank"] = self._nodes.rank
+            folder.publish(**info)
+            if cfg.elastic is not None:
+                self._adds = AddRequests(folder.path)
+                self.say(f"elastic {cfg.elastic}: add workers with `psctl local add`")
+            code = self._supervise(deadline)
+            code = self._finish(code, deadline)
+        except _Stop as stop:
+            self.say(str(stop))
+            code = stop.code
+        except (NodeError, PSError, ConfigError) as exc:
+            self.say(str(exc))
+            code = 1
+        finally:
+            self._stop_all()
+            if self._nodes is not None:
+                self._nodes.close()
+            self._output.close()
+        return code
+
+    def _finish(self, code: int, deadline: float) -> int:
+        """Once this node's workers are done: waits for the other nodes its shards (or its
+        store) may serve, exports the model (``--export``) while the shards still run, and
+        (node 0) releases the other nodes' shards."""
+        nodes = self._nodes
+        if nodes is not None:
+            nodes.settle(code, bool(self._servers), lambda: self._tick(deadline), self.say)
+        if code == 0 and self.config.export is not None and (nodes is None or nodes.rank == 0):
+            try:
+                written = admin.export_state_dict(self._shards, self.config.export)
+            except (PSError, OSError) as exc:
+                code = 1
+                self.say(f"--export {self.config.export} failed: {exc}")
+            else:
+                self.say(
+                    f"exported the final model ({len(written.tensors)} tensors, shard clocks "
+                    f"{written.clocks}) to {written.path}"
+                )
+        elif code == 0 and self.config.export is not None:
+            self.say("node 0 exports the model (--export on other nodes is not used)")
+        if nodes is not None:
+            nodes.release(code == 0 and bool(self._servers), lambda: self._tick(deadline), self.say)
+        return code
+
+    def _tick(self, deadline: float) -> None:
+        """One wait of a finishing node: interrupts and the run's deadline end it."""
+        self._check_interrupt()
+        if time.monotonic() >= deadline:
+            raise _Stop(EXIT_TIMEOUT, f"timed out after {self.config.timeout_s:g}s")
+        time.sleep(4 * _POLL_S)
 
     def say(self, message: str) -> None:
         self._output.say(message)
@@ -228,17 +243,24 @@ class LocalCluster:
     def _start_servers(self, folder: Path, deadline: float) -> list[str]:
         cfg = self.config
         start_deadline = min(deadline, time.monotonic() + cfg.start_timeout_s)
-        env = _child_env()
+        env = child_env()
         # Servers get their port from the flags; a TF_CONFIG meant for workers is not theirs.
         env.pop("TF_CONFIG", None)
         # Each waiting pull and push holds a server thread: leave room for every worker.
         threads = str(max(64, 4 * cfg.workers + 16))
-        # Local and allreduce modes have no shards.
+        # Local and allreduce modes have no shards; nor has a node but 0 of an elastic job.
         servers = 0 if cfg.mode in SHARDLESS_MODES else cfg.servers
+        if cfg.nodes is not None and cfg.nodes.elastic and cfg.nodes.node_rank != 0:
+            if servers:
+                self.say(
+                    "starting no shards: in an elastic multi-node job they run on node 0, so "
+                    "the model outlives any node that leaves"
+                )
+            servers = 0
         port_files = [folder / f"ps{i}.port" for i in range(servers)]
         checkpoints = env.get("PS_CHECKPOINT_DIR")
         for i, port_file in enumerate(port_files):
-            argv = [sys.executable, "-m", "psserver", "--host", "127.0.0.1", "--port", "0"]
+            argv = [sys.executable, "-m", "psserver", "--host", self._host, "--port", "0"]
             argv += ["--port-file", str(port_file), "--threads", threads]
             argv += ["--grace", str(cfg.grace_s)]
             if cfg.fresh:
@@ -252,13 +274,13 @@ class LocalCluster:
             self._read_port(s, f, start_deadline)
             for s, f in zip(self._servers, port_files, strict=True)
         ]
-        addresses = [f"127.0.0.1:{p}" for p in ports]
+        addresses = [f"{self._host}:{p}" for p in ports]
         for child, address in zip(self._servers, addresses, strict=True):
             self._wait_serving(child, address, start_deadline)
             self.say(f"{child.name} serving at {address} (pid {child.proc.pid})")
         return addresses
 
-    def _read_port(self, child: _Child, port_file: Path, deadline: float) -> int:
+    def _read_port(self, child: Child, port_file: Path, deadline: float) -> int:
         while True:
             self._check_interrupt()
             if port_file.exists():
@@ -271,7 +293,7 @@ class LocalCluster:
                 raise _Stop(1, f"{child.name} wrote no port file within the start timeout")
             time.sleep(_POLL_S)
 
-    def _wait_serving(self, child: _Child, address: str, deadline: float) -> None:
+    def _wait_serving(self, child: Child, address: str, deadline: float) -> None:
         request = health_pb2.HealthCheckRequest(service="")
         with ClientSecurity.from_env().channel(address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
@@ -293,19 +315,32 @@ class LocalCluster:
                     pass  # not up yet; the deadline above bounds the retries
                 time.sleep(_POLL_S)
 
-    def _start_workers(self, ps: list[str]) -> None:
+    def _start_workers(self, ps: list[str], layout: Layout | None = None) -> None:
         cfg = self.config
         self._shards = ps
-        if cfg.elastic is not None:
+        first = layout.first_worker if layout is not None else 0
+        total = layout.num_workers if layout is not None else cfg.workers
+        if layout is not None and layout.elastic is not None:
+            self._elastic = layout.elastic
+        if self._elastic is not None:
             for i in range(cfg.workers):
-                self._start_elastic_worker(i)
+                self._start_elastic_worker(first + i, total)
             return
-        placeholders = [f"127.0.0.1:{port}" for port in _free_ports(cfg.workers)]
-        for i in range(cfg.workers):
-            env = _child_env()
+        placeholders = [f"127.0.0.1:{port}" for port in free_ports(total)]
+        for i in range(first, first + cfg.workers):
+            env = child_env()
             if cfg.mode == "local":
                 # No cluster at all: psworker.connect() then trains in this one process.
                 env.pop("TF_CONFIG", None)
+            elif cfg.mode == "allreduce" and cfg.nodes is not None and layout is not None:
+                # The ring's addresses by rendezvous in the store node 0's launcher hosts.
+                env.pop("TF_CONFIG", None)
+                env.update(
+                    MASTER_ADDR=cfg.nodes.host,
+                    MASTER_PORT=str(cfg.nodes.port),
+                    TORCHELASTIC_USE_AGENT_STORE="True",
+                    TORCHELASTIC_RUN_ID=layout.job_id,
+                )
             else:
                 env["TF_CONFIG"] = json.dumps(
                     {
@@ -316,23 +351,23 @@ class LocalCluster:
             env["PS_MODE"] = cfg.mode
             env["PS_STALENESS"] = str(cfg.staleness)
             env["PS_WORKER_ID"] = str(i)
-            env["PS_NUM_WORKERS"] = str(cfg.workers)
+            env["PS_NUM_WORKERS"] = str(total)
             child = self._spawn(f"worker{i}", cfg.command, env)
             self.say(f"{child.name} started (pid {child.proc.pid})")
             self._workers.append(child)
 
-    def _start_elastic_worker(self, i: int) -> _Child:
+    def _start_elastic_worker(self, i: int, count: int | None = None) -> Child:
         """Worker ``i`` of an elastic job: the shards in $PS_SHARDS, no TF_CONFIG."""
         cfg = self.config
-        env = _child_env()
+        env = child_env()
         env.pop("TF_CONFIG", None)
         env.update(
             PS_SHARDS=",".join(self._shards),
-            PS_ELASTIC=str(cfg.elastic),
+            PS_ELASTIC=str(self._elastic),
             PS_MODE=cfg.mode,
             PS_STALENESS=str(cfg.staleness),
             PS_WORKER_ID=str(i),
-            PS_NUM_WORKERS=str(cfg.workers),
+            PS_NUM_WORKERS=str(count or cfg.workers),
         )
         child = self._spawn(f"worker{i}", cfg.command, env)
         self.say(f"{child.name} started (pid {child.proc.pid})")
@@ -358,9 +393,9 @@ class LocalCluster:
         started = [self._start_elastic_worker(i) for i in free[:count]]
         return [(c.name, c.proc.pid) for c in started]
 
-    def _spawn(self, name: str, argv: Sequence[str], env: dict[str, str]) -> _Child:
+    def _spawn(self, name: str, argv: Sequence[str], env: dict[str, str]) -> Child:
         try:
-            return _Child(name, argv, env, self._output, self._exits)
+            return Child(name, argv, env, self._output, self._exits)
         except OSError as exc:
             raise _Stop(1, f"could not start {name} ({argv[0]}): {exc}") from exc
 
@@ -379,6 +414,9 @@ class LocalCluster:
                 before = len(self._workers)
                 self._adds.poll(self._add_workers)
                 running.update(self._workers[before:])
+            if self._nodes is not None:
+                for line in self._nodes.check():
+                    self.say(line)
             try:
                 child, code = self._exits.get(timeout=min(left, 0.2))
             except queue.Empty:
@@ -388,24 +426,24 @@ class LocalCluster:
             self._check_interrupt()
             if child in running:
                 running.discard(child)
-                if code != 0 and self._adds is not None:
+                if code != 0 and self._elastic is not None:
                     self.say(
-                        f"{child.name} failed with {_describe(code)}; the elastic job goes on "
+                        f"{child.name} failed with {describe(code)}; the elastic job goes on "
                         "without it"
                     )
                     failures.append(code)
                     continue
                 if code != 0:
-                    raise _Stop(_exit_code(code), f"{child.name} failed with {_describe(code)}")
+                    raise _Stop(exit_code(code), f"{child.name} failed with {describe(code)}")
                 finished += 1
                 self.say(f"{child.name} finished")
             elif child in self._servers:
                 raise _Stop(
-                    _exit_code(code) or 1,
-                    f"{child.name} stopped with {_describe(code)} while workers were running",
+                    exit_code(code) or 1,
+                    f"{child.name} stopped with {describe(code)} while workers were running",
                 )
         if failures and not finished:
-            return _exit_code(failures[0])
+            return exit_code(failures[0])
         return 0
 
     def _check_interrupt(self) -> None:
@@ -435,45 +473,7 @@ class LocalCluster:
             child.finish_output(timeout=2.0)
         for server in self._servers:
             if server.proc.returncode not in (0, None):
-                self.say(f"{server.name} stopped with {_describe(server.proc.returncode)}")
-
-
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    # The cluster psctl builds is the only one its children may see; a PS_CLUSTER left in the
-    # caller's shell would override it in `psworker run`.
-    env.pop("PS_CLUSTER", None)
-    # Nor may an outer launcher's (torchrun's, Slurm's): they would conflict with ours.
-    for name in LAUNCHER_VARIABLES:
-        env.pop(name, None)
-    # Children's output goes through a pipe; unbuffered, their lines appear as they happen.
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
-
-
-def _free_ports(count: int) -> list[int]:
-    """Ports free right now, for the workers' placeholder addresses (nothing binds them)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sockets.append(s)
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def _exit_code(returncode: int) -> int:
-    """A child's return code as a shell reports it: death by signal N is 128 + N."""
-    return EXIT_SIGNAL_BASE - returncode if returncode < 0 else returncode
-
-
-def _describe(returncode: int) -> str:
-    if returncode < 0:
-        return f"signal {signal.Signals(-returncode).name}"
-    return f"exit code {returncode}"
+                self.say(f"{server.name} stopped with {describe(server.proc.returncode)}")
 
 
 def run_local(

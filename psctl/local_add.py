@@ -1,5 +1,6 @@
-"""Adding workers to a running ``psctl local --elastic`` job: the run folder the launcher shares
-(``run.json``, and ``add-*.json`` requests it answers), and ``psctl local add`` that asks.
+"""Adding workers to a running ``psctl local --elastic`` job: the add requests its launcher
+answers (``add-*.json`` in its run folder, ``psctl.run_folder``), and ``psctl local add`` that
+asks.
 
 The launcher starts each added worker itself, so it is supervised, prefixed and stopped like the
 first ones. Requests are files renamed into place (never read half-written); each is answered
@@ -9,32 +10,23 @@ with ``<request>.done`` naming the worker started, or why none was.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-RUN_FILE = "run.json"
+from psctl.run_folder import Run, live_runs, read_run, write_json
+
 DEFAULT_ADD_TIMEOUT_S = 30.0
 _POLL_S = 0.05
 
 
-def _write(path: Path, data: dict) -> None:
-    """Writes JSON to ``path`` atomically (a reader sees all of it or nothing)."""
-    part = path.with_name(path.name + ".part")
-    part.write_text(json.dumps(data))
-    os.replace(part, path)
-
-
 class AddRequests:
-    """The launcher's side: announces the run in ``folder`` and answers add requests with
+    """The launcher's side: answers the add requests left in its run folder with
     ``start(count)``, which starts that many workers and returns their names and pids."""
 
-    def __init__(self, folder: Path, info: dict) -> None:
+    def __init__(self, folder: Path) -> None:
         self.folder = folder
-        _write(folder / RUN_FILE, {**info, "pid": os.getpid()})
 
     def poll(self, start: Callable[[int], list[tuple[str, int]]]) -> None:
         """Answers every request waiting; ``start`` raising ValueError refuses one."""
@@ -45,36 +37,42 @@ class AddRequests:
             except (ValueError, OSError) as exc:
                 answer = {"error": str(exc)}
             request.unlink(missing_ok=True)
-            _write(request.with_suffix(".done"), answer)
+            write_json(request.with_suffix(".done"), answer)
 
 
-def find_run(given: str | None) -> Path:
-    """The run folder of the ``psctl local --elastic`` to add to: ``given``, else the one
-    running on this machine for this user.
+def find_run(given: str | None, parent: Path | None = None) -> Path:
+    """The run folder of the ``psctl local --elastic`` job to add to: ``given``, else the one
+    live elastic job of this user under ``parent`` (default ``$TMPDIR``). Never a guess: with
+    none or several, it refuses and lists what it found.
 
     Raises:
-        ValueError: none running, several (name one with --run), or ``given`` is not one.
+        ValueError: ``given`` is not a live elastic job; none or several are running.
     """
     if given:
-        folder = Path(given)
-        if not (folder / RUN_FILE).is_file():
-            raise ValueError(f"--run {given}: no running psctl local --elastic there ({RUN_FILE})")
-        return folder
-    found = []
-    for run in Path(tempfile.gettempdir()).glob(f"psctl-*/{RUN_FILE}"):
-        try:
-            pid = int(json.loads(run.read_text())["pid"])
-            if run.stat().st_uid == os.getuid() and _alive(pid):
-                found.append(run.parent)
-        except (OSError, ValueError, KeyError):
-            continue
-    if not found:
-        raise ValueError("no psctl local --elastic is running on this machine (for this user)")
-    if len(found) > 1:
+        run = read_run(Path(given))
+        if run is None:
+            raise ValueError(f"--run {given}: no running psctl local job there")
+        if not run.info.get("elastic"):
+            raise ValueError(f"--run {given}: {run.describe()} is not elastic (--elastic)")
+        return run.folder
+    runs = live_runs(parent)
+    elastic = [r for r in runs if r.info.get("elastic")]
+    if len(elastic) == 1:
+        return elastic[0].folder
+    if not elastic:
+        others = _listing(runs)
         raise ValueError(
-            f"several psctl local --elastic runs: {sorted(map(str, found))}; name one with --run"
+            "no psctl local --elastic job is running on this machine (for this user)"
+            + (f"; running, but not elastic: {others}" if others else "")
         )
-    return found[0]
+    raise ValueError(
+        f"{len(elastic)} psctl local --elastic jobs are running; name one with --run:"
+        f"{_listing(elastic)}"
+    )
+
+
+def _listing(runs: list[Run]) -> str:
+    return "".join(f"\n  --run {r.folder}  # {r.describe()}" for r in runs)
 
 
 def request_add(folder: Path, count: int, timeout: float) -> list[tuple[str, int]]:
@@ -85,7 +83,7 @@ def request_add(folder: Path, count: int, timeout: float) -> list[tuple[str, int
         TimeoutError: no answer within ``timeout`` seconds.
     """
     request = folder / f"add-{uuid.uuid4().hex[:12]}.json"
-    _write(request, {"count": count})
+    write_json(request, {"count": count})
     done = request.with_suffix(".done")
     deadline = time.monotonic() + timeout
     while not done.exists():
@@ -98,13 +96,3 @@ def request_add(folder: Path, count: int, timeout: float) -> list[tuple[str, int
     if "error" in answer:
         raise ValueError(answer["error"])
     return [(str(name), int(pid)) for name, pid in answer["started"]]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

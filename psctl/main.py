@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from psctl import admin, certs, demo_results, local_add, status_view
+from psctl import admin, certs, demo_results, local_add, nodes, run_folder, status_view
 from psctl.launch import (
     DEFAULT_GRACE_S,
     DEFAULT_STALENESS,
@@ -22,6 +22,7 @@ from psctl.launch import (
 )
 from psctl.progress import ProgressOutput
 from pswire import cli, envnames
+from psworker import launchers
 
 DEMO_OUT = "out/demo"
 
@@ -45,7 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
             "With $PS_CHECKPOINT_DIR set, shard i checkpoints to its subfolder psI. With "
             "--elastic MIN:MAX the workers get $PS_SHARDS and $PS_ELASTIC instead of TF_CONFIG, "
             "a failed worker does not stop the rest, and `psctl local add` starts more (a "
-            "command named add runs as `psctl local -- add`)."
+            "command named add runs as `psctl local -- add`). At start it prints its run "
+            "folder, where `psctl status` and `psctl local add` find the job. With --nnodes, "
+            "several launchers (one per machine) form one job: node 0 hosts the rendezvous at "
+            "--rdzv, the job's shards are every node's, node i's workers take the next ids."
         ),
     )
     _add_cluster_flags(local, servers=1, workers=1)
@@ -64,6 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="start a new job on $PS_CHECKPOINT_DIR: each shard moves its old checkpoints "
         "into a subfolder before-fresh-<time> (kept, never deleted) instead of resuming",
     )
+    cli.add(
+        local,
+        "--export",
+        env="PS_EXPORT",
+        metavar="PATH",
+        help="once every worker succeeded, write the final model (as psctl export) before "
+        "stopping the shards",
+    )
+    _add_node_flags(local)
     local.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD", help="worker command")
 
     demo = commands.add_parser(
@@ -89,10 +102,25 @@ def build_parser() -> argparse.ArgumentParser:
     status = commands.add_parser(
         "status",
         help="show shards, variables, workers and clocks",
-        description="Asks each shard for its health and status.",
+        description=(
+            "Asks each shard for its health and status. With no ADDR, --cluster, $PS_SHARDS, "
+            "$PS_SHARDS_FILE or $TF_CONFIG: the newest psctl local job running on this "
+            "machine (its run folder)."
+        ),
         epilog=admin.SECURITY_EPILOG,
     )
     admin.add_target_flags(status, timeout=5.0)
+    cli.add(
+        status,
+        "--watch",
+        env="PS_STATUS_WATCH",
+        type=float,
+        nargs="?",
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until Ctrl-C, or until the local job ends",
+    )
     cli.add(
         status,
         "--json",
@@ -167,6 +195,62 @@ def _add_cluster_flags(parser: argparse.ArgumentParser, servers: int, workers: i
     )
 
 
+def _add_node_flags(parser: argparse.ArgumentParser) -> None:
+    cli.add(
+        parser,
+        "--nnodes",
+        env="PS_NNODES",
+        metavar="N|MIN:MAX",
+        help="launchers (nodes) in the job; MIN:MAX is elastic: shards on node 0 only, nodes "
+        "may join and leave",
+    )
+    cli.add(parser, "--node-rank", env="PS_NODE_RANK", type=int, default=0, help="this node")
+    cli.add(
+        parser,
+        "--rdzv",
+        env="PS_RDZV",
+        metavar="HOST:PORT",
+        help="node 0's rendezvous store (node 0 hosts it; the others connect)",
+    )
+    cli.add(
+        parser,
+        "--join-timeout",
+        env="PS_JOIN_TIMEOUT",
+        type=float,
+        default=nodes.DEFAULT_JOIN_TIMEOUT_S,
+        help="seconds to wait for the other nodes",
+    )
+    cli.add(
+        parser,
+        "--node-timeout",
+        env="PS_NODE_TIMEOUT",
+        type=float,
+        default=nodes.DEFAULT_NODE_TIMEOUT_S,
+        help="seconds of silence after which a node counts as gone",
+    )
+
+
+def _nodes_config(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> nodes.NodesConfig | None:
+    if args.nnodes is None:
+        if args.rdzv is not None or args.node_rank:
+            parser.error("--rdzv and --node-rank need --nnodes")
+        return None
+    if args.rdzv is None:
+        parser.error("--nnodes needs --rdzv HOST:PORT (node 0's address and a free port)")
+    try:
+        return nodes.NodesConfig(
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            rdzv=args.rdzv,
+            join_timeout_s=args.join_timeout,
+            node_timeout_s=args.node_timeout,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 def build_add_parser() -> argparse.ArgumentParser:
     """The ``psctl local add`` parser."""
     parser = argparse.ArgumentParser(
@@ -181,7 +265,8 @@ def build_add_parser() -> argparse.ArgumentParser:
         parser,
         "--run",
         env="PS_RUN_DIR",
-        help="the run's folder (its launcher prints it); unset: the one running here",
+        help="the run's folder (its launcher prints it as `run folder ...`); unset: the one "
+        "elastic job running here (refused, listing them, when there are several)",
     )
     cli.add(parser, "--count", env="PS_ADD_COUNT", type=int, default=1, help="workers to add")
     cli.add(
@@ -249,6 +334,8 @@ def _local_config(
             grace_s=args.grace,
             elastic=getattr(args, "elastic", None),
             fresh=getattr(args, "fresh", False),
+            export=getattr(args, "export", None),
+            nodes=_nodes_config(parser, args) if hasattr(args, "nnodes") else None,
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -291,14 +378,53 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _status(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    addresses = admin.shard_addresses(parser, args)
+    run = None
     try:
-        health, statuses = status_view.gather(addresses, args.timeout)
-    except ValueError as exc:  # unreadable PS_TLS_* files or a bad PS_TOKEN
-        parser.error(str(exc))
+        env_says = launchers.shard_addresses() is not None
+    except ValueError:
+        env_says = True  # malformed: admin.shard_addresses reports it
+    if args.addresses or args.cluster is not None or env_says:
+        addresses = admin.shard_addresses(parser, args)
+    else:
+        try:
+            run = run_folder.newest_run()
+        except ValueError as exc:
+            parser.error(f"{exc}; give shard addresses, --cluster, $PS_SHARDS, or $TF_CONFIG")
+        addresses = list(run.info.get("shards") or [])
+        if not addresses:
+            parser.error(f"the newest job, {run.describe()}, has no shards (mode allreduce?)")
+    if args.watch is not None and not args.watch > 0:
+        parser.error(f"--watch must be > 0 seconds, got {args.watch}")
+    try:
+        return _show_status(parser, args, addresses, run)
+    except KeyboardInterrupt:  # Ctrl-C ends --watch
+        return 0
+
+
+def _show_status(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    addresses: list[str],
+    run: run_folder.Run | None,
+) -> int:
+    """Prints the status once, or (--watch) again every interval until the job ends."""
     render = status_view.render_json if args.json else status_view.render_table
-    print(render(addresses, statuses, health))
-    return 0 if status_view.all_serving(health, statuses) else 1
+    while True:
+        try:
+            health, statuses = status_view.gather(addresses, args.timeout)
+        except ValueError as exc:  # unreadable PS_TLS_* files or a bad PS_TOKEN
+            parser.error(str(exc))
+        header = f"job: {run.describe()}\n" if run is not None and not args.json else ""
+        if args.watch is not None and sys.stdout.isatty():
+            print("\x1b[H\x1b[2J", end="")  # clear the terminal: a live view
+        print(header + render(addresses, statuses, health), flush=True)
+        code = 0 if status_view.all_serving(health, statuses) else 1
+        if args.watch is None:
+            return code
+        time.sleep(args.watch)
+        if run is not None and not run_folder.is_live(run.folder):
+            print(f"the job in {run.folder} has ended", flush=True)
+            return 0
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ from psworker.client import PSClient
 from psworker.elastic import ElasticPSClient, parse_bounds
 from psworker.launchers import Identity, resolve_identity, shard_addresses
 from psworker.local import LocalClient
+from psworker.ring.algorithm import DEFAULT_TIMEOUT_S as RING_TIMEOUT_S
 from psworker.ring.client import AllReduceClient
+from psworker.ring.rendezvous import RendezvousSettings, rendezvous_ring
 
 log = logging.getLogger(__name__)
 # elastic=True without bounds (and no $PS_ELASTIC): from 1 to this many workers.
@@ -27,27 +29,55 @@ DEFAULT_MAX_WORKERS = 64
 
 def _connect_ring(
     peers: Sequence[str] | None,
-    worker_id: int | None,
-    cluster: str | None,
+    identity: Identity,
+    environ: dict[str, str],
     options: dict,
     security: ClientSecurity,
 ) -> AllReduceClient:
-    """The all-reduce client: peers are the cluster's workers (``addresses`` if given)."""
-    if peers is None:
-        spec = ClusterSpec.load(cluster, role="worker")
-        if spec is None or not spec.workers:
-            raise ConfigError(
-                "mode 'allreduce' needs the workers' ring addresses: addresses=..., "
-                "cluster=..., or $TF_CONFIG with cluster.worker"
-            )
-        peers = spec.workers
-        worker_id = spec.task_index if worker_id is None else worker_id
+    """The all-reduce client: peers are ``addresses``, else the cluster's workers, else found
+    by rendezvous at ``$MASTER_ADDR:$MASTER_PORT`` (``psworker.ring.rendezvous``).
+
+    Raises:
+        ConfigError: nothing says where the ring is, or options that do not apply.
+    """
     allowed = {"timeout", "bucket_bytes", "compression", "server"}
     unknown = set(options) - allowed
     if unknown:
         raise ConfigError(f"options {sorted(unknown)} do not apply to mode 'allreduce'")
+    worker_id = identity.worker_id
+    store = None
+    if peers is None:
+        spec = ClusterSpec.load(environ.get("TF_CONFIG") or None, role="worker")
+        if spec is not None and spec.workers:
+            peers = spec.workers
+            worker_id = spec.task_index if worker_id is None else worker_id
+    if peers is None:
+        count = identity.num_workers
+        timeout = float(options.get("timeout", RING_TIMEOUT_S))
+        settings = RendezvousSettings.from_env(worker_id or 0, count or 1, timeout, environ)
+        if settings is None and count != 1:
+            said = f" with {count} workers ({identity.count_source})" if count else ""
+            raise ConfigError(
+                f"mode 'allreduce'{said} needs the workers' ring addresses: set $MASTER_ADDR "
+                "and $MASTER_PORT (torchrun does) for a rendezvous, or pass addresses=..., "
+                "cluster=..., or $TF_CONFIG with cluster.worker"
+            )
+        if (count or 1) > 1 and worker_id is None:
+            raise ConfigError(
+                f"mode 'allreduce' with {count} workers ({identity.count_source}) needs this "
+                "worker's rank: $RANK, $PS_WORKER_ID or worker_id="
+            )
+        if settings is None:
+            peers = ["127.0.0.1:0"]  # a launcher said one worker: a ring of one
+        else:
+            server, peers, store = rendezvous_ring(settings, security)
+            options = {**options, "server": server}
     return AllReduceClient(
-        0 if worker_id is None else worker_id, peers, security=security, **options
+        0 if worker_id is None else worker_id,
+        peers,
+        security=security,
+        rendezvous=store,
+        **options,
     )
 
 
@@ -80,7 +110,10 @@ def connect(
     (and no launcher saying there are several workers), gives a ``LocalClient``: the same
     script then trains in one process. ``mode="allreduce"`` gives an ``AllReduceClient``: no
     shards; ``addresses`` (or the cluster's ``worker`` list) are the workers' own ring
-    addresses, this one at ``worker_id``.
+    addresses, this one at ``worker_id``; without them the ranks find each other through
+    torch's TCPStore at ``$MASTER_ADDR:$MASTER_PORT`` (as torchrun sets them). No mode, no
+    shards, several workers and ``$MASTER_ADDR`` set (torchrun, PyTorchJob) is ``allreduce``
+    too: the launcher's job, data-parallel.
 
     ``elastic`` (``$PS_ELASTIC``): ``"MIN:MAX"`` or ``(MIN, MAX)`` makes the job elastic
     (``ElasticPSClient``): workers join and leave while it runs, and it trains while it has at
@@ -113,15 +146,27 @@ def connect(
         options["compression"] = os.environ["PS_COMPRESSION"]
     if mode == "local":
         return LocalClient()
-    if mode == "allreduce":
-        security = ClientSecurity.from_env(tls_ca, tls_cert, tls_key, token)
-        return _connect_ring(addresses, worker_id, cluster, options, security)
     environ = dict(os.environ) if cluster is None else {**os.environ, "TF_CONFIG": cluster}
     identity = resolve_identity(worker_id, num_workers, environ)
+    if mode == "allreduce":
+        security = ClientSecurity.from_env(tls_ca, tls_cert, tls_key, token)
+        return _connect_ring(addresses, identity, environ, options, security)
     found = shard_addresses(addresses, environ)
     if found is None:
         if mode is None and (identity.num_workers or 1) == 1:
             return LocalClient()
+        if mode is None and environ.get("MASTER_ADDR"):
+            # torchrun (or PyTorchJob, Slurm, MPI) with no shards: data-parallel, as DDP would.
+            if identity.worker_id == 0:
+                log.warning(
+                    "no shards given and %s says %d workers: training in mode 'allreduce' "
+                    "(ring found through $MASTER_ADDR:$MASTER_PORT); set $PS_SHARDS for a "
+                    "parameter-server job",
+                    identity.count_source,
+                    identity.num_workers,
+                )
+            security = ClientSecurity.from_env(tls_ca, tls_cert, tls_key, token)
+            return _connect_ring(None, identity, environ, options, security)
         raise ConfigError(
             f"mode {mode or 'sync'!r} needs the shards' addresses: addresses=..., $PS_SHARDS, "
             "$PS_SHARDS_FILE, cluster=..., or $TF_CONFIG with cluster.ps"

@@ -8,13 +8,20 @@ Sources of the worker's id and count, first that says wins:
 4. torchrun: ``$RANK`` / ``$WORLD_SIZE`` (with ``$TORCHELASTIC_RUN_ID``), or Kubeflow's
    PyTorchJob, whose operator sets the same two (with ``$MASTER_ADDR``, without torchrun's);
 5. Slurm: ``$SLURM_PROCID`` / ``$SLURM_NTASKS`` (one task per worker, as ``srun`` starts them);
-6. a ``TF_CONFIG`` without a task: ``$PS_TASK_INDEX``, ``$JOB_COMPLETION_INDEX`` or a
+6. MPI: Open MPI's ``$OMPI_COMM_WORLD_RANK`` / ``$OMPI_COMM_WORLD_SIZE``, or MPICH's and Intel
+   MPI's ``$PMI_RANK`` / ``$PMI_SIZE`` (one rank per worker, as ``mpirun -np N`` starts them);
+7. a ``TF_CONFIG`` without a task: ``$PS_TASK_INDEX``, ``$JOB_COMPLETION_INDEX`` or a
    StatefulSet hostname's ordinal (``pswire.cluster.task_index_from_env``).
 
 Arguments override the environment. Two environment sources that both say and disagree are an
 error naming both: a worker must never train under an id another process also holds. One
-exception: torchrun started inside a Slurm task (``srun torchrun ...``) describes the worker;
-Slurm's variables then describe torchrun's agent, and are not read.
+exception: torchrun started inside a Slurm task or an MPI rank (``srun torchrun ...``) describes
+the worker; Slurm's and MPI's variables then describe torchrun's agent, and are not read.
+
+Mode ``allreduce`` needs no shards but every worker's ring address: without them in
+``addresses``/TF_CONFIG, the ranks find each other through torch's ``TCPStore`` at
+``$MASTER_ADDR:$MASTER_PORT`` (``psworker.ring.rendezvous``), which torchrun, PyTorchJob and
+the usual Slurm/MPI scripts set.
 
 Shard addresses, first that says wins: ``connect()``'s ``addresses``, ``$PS_SHARDS``
 (``host:port,host:port``), ``$PS_SHARDS_FILE`` (a file of addresses, one per line or
@@ -44,6 +51,13 @@ LAUNCHER_VARIABLES = (
     "SLURM_PROCID",
     "SLURM_NTASKS",
     "SLURM_NPROCS",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
     "PS_SHARDS",
     "PS_SHARDS_FILE",
 )
@@ -142,6 +156,16 @@ def environment_sources(environ: Mapping[str, str] | None = None) -> list[Said]:
         tasks = _int(env, "SLURM_NTASKS", 1) or _int(env, "SLURM_NPROCS", 1)
         found.append(
             Said("$SLURM_PROCID/$SLURM_NTASKS (Slurm)", _int(env, "SLURM_PROCID", 0), tasks)
+        )
+        found.append(
+            Said(
+                "$OMPI_COMM_WORLD_RANK/$OMPI_COMM_WORLD_SIZE (Open MPI)",
+                _int(env, "OMPI_COMM_WORLD_RANK", 0),
+                _int(env, "OMPI_COMM_WORLD_SIZE", 1),
+            )
+        )
+        found.append(
+            Said("$PMI_RANK/$PMI_SIZE (MPI)", _int(env, "PMI_RANK", 0), _int(env, "PMI_SIZE", 1))
         )
     return [s for s in found if s.worker_id is not None or s.num_workers is not None]
 

@@ -58,6 +58,7 @@ class AllReduceClient:
         compression: str | None = None,
         server: RingServer | None = None,
         security: ClientSecurity | None = None,
+        rendezvous: object = None,
     ) -> None:
         if compression not in COMPRESSIONS:
             raise ConfigError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
@@ -67,6 +68,8 @@ class AllReduceClient:
         self.bucket_bytes = bucket_bytes
         self.compression = compression
         self.ring = Ring(rank, peers, timeout=timeout, server=server, security=security)
+        # The rendezvous store (psworker.ring.rendezvous) this rank may host: kept until close.
+        self._rendezvous = rendezvous
         self._local = LocalClient()
         self._buffers: set[str] = set()
         self._plan: BucketPlan | None = None
@@ -96,6 +99,7 @@ class AllReduceClient:
         """Stops this worker's ring server; later calls raise ClientClosedError."""
         self.ring.close()
         self._local.close()
+        self._rendezvous = None
 
     def init(
         self,

@@ -131,3 +131,29 @@ def test_elastic_bounds_are_checked():
             parse_bounds(bad)
     with pytest.raises(psworker.ConfigError, match=r"worker_id 4 must be in \[0, max_workers=4\)"):
         psworker.connect(["127.0.0.1:7001"], worker_id=4, elastic="1:4")
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3"}, (1, 3, "Open MPI")),
+        ({"PMI_RANK": "2", "PMI_SIZE": "4"}, (2, 4, "MPI")),
+        # srun --mpi=pmi2 sets both Slurm's and PMI's: they agree.
+        ({**SLURM, "PMI_RANK": "2", "PMI_SIZE": "3"}, (2, 3, "Slurm")),
+    ],
+)
+def test_mpi_launchers_name_the_worker(env, expected):
+    identity = resolve_identity(environ=env)
+    assert (identity.worker_id, identity.num_workers) == expected[:2]
+    assert expected[2] in identity.id_source
+
+
+def test_mpi_disagreeing_with_slurm_is_refused_and_torchrun_inside_mpi_wins():
+    with pytest.raises(ValueError, match=r"Slurm\) gives worker id 2, but .*PMI_RANK"):
+        resolve_identity(environ={**SLURM, "PMI_RANK": "0", "PMI_SIZE": "3"})
+    # mpirun -np 2 torchrun ...: MPI's ranks are the agents', torchrun's the workers'.
+    env = {**TORCHRUN, "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"}
+    assert (resolve_identity(environ=env).worker_id, resolve_identity(environ=env).num_workers) == (
+        1,
+        2,
+    )

@@ -12,6 +12,7 @@ import pytest
 from psctl import local_add
 from psctl import main as psctl_main
 from psctl.launch import LocalConfig
+from psctl.run_folder import RUN_FILE, RunFolder
 
 
 def test_elastic_local_configs_are_checked():
@@ -36,8 +37,11 @@ def test_every_flag_of_local_add_has_a_ps_twin():
 
 
 def test_add_asks_the_launcher_and_returns_what_it_started(tmp_path: Path):
-    requests = local_add.AddRequests(tmp_path, {"shards": ["127.0.0.1:1"], "elastic": "1:3"})
-    assert local_add.find_run(str(tmp_path)) == tmp_path
+    run = RunFolder(tmp_path)  # this process plays the launcher: it holds the run's lock
+    run.publish(shards=["127.0.0.1:1"], elastic="1:3")
+    requests = local_add.AddRequests(run.path)
+    assert local_add.find_run(str(run.path)) == run.path
+    tmp_path = run.path
     asked: list[int] = []
 
     def start(count: int) -> list[tuple[str, int]]:
@@ -67,9 +71,9 @@ def test_add_asks_the_launcher_and_returns_what_it_started(tmp_path: Path):
 
 
 def test_add_without_a_launcher_says_so(tmp_path: Path):
-    with pytest.raises(ValueError, match="no running psctl local --elastic there"):
+    with pytest.raises(ValueError, match="no running psctl local job there"):
         local_add.find_run(str(tmp_path))
-    (tmp_path / local_add.RUN_FILE).write_text('{"pid": 1}')
+    (tmp_path / RUN_FILE).write_text('{"pid": 1}')
     with pytest.raises(TimeoutError, match=r"did not answer within 0\.2s"):
         local_add.request_add(tmp_path, 1, timeout=0.2)
     assert not list(tmp_path.glob("add-*.json"))
