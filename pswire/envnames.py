@@ -39,7 +39,8 @@ _PSCTL = (
     "PS_SERVERS", "PS_WORKERS", "PS_RUN_TIMEOUT", "PS_START_TIMEOUT", "PS_RUN_DIR",
     "PS_ADD_COUNT", "PS_ADD_TIMEOUT", "PS_SHARD_TIMEOUT", "PS_STATUS_JSON", "PS_EXPORT_OUT",
     "PS_CERTS_OUT", "PS_CERTS_HOSTS", "PS_CERTS_DAYS", "PS_CERTS_FORCE", "PS_DEMO_EPOCHS",
-    "PS_DEMO_OUT", "PS_DEMO_SEED",
+    "PS_DEMO_OUT", "PS_DEMO_SEED", "PS_EXPORT", "PS_STATUS_WATCH", "PS_NNODES",
+    "PS_NODE_RANK", "PS_RDZV", "PS_JOIN_TIMEOUT", "PS_NODE_TIMEOUT",
 )  # fmt: skip
 # Set-up, deploy and test tooling (scripts/, deploy/, tests/): set in the same shells.
 _TOOLING = (
