@@ -26,6 +26,7 @@ from psworker.client import PSClient
 from psworker.connect import connect
 from psworker.data import shard
 from psworker.local import LocalClient
+from psworker.reports import report
 from psworker.ring.client import AllReduceClient
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "WaitTimeoutError",
     "__version__",
     "connect",
+    "report",
     "shard",
 ]
 
