@@ -57,7 +57,7 @@ class Reporter:
         for name, value in values.items():
             if name in line:
                 raise ConfigError(f"report value {name!r} clashes with a field of the report")
-            line[name] = _number(name, value)
+            line[name] = None if value is None else _number(name, value)
         text = json.dumps(line, allow_nan=False) + "\n"
         with self._lock:
             if self._file is None:
@@ -76,6 +76,8 @@ class Reporter:
 def _number(name: str, value: Any) -> float | None:
     """``value`` as a float (a 0-d tensor or numpy scalar too); None for NaN/inf, which JSON
     cannot carry and the dashboard shows as a gap."""
+    if hasattr(value, "detach"):  # a torch tensor, e.g. the loss itself: no autograd warning
+        value = value.detach()
     try:
         number = float(value)
     except (TypeError, ValueError):
@@ -180,7 +182,7 @@ class StepLog:
                 if value is not None:
                     self.writer.add_scalar(name, value, step)
         if self.reporter is not None:
-            self.reporter.write(step, values)
+            self.reporter.write(step, numbers)
 
     def _read_staleness(self, now: float) -> int:
         if now - self._staleness_read < self._staleness_every_s:

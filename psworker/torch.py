@@ -3,6 +3,7 @@ module through any client mode, wrapping the user's own torch optimizer."""
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 from pswire.errors import ConfigError
 from pswire.optim import Optimizer, StepOptions
 from psworker.api import Client
+from psworker.reports import StepLog
 from psworker.torch_optim import (
     changed_values,
     check_supported,
@@ -130,6 +132,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     gradients: after each step every worker holds the shards' copy, which in ``sync`` mode is
     the mean over workers and otherwise the latest pushed, so replicas stay consistent.
 
+    ``writer``: a TensorBoard ``torch.utils.tensorboard.SummaryWriter`` (or anything with
+    ``add_scalar``) that gets each step's time, bytes sent and received and this worker's
+    staleness, and what the script passes to ``report()`` (e.g. the loss). With
+    ``$PS_REPORT_DIR`` set, the same reach ``psctl dashboard`` (``psworker/reports.py``).
+
     Raises (constructor):
         ValueError: an unsupported optimizer class or option, a parameter that is not
             floating point or not the model's (nothing was sent).
@@ -143,9 +150,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         model: torch.nn.Module,
         client: Client,
         optimizer: torch.optim.Optimizer | Optimizer,
+        writer: Any = None,
     ) -> None:
         self.model = model
         self.client = client
+        self._log = StepLog(client, writer)
         if isinstance(optimizer, Optimizer):
             trainable = [p for p in model.parameters() if p.requires_grad]
             optimizer = torch_optimizer_for(optimizer, trainable)
@@ -227,6 +236,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 to what makes optimizer state (momentum on/off, amsgrad...): nothing sent.
             PSError: the push or pull failed (e.g. WaitTimeoutError naming the late workers).
         """
+        started = time.perf_counter()
+        pushed_step = self.client.step
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -253,10 +264,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for name, table in self._tables.items():
                 table.prefetched(ahead.get(name), weights.pop(name, None))
             self._staging.to_device(weights, targets)
+        if self._log.active:
+            sent = sum(int(a.nbytes) for a in outgoing.values())
+            sent += 0 if skip else sum(int(g.nbytes) for g in rows.values())
+            received = sum(int(a.nbytes) for a in weights.values())
+            self._log.step(pushed_step, time.perf_counter() - started, sent, received)
         if grad_scaler is not None and self.client.last_skipped and not skip:
             _found_inf(grad_scaler, self)  # another worker skipped: back off as it does
         self._inner._opt_called = True  # type: ignore[attr-defined]  # for its schedulers
         return loss
+
+    def report(self, **values: Any) -> None:
+        """Records the script's own figures at this step, e.g. ``opt.report(loss=loss)``
+        (numbers or 0-d tensors): to the ``writer`` given at construction, and to ``psctl
+        dashboard`` when ``$PS_REPORT_DIR`` is set. Costs nothing when neither is.
+
+        Raises:
+            ValueError: a value that is not a number.
+        """
+        if self._log.active:
+            self._log.report(values)
 
     def _changed_values(self) -> dict[int, dict[str, float]]:
         """Each group's hyper-parameters that differ from construction (checked).
