@@ -12,7 +12,7 @@ import pytest
 from psctl.dashboard import DashboardSources, ReportTail, Sample, build_series, parse_metrics
 from psctl.main import main as psctl_main
 from pswire.errors import ConfigError
-from psworker.reports import Reporter, reporter_for, report
+from psworker.reports import Reporter, report, reporter_for
 
 METRICS = """\
 # TYPE psserver_push_bytes counter
