@@ -23,6 +23,7 @@ DOCS = REPO / "docs"
 RUNNABLE = {"python": [sys.executable], "bash": ["bash", "-euo", "pipefail"]}
 SUFFIX = {"python": ".py", "bash": ".sh"}
 MARK = re.compile(r"^<!-- not-run: (.*?) -->$")
+INCLUDE = re.compile(r"<!-- include: ([\w./-]+) -->")  # docs/hooks/generated.py expands it
 FENCE = re.compile(r"^(`{3,})([\w+-]*)\s*$")
 
 
@@ -36,11 +37,14 @@ class Block:
 
     @property
     def name(self) -> str:
-        return f"{self.path.relative_to(DOCS)}:{self.line}"
+        return f"{self.path.relative_to(REPO)}:{self.line}"
 
 
 def pages() -> list[Path]:
-    return sorted(p for p in DOCS.rglob("*.md") if "hooks" not in p.relative_to(DOCS).parts)
+    """The site's pages, and the repository files they include."""
+    found = sorted(p for p in DOCS.rglob("*.md") if "hooks" not in p.relative_to(DOCS).parts)
+    included = {REPO / m for p in found for m in INCLUDE.findall(p.read_text())}
+    return found + sorted(included)
 
 
 def blocks_of(path: Path) -> list[Block]:
