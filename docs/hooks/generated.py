@@ -51,7 +51,7 @@ def _parser_markdown(name: str, parser: argparse.ArgumentParser, level: int) -> 
     rows = [a for a in parser._actions if not isinstance(a, argparse._SubParsersAction)]
     rows = [a for a in rows if a.help != argparse.SUPPRESS]
     if rows:
-        out += ["| argument | default | meaning |", "| --- | --- | --- |"]
+        out += ["| argument | variable | default | meaning |", "| --- | --- | --- | --- |"]
         out += [_row(a) for a in rows]
         out.append("")
     if parser.epilog:
@@ -63,18 +63,25 @@ def _parser_markdown(name: str, parser: argparse.ArgumentParser, level: int) -> 
     return out
 
 
+# pswire.cli.add appends "[env PS_X; default D]" to a flag's help: shown as columns here.
+_ENV_NOTE = re.compile(r"\s*\[env (PS_\w+); default (.*?)(?:; now .*)?\]$")
+
+
 def _row(action: argparse.Action) -> str:
-    names = (
-        ", ".join(f"`{o}`" for o in action.option_strings) or f"`{action.metavar or action.dest}`"
-    )
-    default = action.default
-    shown = (
-        "" if default in (None, argparse.SUPPRESS) or isinstance(default, bool) else f"`{default}`"
-    )
-    text = action.help or ""
+    names = ", ".join(f"`{o}`" for o in action.option_strings)
+    names = names or f"`{action.metavar or action.dest}`"
+    text = " ".join((action.help or "").split())
+    env, default = "", ""
+    note = _ENV_NOTE.search(text)
+    if note:
+        text = text[: note.start()]
+        env, default = f"`${note.group(1)}`", note.group(2)
+    elif action.default not in (None, argparse.SUPPRESS) and not isinstance(action.default, bool):
+        default = repr(action.default)
+    default = "" if default in ("", "None", "''", "False", "[]") else f"`{default}`"
     if action.choices and not isinstance(action.choices, dict):
         text += " (one of " + ", ".join(f"`{c}`" for c in action.choices) + ")"
-    return f"| {names} | {shown} | {_escape(text)} |"
+    return f"| {names} | {env} | {default} | {_escape(text)} |"
 
 
 # What the environment of the build says (``now 'x' from PS_X``) is no part of the reference.
