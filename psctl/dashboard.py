@@ -173,6 +173,7 @@ class Sampler:
             if not shard.get("error"):
                 entry["clock"] = shard["clock"]
                 entry["mode"] = shard["mode"]
+                entry["spread"] = shard["max_staleness"]
                 for change in shard["membership"]["history"]:
                     key = (change["kind"], change["worker_id"], change["step"])
                     if key not in self._events:
@@ -286,22 +287,29 @@ def build_series(
             worker_field("rss")).items()},
     }  # fmt: skip
     loss = per_worker(worker_field("loss"))
+    updates = per_shard(counter("clock"))
+    steps = {**per_worker(steps_rate), **{f"{k} updates": v for k, v in updates.items()}}
+    spread = per_shard(lambda now, _p, _d: now.get("spread"))
+    staleness = {
+        **per_worker(worker_field("staleness")),
+        **{f"{k} spread": v for k, v in spread.items()},
+    }
     bytes_in, bytes_out = per_shard(counter("bytes_in", kib)), per_shard(counter("bytes_out", kib))
     charts = [
-        ("steps", "Steps/s per worker", "steps/s", per_worker(steps_rate)),
+        ("steps", "Steps/s per worker; shards' optimizer updates/s", "1/s", steps),
         ("loss", "Loss per worker (reported by the script)", "loss", loss),
         ("wait", "Sync round wait per shard (mean per pull/push)", "s", per_shard(round_wait)),
-        ("staleness", "Staleness per worker", "steps", per_worker(worker_field("staleness"))),
+        ("staleness", "Staleness per worker; clock spread per shard", "steps", staleness),
         ("bytes_in", "Bytes in per shard (gradients)", "KiB/s", bytes_in),
         ("bytes_out", "Bytes out per shard (weights)", "KiB/s", bytes_out),
         ("refused", "Refused requests per shard", "calls/s", per_shard(counter("refused"))),
         ("rss", "Resident memory (RSS)", "MiB", rss),
     ]  # fmt: skip
     last = samples[-1] if samples else None
-    steps = max((w.get("clock", 0) for w in last.workers.values()), default=0) if last else 0
+    newest = max((w.get("clock", 0) for w in last.workers.values()), default=0) if last else 0
     return {
         "t": t,
-        "steps": steps,
+        "steps": newest,
         "samples": len(samples),
         "charts": [
             {"id": i, "title": title, "unit": unit, "series": _finite(series)}

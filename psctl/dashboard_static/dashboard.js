@@ -53,7 +53,9 @@ function makePlot(chart, t) {
     series: [{}, ...names.map((name, i) => ({
       label: name, stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: false,
     }))],
-    axes: [{}, { label: chart.unit, size: 60 }],
+    // Three significant digits: uPlot's default shows 0.0015 and 0.0012 both as 0.001.
+    axes: [{}, { label: chart.unit, size: 60,
+                 values: (u, vals) => vals.map((v) => (v == null ? "" : String(+v.toPrecision(3)))) }],
     plugins: [eventMarks()],
   };
   return { plot: new uPlot(opts, chartData(t, chart), box), names: names.join("|") };

@@ -50,12 +50,13 @@ def shard(**figures: float) -> dict:
 
 def test_series_are_rates_per_interval_with_gaps_where_nothing_is_known() -> None:
     samples = [
-        Sample(100.0, [shard(bytes_in=0, wait_sum=0, wait_count=0, refused=0, rss=2**20)],
+        Sample(100.0, [shard(bytes_in=0, wait_sum=0, wait_count=0, refused=0, rss=2**20, spread=0)],
                {0: {"clock": 0, "staleness": 0, "loss": 2.0}, 1: {"clock": 0, "staleness": 0}}),
-        Sample(102.0, [shard(bytes_in=2048, wait_sum=1.5, wait_count=3, refused=4, rss=2**21)],
+        Sample(102.0, [shard(bytes_in=2048, wait_sum=1.5, wait_count=3, refused=4, rss=2**21,
+                             clock=8, spread=2)],
                {0: {"clock": 10, "staleness": 0, "loss": 1.0},
                 1: {"clock": 6, "staleness": None, "rss": 3 * 2**20}}),
-        Sample(103.0, [shard(bytes_in=0, wait_sum=1.5, wait_count=3, refused=4)],  # restarted
+        Sample(103.0, [shard(bytes_in=0, wait_sum=1.5, wait_count=3, refused=4, clock=11)],
                {0: {"clock": 13, "staleness": 0}}),
     ]  # fmt: skip
     events = [{"t": 101.0, "text": "worker 1 left at step 6"}]
@@ -65,12 +66,15 @@ def test_series_are_rates_per_interval_with_gaps_where_nothing_is_known() -> Non
     assert charts["steps"]["series"] == {
         "worker 0": [None, 5.0, 3.0],
         "worker 1": [None, 3.0, None],
+        "shard 0 updates": [None, 4.0, 3.0],
     }
     assert charts["loss"]["series"]["worker 0"] == [2.0, 1.0, None]
-    assert charts["bytes_in"]["series"]["shard 0"] == [None, 1.0, None]  # KiB/s; reset: a gap
+    # KiB/s; the third sample's counter went down (a restarted shard): a gap, not a dip.
+    assert charts["bytes_in"]["series"]["shard 0"] == [None, 1.0, None]
     assert charts["wait"]["series"]["shard 0"] == [None, 0.5, 0.0]  # mean seconds per call
     assert charts["refused"]["series"]["shard 0"] == [None, 2.0, 0.0]
     assert charts["staleness"]["series"]["worker 1"] == [0, None, None]
+    assert charts["staleness"]["series"]["shard 0 spread"] == [0, 2, None]
     assert charts["rss"]["series"]["shard 0"] == [1.0, 2.0, None]
     assert charts["rss"]["series"]["worker 1"] == [None, 3.0, None]
     assert data["events"] == events and data["errors"] == []
