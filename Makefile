@@ -2,8 +2,8 @@
 PY ?= python
 PROTO_SRC := protos/pswire/proto/ps.proto
 
-.PHONY: check fmt lint types test protos check-protos bench images mutate
-check: fmt-check lint types check-protos test
+.PHONY: check fmt lint types test protos check-protos bench images mutate docs docs-build
+check: fmt-check lint types check-protos docs-build test
 
 fmt-check:
 	$(PY) -m ruff format --check .
@@ -22,6 +22,14 @@ check-protos:
 	bash scripts/check_protos.sh
 bench:
 	$(PY) -m bench
+
+# The documentation site (mkdocs.yml, docs/): built into build/site with --strict, so a broken
+# link, a missing reference or a docstring mkdocstrings cannot read fails it; `docs` then runs
+# every runnable code block of docs/ (tests/e2e/test_docs_snippets.py, also part of `test`).
+docs-build:
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir build/site
+docs: docs-build
+	$(PY) -m pytest -q tests/e2e/test_docs_snippets.py
 # Build deploy/'s images with podman/buildah and run the Compose cluster in them (root; see
 # scripts/images.sh). tests/e2e/test_images.py runs it as part of `make test` where it can.
 images:

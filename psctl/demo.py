@@ -6,6 +6,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,6 +19,7 @@ from psctl.progress import Reporter
 from psworker.torch import DistributedOptimizer
 
 DEFAULT_OUT = "out/demo"
+TENSORBOARD_DIR = "tensorboard"  # under --out: one folder of event files per worker
 DEFAULT_EPOCHS = 8
 BATCH_SIZE = 32
 HELD_OUT_FRACTION = 0.2
@@ -77,6 +79,19 @@ def accuracy(model: nn.Module, data: TensorDataset) -> float:
     return correct / len(y)
 
 
+def summary_writer(out: Path, worker_id: int) -> Any:
+    """A TensorBoard writer into ``out/tensorboard/worker<id>`` (this worker's earlier event
+    files removed), or None when the ``tensorboard`` package is not installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    folder = out / TENSORBOARD_DIR / f"worker{worker_id}"
+    for old in folder.glob("events.out.tfevents.*"):
+        old.unlink()
+    return SummaryWriter(log_dir=str(folder))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m psctl.demo",
@@ -109,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     loss_fn = nn.CrossEntropyLoss()
 
     with psworker.connect() as client:  # cluster and mode from $TF_CONFIG / $PS_MODE
-        opt = DistributedOptimizer(model, client, psworker.SGD(lr=args.lr, momentum=args.momentum))
+        writer = summary_writer(out, client.worker_id)
+        opt = DistributedOptimizer(
+            model, client, psworker.SGD(lr=args.lr, momentum=args.momentum), writer=writer
+        )
         batches = psworker.shard(loader, client, seed=args.seed)
         wid, n = client.worker_id, client.num_workers
         total = args.epochs * len(batches)
@@ -129,9 +147,12 @@ def main(argv: list[str] | None = None) -> int:
                 loss.backward()
                 opt.step()
                 losses.append(loss.item())
+                opt.report(loss=losses[-1])  # TensorBoard, and psctl dashboard's loss chart
                 samples += len(y)
                 progress.update(len(losses), losses[-1], samples)
         wall = time.perf_counter() - start
+        if writer is not None:
+            writer.close()
 
     demo_results.write_losses(out, wid, client.mode, losses, wall)
     print(f"worker {wid} done: {samples} samples in {wall:.2f}s", flush=True)

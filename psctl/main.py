@@ -9,7 +9,16 @@ import sys
 import time
 from pathlib import Path
 
-from psctl import admin, certs, demo_results, local_add, nodes, run_folder, status_view
+from psctl import (
+    admin,
+    certs,
+    dashboard_server,
+    demo_results,
+    local_add,
+    nodes,
+    run_folder,
+    status_view,
+)
 from psctl.launch import (
     DEFAULT_GRACE_S,
     DEFAULT_STALENESS,
@@ -131,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     admin.add_parsers(commands)
     certs.add_parser(commands)
+    dashboard_server.add_parser(commands)
     return parser
 
 
@@ -308,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         return admin.main(parser, args)
     if args.command == "status":
         return _status(parser, args)
+    if args.command == "dashboard":
+        return dashboard_server.run(parser, args)
     if args.command == "demo":
         return _demo(parser, args)
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd

@@ -12,7 +12,13 @@ from wsgiref.simple_server import WSGIServer
 
 import grpc
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -102,6 +108,9 @@ class ShardMetrics:
             registry=r,
         )
         r.register(_StatusCollector(self))
+        # The daemon's memory and CPU (process_resident_memory_bytes, ...; Linux only): the
+        # dashboard plots each shard's RSS beside the bytes it holds.
+        ProcessCollector(registry=r)
 
     def group(self, key: str) -> str:
         """``variable_group(key)``, or OTHER_GROUP once MAX_GROUPS groups have been seen."""

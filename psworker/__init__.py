@@ -42,6 +42,7 @@ from psworker.client import PSClient
 from psworker.connect import connect
 from psworker.data import shard, start_epoch
 from psworker.local import LocalClient
+from psworker.reports import report
 from psworker.ring.client import AllReduceClient
 from psworker.seeding import seed, worker_seed
 
@@ -88,6 +89,7 @@ __all__ = [
     "WorkerDroppedError",
     "__version__",
     "connect",
+    "report",
     "seed",
     "shard",
     "start_epoch",

@@ -3,6 +3,7 @@ module through any client mode, wrapping the user's own torch optimizer."""
 
 from __future__ import annotations
 
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ from pswire.optim import Optimizer
 from pswire.optspec import StepOptions
 from pswire.tables import RowSparse
 from psworker.api import Client, Elastic
+from psworker.reports import StepLog
 from psworker.torch_optim import (
     changed_values,
     check_supported,
@@ -79,6 +81,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     place for autograd. One model per client: two models with two optimizers (a GAN) are
     made together with ``for_models``.
 
+    ``writer``: a TensorBoard ``torch.utils.tensorboard.SummaryWriter`` (or anything with
+    ``add_scalar``) that gets each step's time, bytes sent and received and this worker's
+    staleness, and what the script passes to ``report()`` (e.g. the loss). With
+    ``$PS_REPORT_DIR`` set, the same reach ``psctl dashboard`` (``psworker/reports.py``).
+
     Raises (constructor):
         ValueError: an unsupported optimizer class or option, a parameter that is not
             floating point or not the model's (nothing was sent).
@@ -92,13 +99,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         model: torch.nn.Module,
         client: Client,
         optimizer: torch.optim.Optimizer | Optimizer,
+        writer: Any = None,
     ) -> None:
-        self._prepare(model, client, optimizer, prefix="", first_group=0)
+        self._prepare(model, client, optimizer, prefix="", first_group=0, writer=writer)
         _init_together(client, [self])
 
     @classmethod
     def for_models(
-        cls, client: Client, **models: tuple[torch.nn.Module, torch.optim.Optimizer | Optimizer]
+        cls,
+        client: Client,
+        writer: Any = None,
+        **models: tuple[torch.nn.Module, torch.optim.Optimizer | Optimizer],
     ) -> tuple[DistributedOptimizer, ...]:
         """One ``DistributedOptimizer`` per model, all training through one ``client``: the
         two models and two optimizers of a GAN (``D=(netD, optimizerD), G=(netG,
@@ -111,7 +122,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ``step()`` is one push of its own gradients (one step of the client's count: a GAN
         iteration that steps D then G takes two steps) and loads only its own model's weights.
         The optimizers may be of different classes; each has its own parameter groups and
-        scheduler.
+        scheduler. ``writer``: as the constructor's, shared by the models' optimizers.
 
         Raises:
             ValueError: no models, a keyword with '/', a parameter in two models, an elastic
@@ -137,7 +148,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     f"{type(pair).__name__}"
                 )
             part = cls.__new__(cls)
-            part._prepare(pair[0], client, pair[1], prefix=f"{name}/", first_group=first)
+            part._prepare(
+                pair[0], client, pair[1], prefix=f"{name}/", first_group=first, writer=writer
+            )
             for p in [*part._params.values(), *part._buffers.values()]:
                 other = owners.setdefault(id(p), name)
                 if other != name:
@@ -157,15 +170,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer | Optimizer,
         prefix: str,
         first_group: int,
+        writer: Any = None,
     ) -> None:
         """Checks the optimizer and collects what this model sends, under ``prefix``, its
-        groups numbered from ``first_group`` (nothing sent yet).
+        groups numbered from ``first_group`` (nothing sent yet); ``writer`` as the
+        constructor's.
 
         Raises:
             ValueError: as the constructor.
         """
         self.model = model
         self.client = client
+        self._log = StepLog(client, writer)
         if isinstance(optimizer, Optimizer):
             trainable = [p for p in model.parameters() if p.requires_grad]
             optimizer = torch_optimizer_for(optimizer, trainable)
@@ -253,6 +269,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 to what makes optimizer state (momentum on/off, amsgrad...): nothing sent.
             PSError: the push or pull failed (e.g. WaitTimeoutError naming the late workers).
         """
+        started = time.perf_counter()
+        pushed_step = self.client.step
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -289,10 +307,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # (e.g. G's graph after a D step that also stepped G's stale gradient).
             for name in grads:
                 torch.autograd.graph.increment_version(self._params[name])
+        if self._log.active:
+            sent = sum(int(a.nbytes) for a in outgoing.values())
+            sent += 0 if skip else sum(int(g.nbytes) for g in rows.values())
+            received = sum(int(a.nbytes) for a in weights.values())
+            self._log.step(pushed_step, time.perf_counter() - started, sent, received)
         if grad_scaler is not None and self.client.last_skipped and not skip:
             _found_inf(grad_scaler, self)  # another worker skipped: back off as it does
         self._inner._opt_called = True  # type: ignore[attr-defined]  # for its schedulers
         return loss
+
+    def report(self, **values: Any) -> None:
+        """Records the script's own figures at this step, e.g. ``opt.report(loss=loss)``
+        (numbers or 0-d tensors): to the ``writer`` given at construction, and to ``psctl
+        dashboard`` when ``$PS_REPORT_DIR`` is set. Costs nothing when neither is.
+
+        Raises:
+            ValueError: a value that is not a number.
+        """
+        if self._log.active:
+            self._log.report(values)
 
     def _changed_values(self) -> dict[int, dict[str, float]]:
         """Each group's hyper-parameters that differ from construction (checked).

@@ -24,7 +24,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # shellcheck disable=SC2086
     "$venv/bin/python" -m pip install -q $spec
   fi
-  "$venv/bin/python" -m pip install -q -e '.[dev,demo]'
+  "$venv/bin/python" -m pip install -q -e '.[dev,demo,docs]'
   echo "$want" >"$stamp"
 fi
 if [ "${1:-test}" = demo ] && [[ ":$PATH:" != *":$venv/bin:"* ]]; then
@@ -43,6 +43,13 @@ case "$cmd" in
       { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
           --no-install-recommends docker-compose >/dev/null; } ||
         echo "docker-compose unavailable: the Compose validation test will skip" >&2
+    fi
+    # Debian's chromium: the dashboard's screenshot test opens the page in it headless
+    # (tests/e2e/test_dashboard.py); installed when we may, else that test skips.
+    if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+          --no-install-recommends chromium >/dev/null; } ||
+        echo "chromium unavailable: the dashboard screenshot test will skip" >&2
     fi
     exec make check PY="$venv/bin/python" ;;
   bench) exec "$venv/bin/python" -m bench "$@" ;;

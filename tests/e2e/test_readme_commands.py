@@ -37,35 +37,16 @@ CHECKS: dict[str, tuple[str, str, tuple[pytest.MarkDecorator, ...]]] = {
         "",
         (),
     ),
-    "make mutate": (
-        "python scripts/mutate.py --help",
-        "an hour-long mutation run: its script starts",
-        (),
+    "psctl local --servers 2 --workers 2 -- python examples/train_digits.py": (
+        "",
+        "",
+        (SLOW,),  # as written: 2 shards, 2 workers, the digits example (about 30 s)
     ),
-    "PS_SHARDS=10.0.0.5:7000,10.0.0.6:7000 torchrun --nproc-per-node 2 train.py": (
-        "torchrun --help",
-        "needs shards at 10.0.0.5/6 and the user's train.py: torchrun is on PATH",
-        (),
+    "psctl local --workers 2 --mode allreduce -- python examples/train_digits.py": (
+        "",
+        "",
+        (SLOW,),  # as written: about 30 s
     ),
-    "sbatch deploy/slurm/train.sbatch examples/train_elastic.py": (
-        "bash -n deploy/slurm/train.sbatch && test -f examples/train_elastic.py",
-        "no Slurm here: the batch script parses and the example exists",
-        (),
-    ),
-    "kubectl apply -k deploy/k8s && kubectl apply -f deploy/k8s/pytorchjob/": (
-        "test -f deploy/k8s/kustomization.yaml && test -d deploy/k8s/pytorchjob",
-        "no Kubernetes here: the manifests it applies exist (tests/e2e/test_deploy.py "
-        "validates them)",
-        (),
-    ),
-    "PS_HEARTBEAT_TIMEOUT=5 psctl local --servers 2 --workers 2 --elastic 2:4 -- python "
-    "examples/train_elastic.py --pace 0.05": ("", "", (SLOW,)),  # as written: about 30 s
-    "psctl local add": (
-        "psctl local add --help",
-        "adds a worker to a running elastic job (tests/e2e/test_elastic_jobs.py does)",
-        (),
-    ),
-    "kill -9 <a worker's pid>": ("", "a placeholder for a pid, not a command", ()),
 }
 
 

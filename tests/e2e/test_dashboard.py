@@ -1,0 +1,132 @@
+"""``psctl dashboard`` on a real job: 2 shard daemons, 2 reporting workers, the page opened in
+headless Chromium (Debian's package), its figures read from the rendered page and a
+screenshot saved under ``out/``."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from e2e_support import REPO, Lines, Processes, child_env, free_port, wait_port_file
+
+WORKER = str(REPO / "tests" / "e2e" / "reporting_worker.py")
+SCREENSHOT = REPO / "out" / "dashboard.png"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+CHARTS = ("steps", "loss", "wait", "staleness", "bytes_in", "bytes_out", "refused", "rss")
+
+
+def chromium() -> str:
+    for name in ("chromium", "chromium-browser"):
+        found = shutil.which(name)
+        if found:
+            return found
+    pytest.skip("chromium is not installed (apt-get install chromium; scripts/dev.sh test does)")
+
+
+def browse(browser: str, profile: Path, url: str, *args: str) -> str:
+    """Chromium, headless, on ``url`` with ``args``; its stdout. The page's scripts get 4 s of
+    (virtual) time to fetch and draw before the DOM or screenshot is taken."""
+    command = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
+    command += [f"--user-data-dir={profile}", "--virtual-time-budget=4000", *args, url]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def series(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url + "api/series", timeout=10) as reply:
+        return json.loads(reply.read())
+
+
+def wait_for(predicate: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.25)
+    raise AssertionError(f"gave up after {timeout:g}s waiting for {what}")
+
+
+@pytest.mark.timeout(240)
+def test_the_dashboard_shows_a_live_two_shard_two_worker_job_in_chromium(
+    procs: Processes, tmp_path: Path
+) -> None:
+    browser = chromium()
+    metrics = [free_port(), free_port()]
+    shards = [procs.psserver("--metrics-port", str(port)) for port in metrics]
+    addresses = ",".join(s.address for s in shards)
+    reports = tmp_path / "reports"
+    env = child_env(PS_REPORT_DIR=str(reports))
+    # Worker 1 leaves after a few seconds: its leaving is a membership change on the axis.
+    workers = [
+        Lines(procs.start([sys.executable, WORKER, addresses, "0", "2", "120"], env)),
+        Lines(procs.start([sys.executable, WORKER, addresses, "1", "2", "6"], env)),
+    ]
+    port_file = tmp_path / "dashboard.port"
+    dashboard = procs.start(
+        [
+            sys.executable, "-m", "psctl.main", "dashboard", *addresses.split(","),
+            "--metrics", ",".join(f"127.0.0.1:{p}" for p in metrics),
+            "--reports", str(reports), "--port", "0", "--port-file", str(port_file),
+            "--interval", "0.5",
+        ],
+        child_env(),
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{wait_port_file(dashboard, port_file, 30.0)}/"
+
+    # The sources reach the page's data: steps, the workers' loss, every shard's metrics.
+    def ready() -> dict[str, Any] | None:
+        data = series(url)
+        charts = {c["id"]: c["series"] for c in data["charts"]}
+
+        def has(chart: str, name: str) -> bool:
+            return any(v is not None for v in charts[chart].get(name, []))
+
+        full = (
+            data["steps"] > 0
+            and all(has("loss", f"worker {w}") for w in (0, 1))
+            and all(has("bytes_in", f"shard {s}") for s in (0, 1))
+            and all(has("rss", f"shard {s}") for s in (0, 1))
+            and any("worker 1 left" in e["text"] for e in data["events"])
+        )
+        return data if full else None
+
+    data = wait_for(ready, 90.0, f"the job's figures at {url}api/series")
+    assert [c["id"] for c in data["charts"]] == list(CHARTS)
+    assert not data["errors"], data["errors"]
+    left = next(e for e in data["events"] if "worker 1 left" in e["text"])
+    assert data["t"][0] - 60 <= left["t"] <= data["t"][-1] + 1
+
+    # The page as Chromium renders it: eight charts drawn by uPlot, the counter moving.
+    def steps_on_page() -> tuple[int, str]:
+        dom = browse(browser, tmp_path / "profile", url, "--dump-dom")
+        found = re.search(r'id="steps">(\d+)<', dom)
+        assert found, dom[:3000]
+        return int(found.group(1)), dom
+
+    first, dom = steps_on_page()
+    assert dom.count('class="uplot') == len(CHARTS), dom[:3000]
+    assert int(re.search(r'data-refreshes="(\d+)"', dom).group(1)) >= 1  # type: ignore[union-attr]
+    assert "worker 1 left at step" in dom
+    assert not re.search(r'id="errors">[^<]', dom), dom[:3000]
+    second, _ = wait_for(
+        lambda: (found := steps_on_page()) and found[0] > first and found, 60.0, "more steps"
+    )
+    assert second > first > 0
+
+    shot = tmp_path / "dashboard.png"
+    browse(browser, tmp_path / "profile", url, "--window-size=1280,1400", f"--screenshot={shot}")
+    png = shot.read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 20_000
+    SCREENSHOT.parent.mkdir(exist_ok=True)
+    shutil.copyfile(shot, SCREENSHOT)
+    assert all(w.text() is not None for w in workers)  # their output was drained
