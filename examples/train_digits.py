@@ -15,10 +15,17 @@ shards' addresses they are workers of those shards::
 
     torchrun --nproc-per-node 2 examples/train_digits.py
     PS_SHARDS=127.0.0.1:7000,127.0.0.1:7001 torchrun --nproc-per-node 2 examples/train_digits.py
+    PS_SHARDS=127.0.0.1:7000,127.0.0.1:7001 torchrun --nproc-per-node 2 examples/train_digits.py \
+        --mode async
+
+``--mode`` (sync, async, ssp, allreduce, local) picks the mode where no launcher says it
+(``psctl local --mode`` sets ``$PS_MODE``, which ``connect()`` reads when ``--mode`` is absent).
 
 Without the marked lines (and with ``opt = torch.optim.SGD(model.parameters(), lr=0.05,
 momentum=0.9)`` and ``for x_batch, y_batch in loader:``) this is an ordinary single-process script.
 """
+
+import argparse
 
 import torch
 from sklearn.datasets import load_digits
@@ -26,6 +33,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from psworker import SGD, DistributedOptimizer, connect, shard  # (distributed)
+
+parser = argparse.ArgumentParser(description="digits CNN, made distributed")
+parser.add_argument("--mode", default=None, help="sync, async, ssp, allreduce or local")
+args = parser.parse_args()
 
 torch.manual_seed(0)
 torch.set_num_threads(1)  # copies of this script share the machine's cores
@@ -43,7 +54,8 @@ model = nn.Sequential(
     nn.Linear(16 * 4 * 4, 10),
 )
 loss_fn = nn.CrossEntropyLoss()
-opt = DistributedOptimizer(model, connect(), SGD(lr=0.05, momentum=0.9))  # (distributed)
+client = connect(mode=args.mode)  # (distributed)
+opt = DistributedOptimizer(model, client, SGD(lr=0.05, momentum=0.9))  # (distributed)
 
 for epoch in range(5):
     for x_batch, y_batch in shard(loader, opt.client):  # (distributed)

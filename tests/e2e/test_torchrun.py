@@ -125,11 +125,14 @@ def digits_lines(out: str) -> dict[int, list[str]]:
 def test_torchrun_trains_the_digits_example_as_psctl_local(
     procs: Processes, tmp_path: Path, mode: str
 ) -> None:
-    extra = {} if mode == "allreduce" else {"PS_MODE": mode}  # allreduce: no PS_* at all
+    # No PS_* variable but the shards' addresses (none at all for allreduce); the mode is the
+    # script's own --mode, as a user passes any option of their script through torchrun.
+    extra: dict[str, str] = {}
+    script = [DIGITS] if mode in ("sync", "allreduce") else [DIGITS, "--mode", mode]
     if mode != "allreduce":
         shards = [procs.psserver("--port", "0").address for _ in range(2)]
         extra["PS_SHARDS"] = ",".join(shards)
-    code, out = procs.run([*TORCHRUN, "--tee", "3", DIGITS], timeout=250, env=child_env(**extra))
+    code, out = procs.run([*TORCHRUN, "--tee", "3", *script], timeout=250, env=child_env(**extra))
     assert code == 0, out
     torchrun = digits_lines(out)
     local = digits_lines(psctl_local(procs, tmp_path, mode, [sys.executable, DIGITS]))
