@@ -115,7 +115,7 @@ def test_psserver_fresh_starts_a_new_job_and_keeps_the_old_checkpoints_aside(
     train(procs, daemon.address, 1.0, 3)
     stop(daemon.proc)
     old = checkpoint_steps(folder)
-    assert old == [3]
+    assert old == [0, 3]  # the initial values (saved at init) and the state at close
     daemon = procs.psserver("--checkpoint-dir", str(folder), "--fresh")
     again, out = train(procs, daemon.address, 1.0, 1)
     assert again["start"] == 0 and again["w"] == [-1.0] * 3, again  # a new job from step 0
@@ -124,7 +124,7 @@ def test_psserver_fresh_starts_a_new_job_and_keeps_the_old_checkpoints_aside(
     assert "--fresh: the checkpoints in" in log and "(kept, not deleted)" in log, log
     (aside,) = folder.glob("before-fresh-*")
     assert checkpoint_steps(aside) == old  # moved, not deleted
-    assert checkpoint_steps(folder) == [1]  # the new job's own
+    assert checkpoint_steps(folder) == [0, 1]  # the new job's own (at init, at close)
 
 
 JOB = """
