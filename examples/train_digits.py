@@ -54,8 +54,7 @@ model = nn.Sequential(
     nn.Linear(16 * 4 * 4, 10),
 )
 loss_fn = nn.CrossEntropyLoss()
-client = connect(mode=args.mode)  # (distributed)
-opt = DistributedOptimizer(model, client, SGD(lr=0.05, momentum=0.9))  # (distributed)
+opt = DistributedOptimizer(model, connect(mode=args.mode), SGD(0.05, momentum=0.9))  # (distributed)
 
 for epoch in range(5):
     for x_batch, y_batch in shard(loader, opt.client):  # (distributed)
