@@ -70,6 +70,17 @@ def pid_runs(pid: int, marker: str) -> bool:
     return marker in cmdline and state != "Z"
 
 
+def pause(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and wait until the kernel shows it stopped (state T): the signal takes
+    effect asynchronously, and a call made before it does may still be answered."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} did not stop within {timeout}s of SIGSTOP")
+        time.sleep(0.005)
+
+
 @dataclass
 class Daemon:
     proc: subprocess.Popen[str]

@@ -12,7 +12,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from e2e_support import SERVING, Processes, child_env, free_port, health_status, wait_port_file
+from e2e_support import (
+    SERVING,
+    Processes,
+    child_env,
+    free_port,
+    health_status,
+    pause,
+    wait_port_file,
+)
 
 import psworker
 from pswire.errors import WaitTimeoutError
@@ -181,7 +189,7 @@ def test_a_frozen_shard_cannot_hang_a_step_and_the_step_counts_once(procs: Proce
     with psworker.connect([daemon.address], mode="async", timeout=2.0, retry_s=0) as client:
         client.init({"w": np.zeros(4, np.float32)}, psworker.SGD(lr=1.0))
         client.push_pull(one)  # the step call is open now
-        daemon.proc.send_signal(signal.SIGSTOP)  # alive, connected, silent
+        pause(daemon.proc.pid)  # alive, connected, silent
         try:
             start = time.monotonic()
             with pytest.raises(WaitTimeoutError, match=r"no reply within 2\.0s"):
