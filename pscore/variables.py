@@ -222,7 +222,8 @@ class Variables:
         """Records the largest sum of squares among a variable and its slots (for the next
         step's risk check); whether all of them are finite."""
         arrays = [self.values[key], *(v for v in self.slots[key].values() if _is_array(v))]
-        squares = max(_sum_squares(a) for a in arrays)
+        # np.max, not max(): max(5.0, nan) is 5.0, which would pass a NaN slot as finite.
+        squares = float(np.max([_sum_squares(a) for a in arrays]))
         self._squares[key] = squares
         return bool(np.isfinite(squares)) or all(all_finite(a) for a in arrays)
 

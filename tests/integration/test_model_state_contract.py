@@ -193,3 +193,24 @@ def test_local_and_shard_steps_run_the_one_apply(monkeypatch: pytest.MonkeyPatch
     LocalHolder(OPTIMIZER).push(good())
     ShardHolder(OPTIMIZER).push(good())
     assert calls == ["Variables", "Variables"]
+
+
+def test_a_step_that_leaves_a_slot_nan_is_refused() -> None:
+    # The finiteness check after a step covers every slot, whichever comes first: a NaN slot
+    # behind a finite one was once read as finite (Python's max() drops NaN there).
+    from dataclasses import dataclass
+
+    from pscore.variables import Variables
+
+    @dataclass(frozen=True)
+    class NaNSlot(SGD):
+        def apply(self, param: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> None:
+            super().apply(param, grad, state)
+            state["momentum_buffer"][0] = np.nan
+
+    opt = NaNSlot(lr=0.0, momentum=0.9)
+    job = Job("async", 0, 1, opt, (VarSpec("w", (2,), "float32"),), "m")
+    state = Variables()
+    state.install(job, {"w": np.ones(2, np.float32)}, take=False)
+    with pytest.raises(StepRefusedError, match="non-finite"):
+        state.apply(job, {"w": np.ones(2, np.float32)}, summed=False)
