@@ -110,6 +110,7 @@ class StallWatch:
         self._cond = threading.Condition()
         self._wait: _Wait | None = None
         self._thread: threading.Thread | None = None
+        self._idle = False  # the thread waits for a wait to start (no deadline)
         self._closed = False
 
     def reading(self, what: str, read_step: int) -> contextlib.AbstractContextManager[None]:
@@ -134,13 +135,16 @@ class StallWatch:
                     target=self._run, name=f"ps-stall-{self.worker}", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify_all()
+            elif self._idle:
+                # Only a thread with no wait to time needs waking: one timing an earlier wait
+                # wakes at that one's deadline and times this one from there. So a run of
+                # quick steps costs no thread wake-up per step.
+                self._cond.notify_all()
         try:
             yield
         finally:
             with self._cond:
                 self._wait = None
-                self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:
@@ -152,7 +156,9 @@ class StallWatch:
             while not self._closed:
                 wait = self._wait
                 if wait is None:
+                    self._idle = True
                     self._cond.wait()
+                    self._idle = False
                     continue
                 delay = wait.started + self.every_s * (wait.reports + 1) - time.monotonic()
                 if delay > 0:
