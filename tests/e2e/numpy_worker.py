@@ -3,7 +3,8 @@
 Its gradients are fixed per (worker, step) and independent of the weights, so two fault-free
 runs of the same job end with bit-identical weights (with two sync workers, whose sum is the
 same in either order). It prints one JSON line per reported step (``{"step": N}``), then
-``{"done": N}``, and writes its final weights to ``--out`` (an .npz file) when asked.
+``{"done": N}`` once it has left the job, and writes its final weights to ``--out`` (an .npz
+file) when asked.
 """
 
 from __future__ import annotations
@@ -84,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         final = client.pull()
         if args.out:
             np.savez(args.out, **final)
-        print(json.dumps({"done": client.step}), flush=True)
+        done = client.step
+    # After the block: the client has left, so a test that stops the shards on this line finds
+    # this worker gone (printed inside, a SIGTERM could save a checkpoint before the leave).
+    print(json.dumps({"done": done}), flush=True)
     return 0
 
 
