@@ -98,11 +98,15 @@ class JobAgreement:
                 self._refused.pop(other, None)
         self._declared.clear()
 
-    def restore(self, job: Job) -> None:
-        """The job a checkpoint holds is the job (its hyper-parameters open to worker 0)."""
-        self.job = job
-        self._settled = True
-        self._restored = True
+    @classmethod
+    def restored(cls, job: Job) -> JobAgreement:
+        """The agreement of a shard restored from a checkpoint: the job it holds is the job
+        (its hyper-parameters open to worker 0)."""
+        agreement = cls()
+        agreement.job = job
+        agreement._settled = True
+        agreement._restored = True
+        return agreement
 
     def awaiting(self, worker: int) -> bool:
         """Whether ``worker`` declared other hyper-parameters than a restored job's, before

@@ -30,10 +30,12 @@ class MembershipHistory:
     for the members of a step gets the same answer however late it asks.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, rosters: list[tuple[int, tuple[int, ...]]] | None = None) -> None:
+        """A history holding ``rosters`` (a checkpoint's) or none; events and counts start
+        afresh."""
         self.events: deque[MembershipEvent] = deque(maxlen=MAX_EVENTS)
         self.counts = dict.fromkeys(KINDS, 0)
-        self.rosters: list[tuple[int, tuple[int, ...]]] = []
+        self.rosters: list[tuple[int, tuple[int, ...]]] = list(rosters or [])
 
     def record(self, step: int, worker: int, kind: str, at: float, members: list[int]) -> None:
         """Notes one change."""
@@ -61,7 +63,3 @@ class MembershipHistory:
                 break
             found = members
         return found
-
-    def restore(self, rosters: list[tuple[int, tuple[int, ...]]]) -> None:
-        """The rosters a checkpoint held (events and counts start afresh)."""
-        self.rosters = list(rosters)

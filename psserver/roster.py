@@ -1,154 +1,153 @@
-"""Who is in a shard's job: registration, heartbeats, leaving, and dropping the silent. A part of
-``Shard`` (its base class), kept apart to keep each file short."""
+"""Who is in a shard's job: its members (``Membership``) and their history, read as the clocks
+a consistency rule judges, and the messages that say who is missing."""
 
 from __future__ import annotations
 
-import threading
+from collections.abc import Callable
 
-from psserver.records import Registration
-from psserver.shard_parts import ShardParts
-from pswire.errors import InvalidRequestError, ModelMismatchError, TooLargeError
+from psserver.consistency import Clocks, ConsistencyPolicy
+from psserver.history import MembershipHistory
+from psserver.membership import Membership
+from psserver.progress import Progress
+from psserver.records import Limits, ShardState
+from pswire.errors import InvalidRequestError, WorkerDroppedError
+from pswire.job import OBSERVER, Job
 
 
-class Roster(ShardParts):
-    """Registration, heartbeats, leaving and expiry of a ``Shard``'s workers (its lock held)."""
+class Roster:
+    """A job's workers as one shard counts them; not thread-safe (the shard's lock guards it).
 
-    def register_worker(self, worker_id: int, num_workers: int, session: str = "") -> Registration:
-        """Records a worker (new, restarted or reconnecting); says where it (re)joins.
+    Owns the ``Membership`` (who is live, who joined at which step, which process holds each
+    id) and the ``MembershipHistory`` (every change, the members of each step); reads the
+    workers' steps from ``progress``. ``now`` is the shard's clock.
+    """
 
-        In an elastic job only a member resumes; another worker joins (``Shard.join``) and is
-        told the earliest step it could join at. A new process taking over a member's id ends
-        that membership ("replaced"): the new one joins afresh.
+    def __init__(
+        self,
+        limits: Limits,
+        now: Callable[[], float],
+        progress: Progress,
+        history: MembershipHistory | None = None,
+    ) -> None:
+        self.members = Membership(limits.heartbeat_timeout_s, limits.claim_grace_s)
+        self.history = history if history is not None else MembershipHistory()
+        self.now = now
+        self._progress = progress
 
-        Raises:
-            InvalidRequestError: ids out of range.
-            TooLargeError: more workers than the shard's limit.
-            ModelMismatchError: ``num_workers`` differs from the job's.
-            DuplicateWorkerError: another live process holds this worker id.
-        """
-        if num_workers < 1 or not 0 <= worker_id < num_workers:
-            raise InvalidRequestError(
-                f"worker_id {worker_id} must be in [0, num_workers) with num_workers >= 1, "
-                f"got num_workers {num_workers}"
-            )
-        if num_workers > self.limits.max_workers:
-            raise TooLargeError(
-                f"num_workers {num_workers} is over this shard's limit of {self.limits.max_workers}"
-            )
-        with self._cond:
-            job = self._agreement.job
-            if job is not None and job.num_workers != num_workers:
-                raise ModelMismatchError(
-                    f"worker {worker_id} says num_workers {num_workers}; the job on this shard "
-                    f"has {job.num_workers}"
-                )
-            holder = self._members.holder(worker_id)
-            self._members.claim(worker_id, session, self._now())
-            member = worker_id in self._members.live_view
-            if self._members.elastic and member and holder not in (None, session):
-                self._members.drop(worker_id)
-                self._record(self._finished.get(worker_id, 0), worker_id, "replaced")
-                self._membership_changed()
-                member = False
-            self._touch(worker_id)
-            if self._members.elastic and not member and self._policy is not None:
-                clock = self._policy.join_step(self._clocks(), worker_id)
-                return Registration(clock, self._ready, 0, job.job_id if job else "")
-            if self._policy is not None:
-                # A worker that fell behind (dropped, restarted) resumes at the current step.
-                joined = self._policy.join_clock(self._clocks(), worker_id)
-                self._finished[worker_id] = max(self._finished.get(worker_id, 0), joined)
-            return Registration(
-                self._finished.get(worker_id, 0),
-                self._ready,
-                self._durable.get(worker_id, 0),
-                job.job_id if job is not None else "",
-            )
+    @classmethod
+    def restored(
+        cls, state: ShardState, limits: Limits, now: Callable[[], float], progress: Progress
+    ) -> Roster:
+        """The roster of a shard restored from ``state``: its members, rosters and leavers."""
+        roster = cls(limits, now, progress, MembershipHistory(state.rosters))
+        roster.start(state.job, state.members)
+        roster.members.restore_left(state.left)
+        return roster
 
-    def heartbeat(self, worker_id: int, session: str = "") -> int:
-        """Marks a worker alive; returns the steps it has finished here.
+    def start(self, job: Job, members: dict[int, int] | None = None) -> None:
+        """Begins ``job``: every worker live (an elastic job: ``members``, or none yet)."""
+        self.members.start(job.num_workers, self.now(), job.elastic, members, job.min_workers)
 
-        Raises:
-            InvalidRequestError: an id outside the job's workers (before a job: the limit).
-            DuplicateWorkerError: another process holds this worker id now.
-        """
-        with self._cond:
-            job = self._agreement.job
-            self._check_worker(
-                worker_id, job.num_workers if job else self.limits.max_workers, "heartbeat"
-            )
-            self._members.check(worker_id, session)
-            self._touch(worker_id)
-            return self._finished.get(worker_id, 0)
+    def clocks(self) -> Clocks:
+        """What the consistency rule reads. The live containers, not copies: rules only read
+        them, under the lock, and keep nothing."""
+        progress = self._progress
+        return self.members.clocks(progress.updates, progress.finished, progress.opened)
 
-    def leave(self, worker_id: int, session: str = "") -> None:
-        """A worker leaves the job (its client closed): it no longer counts in the sync quorum
-        or the ssp gate, and a round waiting only on it closes now.
+    def touch(self, worker_id: int) -> bool:
+        """``worker_id`` was heard from; True when that brought it back into the quorum."""
+        if worker_id == OBSERVER:
+            return False  # a reader such as psctl export is no worker: it must not join the quorum
+        if self.members.touch(worker_id, self.now()):
+            self.record(self._progress.finished_by(worker_id), worker_id, "rejoined")
+            return True
+        return False
 
-        Raises:
-            InvalidRequestError: an id outside the job's workers.
-            DuplicateWorkerError: another process holds this worker id now.
-        """
-        with self._cond:
-            job = self._agreement.job
-            if job is None:
-                return
-            self._check_worker(worker_id, job.num_workers, "leave")
-            self._members.check(worker_id, session)
-            member = worker_id in self._members.live_view
-            if self._members.leave(worker_id):
-                if member:
-                    self._record(self._finished.get(worker_id, 0), worker_id, "left")
-                self._membership_changed()
+    def record(self, step: int, worker_id: int, kind: str) -> None:
+        """Notes a change of members in the history."""
+        members = sorted(self.members.live_view)
+        self.history.record(step, worker_id, kind, self.now(), members)
 
-    def expire_silent(self) -> list[int]:
-        """Drops workers silent past the heartbeat timeout (see ``Membership.expire``); a sync
-        step waiting only on them closes now. The server calls this on a timer; reads
-        (``status``, metrics) never do."""
-        with self._cond:
-            return self._expire()
-
-    def _expire(self) -> list[int]:
-        """``Membership.expire``, the drops recorded, the rule told (lock held)."""
-        if self._policy is None:
-            return []
-        before = set(self._members.live_view)
-        changed = self._members.expire(self._now())
-        for worker in sorted(before - self._members.live_view):
-            self._record(self._finished.get(worker, 0), worker, "dropped")
-        if changed:
-            self._membership_changed()
+    def expire(self) -> list[int]:
+        """``Membership.expire``, the drops recorded; returns the workers whose membership or
+        prepared join ended (the caller tells the rule)."""
+        before = set(self.members.live_view)
+        changed = self.members.expire(self.now())
+        for worker in sorted(before - self.members.live_view):
+            self.record(self._progress.finished_by(worker), worker, "dropped")
         return changed
 
-    def _absent(self) -> tuple[int, ...]:
+    def open(self, step: int) -> None:
+        """A worker read or pushed at ``step``: the step is open, and in an elastic job its
+        members are recorded."""
+        if self._progress.open(step) and self.members.elastic:
+            self.history.note_roster(step, self.clocks().members(step))
+
+    def absent(self, job: Job | None) -> tuple[int, ...]:
         """The job's workers out of the quorum now (sync and ssp jobs of fixed size)."""
-        job = self._agreement.job
         if job is None or job.mode == "async" or job.elastic:
             return ()
-        live = self._members.live_view
+        live = self.members.live_view
         return tuple(w for w in range(job.num_workers) if w not in live)
 
-    def _wait_agreed(
-        self, worker_id: int, timeout: float | None, cancelled: threading.Event | None
-    ) -> None:
-        """Waits for the initial values and, in a job restored from a checkpoint, for worker
-        0's declaration when this worker declared other hyper-parameters (only worker 0 sets
-        them: applying the checkpoint's meanwhile would be silently wrong); then refuses a
-        worker whose declaration is not the job (lock held).
+    def check_member(self, worker_id: int, step: int) -> None:
+        """Refuses a push from a worker that is no member of the elastic job at ``step``.
 
         Raises:
-            ModelMismatchError: this worker declared another job than the shard's.
-            WaitTimeoutError: worker 0 did not declare within the deadline.
+            WorkerDroppedError: it left, was dropped or replaced, or never joined.
+            InvalidRequestError: it joined at a later step.
         """
-        self._wait_values(timeout, cancelled)
-        if self._agreement.awaiting(worker_id):
-            self._wait(
-                lambda: not self._agreement.awaiting(worker_id),
-                timeout,
-                cancelled,
-                lambda: (
-                    f"worker 0's init: worker {worker_id} declared other hyper-parameters than "
-                    "the job in this shard's checkpoint, and only worker 0 changes them"
-                ),
+        if not self.members.elastic:
+            return
+        joined = self.members.joined.get(worker_id)
+        if joined is None or worker_id not in self.members.live_view:
+            raise WorkerDroppedError(
+                f"push by worker {worker_id} for step {step}: it is not a member of this elastic "
+                f"job ({self.gone(worker_id)}), so its gradient is not applied. A worker that "
+                "left or was dropped joins again by connecting again"
             )
-        self._agreement.check(worker_id)
+        if step < joined:
+            raise InvalidRequestError(
+                f"push by worker {worker_id} for step {step}, but it joined at step {joined}"
+            )
+
+    def waiting_for(self, policy: ConsistencyPolicy, step: int) -> str:
+        """What a wait at ``step`` lacks: members (an elastic job), else the rule's barrier."""
+        clocks = self.clocks()
+        if policy.admits(clocks, step):
+            return policy.waiting_for(clocks, step)
+        joining = sorted(w for w, s in clocks.pending.items() if s == step)
+        if joining:
+            return f"step {step} opens once worker(s) {joining} finish joining (prepared it)"
+        members = clocks.members(step)
+        missing = self.missing()
+        return (
+            f"the elastic job needs at least {clocks.min_workers} members to open step "
+            f"{step}, and has {len(members)}: {members}; "
+            + (
+                "missing: " + ", ".join(missing)
+                if missing
+                else "no other worker has joined yet: start more workers"
+            )
+        )
+
+    def missing(self) -> list[str]:
+        """Workers that were members and are gone, newest first, as 'worker 2 (left at step
+        9)'."""
+        seen: set[int] = set()
+        out = []
+        for event in reversed(self.history.events):
+            if event.worker in seen:
+                continue
+            seen.add(event.worker)
+            if event.worker not in self.members.live_view and event.kind != "joined":
+                out.append(f"worker {event.worker} ({self.gone(event.worker)})")
+        return out
+
+    def gone(self, worker_id: int) -> str:
+        """How ``worker_id`` stopped being a member, from the newest event about it."""
+        for event in reversed(self.history.events):
+            if event.worker == worker_id:
+                ago = self.now() - event.at
+                return f"{event.kind} at step {event.step}, {ago:.0f}s ago"
+        return "it never joined"

@@ -1,8 +1,12 @@
 """A shard: one job's agreement, worker clocks and membership, the consistency rule, and the
-waits they impose, over the model state in ``variables.py``.
+waits they impose, over the model state in ``pscore.variables``.
 
-Plain Python: no grpc here. The servicer decodes requests into calls on ``Shard`` and encodes
-what comes back; every error is a ``PSError`` whose status the servicer sends.
+``Shard`` composes parts that each own their state, all guarded by its one condition variable:
+the ``JobAgreement``, the ``Variables``, the ``Progress`` clocks, the ``Roster`` of workers,
+the elastic ``Joins``, the ``CheckpointMarks`` and the ``OptimizerSide``. It is the only class
+the servicers call. Plain Python: no grpc here. The servicer decodes requests into calls on
+``Shard`` and encodes what comes back; every error is a ``PSError`` whose status the servicer
+sends.
 """
 
 from __future__ import annotations
@@ -18,21 +22,22 @@ import numpy as np
 
 from pscore.variables import Variables
 from psserver.agreement import JobAgreement
-from psserver.consistency import Clocks, ConsistencyPolicy, make_policy
-from psserver.elastic import Joins
-from psserver.history import MembershipHistory
-from psserver.membership import Membership
+from psserver.consistency import ConsistencyPolicy, make_policy
+from psserver.elastic import PHASES, JoinResult, Joins, MembersView
+from psserver.marks import CheckpointMarks
 from psserver.observer import Observer, observed
-from psserver.records import Limits, PushResult
-from psserver.reports import Reports
+from psserver.progress import Progress
+from psserver.records import Limits, PushResult, Registration, ShardState, ShardStatus
 from psserver.roster import Roster
 from psserver.shard_optim import NO_OPTIONS, OptimizerSide, StepOptions
 from pswire.errors import (
     CallCancelledError,
     InvalidRequestError,
+    ModelMismatchError,
     NotInitializedError,
     ShardRestartedError,
     StepRefusedError,
+    TooLargeError,
     UnavailableError,
     WaitTimeoutError,
 )
@@ -43,7 +48,7 @@ from pswire.tables import RowSparse
 MAX_STEP = 1 << 62
 
 
-class Shard(Roster, Joins, Reports, OptimizerSide):
+class Shard:
     """One parameter-server shard; thread-safe, every wait bounded.
 
     ``clock`` (seconds, monotonic) is what membership reads: tests inject one and call
@@ -57,22 +62,37 @@ class Shard(Roster, Joins, Reports, OptimizerSide):
         self.observer: Observer | None = None  # set by the server when metrics are on
         self._now = clock
         self._cond = threading.Condition()
-        self._agreement = JobAgreement()
         self._policy: ConsistencyPolicy | None = None
-        self._state = Variables()
-        self._finished: dict[int, int] = {}
-        self._members = Membership(self.limits.heartbeat_timeout_s, self.limits.claim_grace_s)
-        self._history = MembershipHistory()
-        self._opened = -1  # the newest step read or pushed at
         self._ready = False  # initial values installed
-        self._updates = 0
-        self._counters = {"applied": 0, "duplicate": 0, "late": 0}
-        self._durable: dict[int, int] = {}  # worker -> its steps in the newest checkpoint
-        self._checkpoint_step = -1
-        self._checkpoint_time: float | None = None
         self._failure = ""  # a refused sync step: every later step fails with it
         self._closed = False
-        self._start_optimizer_side(None)
+        progress = Progress()
+        self._compose(
+            JobAgreement(),
+            Variables(),
+            progress,
+            Roster(self.limits, clock, progress),
+            CheckpointMarks(clock),
+            None,
+        )
+
+    def _compose(
+        self,
+        agreement: JobAgreement,
+        state: Variables,
+        progress: Progress,
+        roster: Roster,
+        marks: CheckpointMarks,
+        job: Job | None,
+    ) -> None:
+        """Installs the shard's parts (lock held, or before serving), wired to each other."""
+        self._agreement = agreement
+        self._state = state
+        self._progress = progress
+        self._roster = roster
+        self._joins = Joins(roster, progress, self.limits.max_step_ahead, self._membership_changed)
+        self._marks = marks
+        self._optim = OptimizerSide(job)
 
     @property
     def _job(self) -> Job | None:
@@ -133,7 +153,7 @@ class Shard(Roster, Joins, Reports, OptimizerSide):
             if self._agreement.declare(worker_id, job):
                 self._set_job(job)
             self._touch(worker_id)
-            self._forget_load(worker_id)
+            self._optim.forget_load(worker_id)
             if values is None or self._ready:
                 return False
             self._state = state
@@ -143,8 +163,8 @@ class Shard(Roster, Joins, Reports, OptimizerSide):
 
     def _set_job(self, job: Job) -> None:
         self._policy = make_policy(job.mode, job.staleness, job.quorum)
-        self._members.start(job.num_workers, self._now(), job.elastic, None, job.min_workers)
-        self._start_optimizer_side(job)
+        self._roster.start(job)
+        self._optim = OptimizerSide(job)
 
     def pull(
         self,
@@ -188,24 +208,27 @@ class Shard(Roster, Joins, Reports, OptimizerSide):
                 policy = self._require_policy()
                 self._wait(
                     lambda: (
-                        policy.read_ready(self._clocks(), step)
-                        and policy.admits(self._clocks(), step)
+                        policy.read_ready(self._roster.clocks(), step)
+                        and policy.admits(self._roster.clocks(), step)
                     ),
                     timeout,
                     cancelled,
-                    lambda: f"pull by worker {worker_id}: " + self._waiting_for(policy, step),
+                    lambda: (
+                        f"pull by worker {worker_id}: " + self._roster.waiting_for(policy, step)
+                    ),
                 )
                 if worker_id != OBSERVER:
-                    self._open(step)
+                    self._roster.open(step)
                 # Gathering copies the rows: they are this pull's snapshot either way.
                 gathered = {table: self._state.tables[table].gather(ids) for table, ids in rows}
                 arrays = {**{k: self._state.values[k] for k in keys}, **gathered}
                 if self.observer is not None:
                     self.observer.pulled(arrays)
+                clock = self._progress.updates
                 if encode is not None:
-                    return encode(arrays, self._updates), self._updates
+                    return encode(arrays, clock), clock
                 snapshot = {k: a if k in gathered else a.copy() for k, a in arrays.items()}
-                return snapshot, self._updates
+                return snapshot, clock
 
     def push(
         self,
@@ -250,8 +273,8 @@ class Shard(Roster, Joins, Reports, OptimizerSide):
             grads = job.checked_grads(grads)
             optimizers = job.step_optimizers(options)
             with self._cond:
-                self._members.check(worker_id, session)
-                self._check_member(worker_id, step)
+                self._roster.members.check(worker_id, session)
+                self._roster.check_member(worker_id, step)
                 self._touch(worker_id)
                 self._wait_agreed(worker_id, timeout, cancelled)
                 if self._job is not job:  # worker 0 set a restored job's hyper-parameters
@@ -263,24 +286,26 @@ class Shard(Roster, Joins, Reports, OptimizerSide):
                     return skipped
                 self._wait(
                     lambda: (
-                        policy.push_ready(self._clocks(), worker_id, step)
-                        and policy.admits(self._clocks(), step)
+                        policy.push_ready(self._roster.clocks(), worker_id, step)
+                        and policy.admits(self._roster.clocks(), step)
                     ),
                     timeout,
                     cancelled,
-                    lambda: f"push by worker {worker_id}: " + self._waiting_for(policy, step),
+                    lambda: (
+                        f"push by worker {worker_id}: " + self._roster.waiting_for(policy, step)
+                    ),
                 )
                 # The wait released the lock: a retry of this push may have landed meanwhile.
                 skipped = self._skip(policy, worker_id, step)
                 if skipped is not None:
                     return skipped
-                self._steps.take(worker_id, step, optimizers, options.skip)
-                self._open(step)
-                update = policy.submit(self._clocks(), worker_id, step, grads, owned=take)
+                self._optim.steps.take(worker_id, step, optimizers, options.skip)
+                self._roster.open(step)
+                update = policy.submit(self._roster.clocks(), worker_id, step, grads, owned=take)
                 if update is not None:
                     self._apply(update, sync_round=policy.name == "sync")
-                self._finished[worker_id] = max(self._finished.get(worker_id, 0), step + 1)
-                self._counters["applied"] += 1
+                self._progress.reach(worker_id, step + 1)
+                self._progress.counters["applied"] += 1
                 self._capture_due()
                 self._cond.notify_all()
                 return self._result(True, "", worker_id, step)
@@ -322,9 +347,329 @@ class Shard(Roster, Joins, Reports, OptimizerSide):
             cancelled=cancelled,
         )
         with self._cond:  # who was missing by the time the step could be read
-            result.absent = self._absent()
+            result.absent = self._roster.absent(self._agreement.job)
         result.skipped = options.skip or self.step_skipped(step)
         return result, snapshot, clock
+
+    def register_worker(self, worker_id: int, num_workers: int, session: str = "") -> Registration:
+        """Records a worker (new, restarted or reconnecting); says where it (re)joins.
+
+        In an elastic job only a member resumes; another worker joins (``Shard.join``) and is
+        told the earliest step it could join at. A new process taking over a member's id ends
+        that membership ("replaced"): the new one joins afresh.
+
+        Raises:
+            InvalidRequestError: ids out of range.
+            TooLargeError: more workers than the shard's limit.
+            ModelMismatchError: ``num_workers`` differs from the job's.
+            DuplicateWorkerError: another live process holds this worker id.
+        """
+        if num_workers < 1 or not 0 <= worker_id < num_workers:
+            raise InvalidRequestError(
+                f"worker_id {worker_id} must be in [0, num_workers) with num_workers >= 1, "
+                f"got num_workers {num_workers}"
+            )
+        if num_workers > self.limits.max_workers:
+            raise TooLargeError(
+                f"num_workers {num_workers} is over this shard's limit of {self.limits.max_workers}"
+            )
+        with self._cond:
+            job = self._agreement.job
+            if job is not None and job.num_workers != num_workers:
+                raise ModelMismatchError(
+                    f"worker {worker_id} says num_workers {num_workers}; the job on this shard "
+                    f"has {job.num_workers}"
+                )
+            roster, progress = self._roster, self._progress
+            members = roster.members
+            holder = members.holder(worker_id)
+            members.claim(worker_id, session, self._now())
+            member = worker_id in members.live_view
+            if members.elastic and member and holder not in (None, session):
+                members.drop(worker_id)
+                roster.record(progress.finished_by(worker_id), worker_id, "replaced")
+                self._membership_changed()
+                member = False
+            self._touch(worker_id)
+            if members.elastic and not member and self._policy is not None:
+                clock = self._policy.join_step(roster.clocks(), worker_id)
+                return Registration(clock, self._ready, 0, job.job_id if job else "")
+            if self._policy is not None:
+                # A worker that fell behind (dropped, restarted) resumes at the current step.
+                progress.reach(worker_id, self._policy.join_clock(roster.clocks(), worker_id))
+            return Registration(
+                progress.finished_by(worker_id),
+                self._ready,
+                self._marks.durable_step(worker_id),
+                job.job_id if job is not None else "",
+            )
+
+    def heartbeat(self, worker_id: int, session: str = "") -> int:
+        """Marks a worker alive; returns the steps it has finished here.
+
+        Raises:
+            InvalidRequestError: an id outside the job's workers (before a job: the limit).
+            DuplicateWorkerError: another process holds this worker id now.
+        """
+        with self._cond:
+            job = self._agreement.job
+            self._check_worker(
+                worker_id, job.num_workers if job else self.limits.max_workers, "heartbeat"
+            )
+            self._roster.members.check(worker_id, session)
+            self._touch(worker_id)
+            return self._progress.finished_by(worker_id)
+
+    def leave(self, worker_id: int, session: str = "") -> None:
+        """A worker leaves the job (its client closed): it no longer counts in the sync quorum
+        or the ssp gate, and a round waiting only on it closes now.
+
+        Raises:
+            InvalidRequestError: an id outside the job's workers.
+            DuplicateWorkerError: another process holds this worker id now.
+        """
+        with self._cond:
+            job = self._agreement.job
+            if job is None:
+                return
+            self._check_worker(worker_id, job.num_workers, "leave")
+            members = self._roster.members
+            members.check(worker_id, session)
+            member = worker_id in members.live_view
+            if members.leave(worker_id):
+                if member:
+                    self._roster.record(self._progress.finished_by(worker_id), worker_id, "left")
+                self._membership_changed()
+
+    def expire_silent(self) -> list[int]:
+        """Drops workers silent past the heartbeat timeout (see ``Membership.expire``); a sync
+        step waiting only on them closes now. The server calls this on a timer; reads
+        (``status``, metrics) never do."""
+        with self._cond:
+            return self._expire()
+
+    def join(self, worker_id: int, session: str, phase: str, step: int = 0) -> JoinResult:
+        """One phase of an elastic join (see ``psserver.elastic``).
+
+        Raises:
+            NotInitializedError: no job yet.
+            InvalidRequestError: the job is not elastic, a worker id not below its maximum of
+                workers, an unknown phase, a worker that is a member already, a commit without
+                a prepare at that step, or a step far ahead.
+            DuplicateWorkerError: another process holds this worker id.
+        """
+        if phase not in PHASES:
+            raise InvalidRequestError(f"join phase {phase!r}; expected one of {list(PHASES)}")
+        with self._cond:
+            self._elastic_job(worker_id)
+            self._roster.members.check(worker_id, session)
+            self._touch(worker_id)
+            return self._joins.phase(worker_id, phase, step, self._require_policy())
+
+    def list_members(
+        self,
+        worker_id: int,
+        step: int,
+        timeout: float | None = None,
+        cancelled: threading.Event | None = None,
+    ) -> MembersView:
+        """The members that train at ``step`` (in sync: as the step opened), once a worker may
+        read at it (this opens it), and the rosters before it.
+
+        Raises:
+            NotInitializedError, InvalidRequestError: no elastic job; a worker outside it.
+            WaitTimeoutError: the step did not open in time (the message says what it lacks).
+            UnavailableError, CallCancelledError: the shard is stopping; the caller went away.
+        """
+        with self._cond:
+            job = self._elastic_job(worker_id, reader=True)
+            policy = self._require_policy()
+            self._touch(worker_id)
+            self._wait(
+                lambda: (
+                    policy.read_ready(self._roster.clocks(), step)
+                    and policy.admits(self._roster.clocks(), step)
+                ),
+                timeout,
+                cancelled,
+                lambda: f"members at step {step}: " + self._roster.waiting_for(policy, step),
+            )
+            self._roster.open(step)
+            history = self._roster.history
+            rosters = tuple((s, m) for s, m in history.rosters if s <= step)
+            return MembersView(
+                step,
+                history.roster_at(step),
+                rosters,
+                job.min_workers,
+                job.max_workers,
+            )
+
+    def step_skipped(self, step: int) -> bool:
+        """sync: whether ``step`` closed with no optimizer update because a worker skipped it
+        (its GradScaler found inf/NaN); otherwise False."""
+        with self._cond:
+            return self._optim.steps.skipped(step)
+
+    def optimizer_state(self, timeout: float | None = None) -> dict[str, dict[str, Any]]:
+        """Copies of every trained variable's optimizer slots (slots not made yet, such as
+        SGD's momentum buffer before the first step, left out).
+
+        Raises:
+            NotInitializedError: no job yet.
+            WaitTimeoutError: no initial values within the deadline.
+        """
+        self._require_job()
+        with self._cond:
+            self._wait_values(timeout, None)
+            return self._state.optimizer_state()
+
+    def load_state(
+        self,
+        worker_id: int,
+        digest: str,
+        values: Mapping[str, np.ndarray] | None,
+        slots: Mapping[str, Mapping[str, Any]],
+        timeout: float | None = None,
+    ) -> None:
+        """Worker 0: its ``values`` and ``slots`` replace the shard's (every trained variable's
+        slots; those not given start afresh). Another worker: waits for worker 0's load and
+        checks that it loaded the same state (``digest``).
+
+        Raises:
+            NotInitializedError: no job yet.
+            InvalidRequestError, UnknownVariableError: a bad state (nothing changed), or state
+                sent by a worker other than 0.
+            ModelMismatchError: this worker loaded another state than worker 0.
+            WaitTimeoutError: worker 0 did not load within the deadline.
+        """
+        job = self._require_job()
+        if worker_id != 0 and (values or slots):
+            raise InvalidRequestError(
+                f"worker {worker_id} sent optimizer state: only worker 0's is loaded (the "
+                "others send the digest of theirs)"
+            )
+        with self._cond:
+            self._wait_values(timeout, None)
+            if worker_id == 0:
+                self._state.load(job, values or {}, slots)
+                self._optim.loaded = digest
+                self._cond.notify_all()
+                return
+            self._wait(
+                lambda: self._optim.loaded is not None,
+                timeout,
+                None,
+                lambda: f"worker 0 to load its optimizer state (worker {worker_id} has loaded)",
+            )
+            loaded = self._optim.loaded
+            if loaded != digest:
+                raise ModelMismatchError(
+                    f"worker {worker_id} loaded another optimizer state than worker 0 (state "
+                    f"digest {digest}, worker 0's {loaded}): load the same checkpoint on "
+                    "every worker"
+                )
+
+    def capture_every(self, steps: int) -> None:
+        """Copies the state for a checkpoint whenever the clock reaches a multiple of
+        ``steps`` (0: never); ``take_captured`` hands the copy over."""
+        with self._cond:
+            self._marks.every = steps
+
+    def take_captured(self) -> ShardState | None:
+        """The newest state copied at a multiple of the capture interval, once; else None."""
+        with self._cond:
+            return self._marks.take()
+
+    def status(self) -> ShardStatus:
+        """What the shard holds and who it counts, read without changing anything."""
+        with self._cond:
+            now = self._now()
+            progress, members, history = self._progress, self._roster.members, self._roster.history
+            workers = {
+                w: (progress.finished_by(w), members.seconds_since(w, now)) for w in members.known()
+            }
+            return ShardStatus(
+                initialized=self._ready,
+                job=self._agreement.job,
+                clock=progress.updates,
+                workers=workers,
+                live=members.live,
+                total_bytes=self._state.nbytes,
+                pushes_applied=progress.counters["applied"],
+                pushes_duplicate=progress.counters["duplicate"],
+                pushes_late=progress.counters["late"],
+                checkpoint_step=self._marks.step,
+                checkpoint_age_s=self._marks.age_s(now),
+                tables={
+                    k: (t.rows, t.nbytes, t.evictions, t.spec.capacity)
+                    for k, t in self._state.tables.items()
+                },
+                left=members.left,
+                failure=self._failure,
+                history=tuple((e, now - e.at) for e in history.events),
+                pending=frozenset(members.pending),
+                membership_counts=dict(history.counts),
+            )
+
+    def snapshot(self) -> dict[str, np.ndarray]:
+        """Copies of every variable (for tests and exports)."""
+        with self._cond:
+            return {k: v.copy() for k, v in self._state.values.items()}
+
+    def export_state(self) -> ShardState | None:
+        """A consistent copy of everything a checkpoint needs; None before initial values.
+
+        Taken between updates, so a sync step is either wholly in it or not at all: pushes to
+        the open step are left out (their workers' clocks say so) and get re-sent by the
+        workers after a restart.
+        """
+        with self._cond:
+            if not self._ready:
+                return None
+            job = self._agreement.job
+            policy = self._policy
+            assert job is not None and policy is not None
+            progress, roster = self._progress, self._roster
+            finished = {
+                w: policy.durable_clock(progress.updates, f) for w, f in progress.finished.items()
+            }
+            variables, slots, tables = self._state.export()
+            return ShardState(
+                job=job,
+                variables=variables,
+                slots=slots,
+                updates=progress.updates,
+                finished=finished,
+                counters=dict(progress.counters),
+                tables=tables,
+                members=dict(roster.members.joined),
+                rosters=list(roster.history.rosters),
+                left=sorted(roster.members.left),
+            )
+
+    def mark_checkpoint(self, state: ShardState) -> None:
+        """Records that ``state`` is durable: workers may forget pushes it covers."""
+        with self._cond:
+            self._marks.mark(state)
+
+    def restore(self, state: ShardState) -> None:
+        """Becomes the shard that saved ``state`` (on a fresh shard, before serving): builds
+        each part from it and installs them together.
+
+        Raises:
+            InvalidRequestError: the state does not match its own job.
+        """
+        job = state.job
+        variables = Variables.restored(job, state.variables, state.slots, state.tables)
+        progress = Progress.restored(state)
+        with self._cond:
+            roster = Roster.restored(state, self.limits, self._now, progress)
+            marks = CheckpointMarks.restored(state, self._now, self._marks.every)
+            self._policy = make_policy(job.mode, job.staleness, job.quorum)
+            self._compose(JobAgreement.restored(job), variables, progress, roster, marks, job)
+            self._ready = True
+            self._cond.notify_all()
 
     def _check_call(
         self, worker_id: int, step: int, incarnation: str, what: str, reader: bool = False
@@ -352,9 +697,9 @@ class Shard(Roster, Joins, Reports, OptimizerSide):
         Raises:
             InvalidRequestError: naming the step, the expected one and the limit.
         """
-        expected = self._finished.get(worker_id, 0)
+        expected = self._progress.finished_by(worker_id)
         if policy.name == "sync":
-            expected = max(expected, self._updates)
+            expected = max(expected, self._progress.updates)
         if step > expected + self.limits.max_step_ahead:
             raise InvalidRequestError(
                 f"push by worker {worker_id} is for step {step}, but its next step here is "
@@ -364,18 +709,19 @@ class Shard(Roster, Joins, Reports, OptimizerSide):
             )
 
     def _skip(self, policy: ConsistencyPolicy, worker_id: int, step: int) -> PushResult | None:
-        reason = policy.classify(self._clocks(), worker_id, step)
+        reason = policy.classify(self._roster.clocks(), worker_id, step)
         if reason is None:
             return None
-        self._counters[reason] += 1
+        self._progress.counters[reason] += 1
         return self._result(False, reason, worker_id, step)
 
     def _result(self, applied: bool, reason: str, worker_id: int, step: int) -> PushResult:
         # After a late sync push the worker moves on to the step the shard is in.
-        after = max(step + 1, self._updates) if reason == "late" else step + 1
-        absent = self._absent()
-        durable = self._durable.get(worker_id, 0)
-        return PushResult(applied, reason, self._updates, durable, after, absent, self.job_id)
+        clock = self._progress.updates
+        after = max(step + 1, clock) if reason == "late" else step + 1
+        absent = self._roster.absent(self._agreement.job)
+        durable = self._marks.durable_step(worker_id)
+        return PushResult(applied, reason, clock, durable, after, absent, self.job_id)
 
     def _apply(self, update: Mapping[str, Any], sync_round: bool) -> None:
         """Applies an update (lock held). A sync round that cannot be applied has been consumed
@@ -384,25 +730,25 @@ class Shard(Roster, Joins, Reports, OptimizerSide):
         Raises:
             StepRefusedError: the update's result would not be finite; nothing applied.
         """
-        optimizers, skip = self._steps.pop(self._updates)
+        optimizers, skip = self._optim.steps.pop(self._progress.updates)
         try:
             self._state.apply(self._require_job(), update, optimizers, skip, summed=sync_round)
         except StepRefusedError as exc:
             if sync_round:
                 self._failure = (
-                    f"step {self._updates} was refused and not applied: {exc}; the shard holds "
-                    "the weights from before it. Restart the job (from a checkpoint) with a "
-                    "smaller learning rate or gradient scaling"
+                    f"step {self._progress.updates} was refused and not applied: {exc}; the "
+                    "shard holds the weights from before it. Restart the job (from a "
+                    "checkpoint) with a smaller learning rate or gradient scaling"
                 )
                 self._cond.notify_all()
                 raise StepRefusedError(self._failure) from None
             raise
-        self._updates += 1
+        self._progress.updates += 1
 
     def _membership_changed(self) -> None:
         """Re-evaluates the rule after workers left (lock held); a round may close now."""
         assert self._policy is not None
-        update = self._policy.membership_changed(self._clocks())
+        update = self._policy.membership_changed(self._roster.clocks())
         if update is not None:
             # A refusal is kept as the shard's failure: every waiting call wakes to it.
             with contextlib.suppress(StepRefusedError):
@@ -410,15 +756,9 @@ class Shard(Roster, Joins, Reports, OptimizerSide):
             self._capture_due()
         self._cond.notify_all()
 
-    def _clocks(self) -> Clocks:
-        # The live dict, not a copy: policies only read it, under the lock, and keep nothing.
-        return self._members.clocks(self._updates, self._finished, self._opened)
-
     def _touch(self, worker_id: int) -> None:
-        if worker_id == OBSERVER:
-            return  # a reader such as psctl export is no worker: it must not join the quorum
-        if self._members.touch(worker_id, self._now()):
-            self._record(self._finished.get(worker_id, 0), worker_id, "rejoined")
+        """``worker_id`` was heard from (lock held): a worker back in the quorum wakes waits."""
+        if self._roster.touch(worker_id):
             self._cond.notify_all()
 
     def _check_incarnation(self, seen: str, worker_id: int, what: str) -> None:
@@ -433,6 +773,59 @@ class Shard(Roster, Joins, Reports, OptimizerSide):
                 f"{what} by worker {worker_id} was made for shard incarnation {seen}, but the "
                 f"shard restarted (now {self.incarnation}): re-register and replay first"
             )
+
+    def _expire(self) -> list[int]:
+        """``Roster.expire``, the rule told (lock held)."""
+        if self._policy is None:
+            return []
+        changed = self._roster.expire()
+        if changed:
+            self._membership_changed()
+        return changed
+
+    def _capture_due(self) -> None:
+        """After an update (lock held): copies the state if the clock is at a multiple of the
+        capture interval and no copy was taken at it yet."""
+        updates = self._progress.updates
+        if self._marks.due(updates):
+            self._marks.keep(updates, self.export_state())
+
+    def _elastic_job(self, worker_id: int, reader: bool = False) -> Job:
+        job = self._require_job()
+        if not job.elastic:
+            raise InvalidRequestError(
+                f"worker {worker_id}: this job is not elastic (it has a fixed {job.num_workers} "
+                "workers); start every worker with elastic=MIN:MAX (psworker --elastic) to let "
+                "workers join and leave"
+            )
+        if not (reader and worker_id == OBSERVER):
+            self._check_worker(worker_id, job.num_workers, "join")
+        return job
+
+    def _wait_agreed(
+        self, worker_id: int, timeout: float | None, cancelled: threading.Event | None
+    ) -> None:
+        """Waits for the initial values and, in a job restored from a checkpoint, for worker
+        0's declaration when this worker declared other hyper-parameters (only worker 0 sets
+        them: applying the checkpoint's meanwhile would be silently wrong); then refuses a
+        worker whose declaration is not the job (lock held).
+
+        Raises:
+            ModelMismatchError: this worker declared another job than the shard's.
+            WaitTimeoutError: worker 0 did not declare within the deadline.
+        """
+        self._wait_values(timeout, cancelled)
+        if self._agreement.awaiting(worker_id):
+            self._wait(
+                lambda: not self._agreement.awaiting(worker_id),
+                timeout,
+                cancelled,
+                lambda: (
+                    f"worker 0's init: worker {worker_id} declared other hyper-parameters than "
+                    "the job in this shard's checkpoint, and only worker 0 changes them"
+                ),
+            )
+        self._agreement.check(worker_id)
 
     def _require_job(self) -> Job:
         job = self._job

@@ -1,16 +1,11 @@
-"""The shard's optimizer side: each update's hyper-parameters and skip, and loading or reading
-the optimizer state (a mixin of ``Shard``, which holds the lock, the job and the state)."""
+"""The shard's optimizer side: each update's hyper-parameters and skip, and which optimizer
+state worker 0 loaded."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
-from typing import Any
 
-import numpy as np
-
-from psserver.shard_parts import ShardParts
-from pswire.errors import HyperParameterMismatchError, InvalidRequestError, ModelMismatchError
+from pswire.errors import HyperParameterMismatchError
 from pswire.job import Job
 from pswire.optim import Optimizer
 from pswire.optspec import NO_OPTIONS, StepOptions
@@ -87,79 +82,16 @@ def _disagreement(
     )
 
 
-class OptimizerSide(ShardParts):
-    """``Shard``'s methods for per-update hyper-parameters, skips and optimizer state."""
+class OptimizerSide:
+    """A job's per-update settings (``steps``) and the digest of the optimizer state worker 0
+    loaded (``loaded``; None: none); not thread-safe (the shard's lock guards it). Made afresh
+    for each job a shard starts (none: before any)."""
 
-    def _start_optimizer_side(self, job: Job | None) -> None:
-        """Fresh per-update settings and no loaded state, for a job now starting."""
-        self._steps = StepSettings(job is not None and job.mode == "sync")
-        self._loaded: str | None = None  # digest of the state worker 0 loaded
+    def __init__(self, job: Job | None) -> None:
+        self.steps = StepSettings(job is not None and job.mode == "sync")
+        self.loaded: str | None = None
 
-    def step_skipped(self, step: int) -> bool:
-        """sync: whether ``step`` closed with no optimizer update because a worker skipped it
-        (its GradScaler found inf/NaN); otherwise False."""
-        with self._cond:
-            return self._steps.skipped(step)
-
-    def optimizer_state(self, timeout: float | None = None) -> dict[str, dict[str, Any]]:
-        """Copies of every trained variable's optimizer slots (slots not made yet, such as
-        SGD's momentum buffer before the first step, left out).
-
-        Raises:
-            NotInitializedError: no job yet.
-            WaitTimeoutError: no initial values within the deadline.
-        """
-        self._require_job()
-        with self._cond:
-            self._wait_values(timeout, None)
-            return self._state.optimizer_state()
-
-    def load_state(
-        self,
-        worker_id: int,
-        digest: str,
-        values: Mapping[str, np.ndarray] | None,
-        slots: Mapping[str, Mapping[str, Any]],
-        timeout: float | None = None,
-    ) -> None:
-        """Worker 0: its ``values`` and ``slots`` replace the shard's (every trained variable's
-        slots; those not given start afresh). Another worker: waits for worker 0's load and
-        checks that it loaded the same state (``digest``).
-
-        Raises:
-            NotInitializedError: no job yet.
-            InvalidRequestError, UnknownVariableError: a bad state (nothing changed), or state
-                sent by a worker other than 0.
-            ModelMismatchError: this worker loaded another state than worker 0.
-            WaitTimeoutError: worker 0 did not load within the deadline.
-        """
-        job = self._require_job()
-        if worker_id != 0 and (values or slots):
-            raise InvalidRequestError(
-                f"worker {worker_id} sent optimizer state: only worker 0's is loaded (the "
-                "others send the digest of theirs)"
-            )
-        with self._cond:
-            self._wait_values(timeout, None)
-            if worker_id == 0:
-                self._state.load(job, values or {}, slots)
-                self._loaded = digest
-                self._cond.notify_all()
-                return
-            self._wait(
-                lambda: self._loaded is not None,
-                timeout,
-                None,
-                lambda: f"worker 0 to load its optimizer state (worker {worker_id} has loaded)",
-            )
-            if self._loaded != digest:
-                raise ModelMismatchError(
-                    f"worker {worker_id} loaded another optimizer state than worker 0 (state "
-                    f"digest {digest}, worker 0's {self._loaded}): load the same checkpoint on "
-                    "every worker"
-                )
-
-    def _forget_load(self, worker_id: int) -> None:
+    def forget_load(self, worker_id: int) -> None:
         """Worker 0 (re)starting: a load it made before no longer stands for the job."""
         if worker_id == 0:
-            self._loaded = None
+            self.loaded = None
