@@ -105,13 +105,24 @@ def stub_classes(path: Path) -> list[str]:
     return found
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 26 item 2, not done: Shard's parts (psserver/shard_parts.py) and PSClient's "
-    "(psworker/client_state.py, tables_client.py) still declare each other's state as stubs",
+# Shard's parts are being rebuilt in parallel (psserver/shard_parts.py); psworker's are done.
+_STUBS_LEFT = {
+    "psserver": "issue 26 item 2, not done for psserver: Shard's parts "
+    "(psserver/shard_parts.py) still declare each other's state as stubs",
+}
+
+
+@pytest.mark.parametrize(
+    "package",
+    [
+        pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=_STUBS_LEFT[p]))
+        if p in _STUBS_LEFT
+        else p
+        for p in sorted(FORBIDDEN)
+    ],
 )
-def test_no_class_declares_stubs_for_another_classs_state() -> None:
-    stubs = [s for package in FORBIDDEN for p in modules(package) for s in stub_classes(p)]
+def test_no_class_declares_stubs_for_another_classs_state(package: str) -> None:
+    stubs = [s for p in modules(package) for s in stub_classes(p)]
     # pswire.optim.Optimizer.apply is an abstract method each optimizer overrides: not a stub
     # for another class's state.
     stubs = [s for s in stubs if not s.startswith("pswire/optim.py:Optimizer.")]
