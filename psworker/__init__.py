@@ -41,10 +41,12 @@ from psworker.api import Client
 from psworker.client import PSClient
 from psworker.connect import connect
 from psworker.data import shard, start_epoch
+from psworker.elastic import ElasticPSClient
 from psworker.local import LocalClient
 from psworker.reports import report
 from psworker.ring.client import AllReduceClient
 from psworker.seeding import seed, worker_seed
+from psworker.settings import ClientSettings
 
 __all__ = [
     "SGD",
@@ -57,10 +59,12 @@ __all__ = [
     "CallCancelledError",
     "Client",
     "ClientClosedError",
+    "ClientSettings",
     "ConfigError",
     "CorruptCheckpointError",
     "DistributedOptimizer",
     "DuplicateWorkerError",
+    "ElasticPSClient",
     "Embedding",
     "EmbeddingBag",
     "HyperParameterMismatchError",

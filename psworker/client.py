@@ -7,134 +7,124 @@ import logging
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
-from typing import Self, TypeVar
+from typing import Any, Self, TypeVar
 
-import grpc
 import numpy as np
 
-from pswire.codec import COMPRESSIONS, DEFAULT_CHUNK_BYTES
 from pswire.errors import (
-    ClientClosedError,
     ConfigError,
     InvalidRequestError,
-    NotInitializedError,
     WorkerDroppedError,
     not_in_model,
 )
-from pswire.job import MODES, Job, job_to_proto
+from pswire.job import Job, job_to_proto
 from pswire.optim import Optimizer
 from pswire.optspec import StepOptions, resolve_groups
 from pswire.piecekey import check_names
 from pswire.proto import ps_pb2
-from pswire.security import ClientSecurity
 from pswire.tables import RowSparse, Table
 from pswire.wiremsg import encode_chunk_messages
-from psworker.client_state import ClientState
-from psworker.fanout import FanOut, partial_failure
+from psworker.client_state import ModelState, Slots
+from psworker.fanout import partial_failure
 from psworker.link import ShardLink, shard_status
 from psworker.outgoing import check_shards_agree, shard_jobs, split_push
-from psworker.placement import (
-    DEFAULT_SPLIT_BYTES,
-    ShardMap,
-    TableLayout,
-    VarInfo,
-    plan,
-    tables_digest,
-)
+from psworker.placement import ShardMap, TableLayout, VarInfo, plan, tables_digest
 from psworker.session import (
-    DEFAULT_REPLAY_BYTES,
     AbsentWorkers,
     Heartbeats,
     JobIdentity,
-    LinkConfig,
     leave_at_exit,
     say_resumed,
 )
-from psworker.stall import DEFAULT_STALL_WARNING_S, StallWatch, shard_statuses
-from psworker.tables_client import TableReads, into_with_rows, place_rows
+from psworker.settings import ClientSettings
+from psworker.shards import Shards
+from psworker.stall import StallWatch, shard_statuses
+from psworker.tables_client import RowReads, into_with_rows, place_rows
 
 T = TypeVar("T")
-DEFAULT_TIMEOUT_S = 120.0
-DEFAULT_HEARTBEAT_S = 2.0  # well inside the shards' default 30 s heartbeat timeout
 log = logging.getLogger(__name__)
 
 
-class PSClient(ClientState, TableReads):
-    """A worker's connection to the parameter-server shards of one job.
+class PSClient:
+    """A worker's connection to the parameter-server shards of one job, built from its
+    ``ClientSettings`` (``connect()`` makes them from arguments and ``PS_*`` variables).
 
-    Every call fans out to all shards in parallel and has a deadline (``timeout`` seconds);
-    a failure raises a ``PSError`` subclass whose ``.code`` is the gRPC status. ``security``
-    (TLS files, token) applies to every shard; None means plaintext without a token.
+    Every call fans out to all shards in parallel and has a deadline (``settings.timeout``
+    seconds); a failure raises a ``PSError`` subclass whose ``.code`` is the gRPC status.
+    ``settings.security`` (TLS files, token) applies to every shard.
+
+    Its parts: ``shards`` (the links, the fan-out over them, the model's placement), handed to
+    the model-state calls (``optimizer_state``, ``load_state``) and the table-row reads
+    (``pull_rows``); the steps themselves are this class's.
+
+    Raises:
+        ConfigError: elastic settings (``min_workers``/``max_workers``) given to a plain
+            ``PSClient``: an elastic job's workers are ``ElasticPSClient``.
     """
 
-    def __init__(
-        self,
-        addresses: Sequence[str],
-        worker_id: int,
-        num_workers: int,
-        mode: str = "sync",
-        staleness: int = 0,
-        timeout: float = DEFAULT_TIMEOUT_S,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        split_bytes: int = DEFAULT_SPLIT_BYTES,
-        security: ClientSecurity | None = None,
-        quorum: int = 0,
-        retry_s: float | None = None,
-        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-        interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = (),
-        compression: str | None = None,
-        job_id: str = "",
-        replay_bytes: int = DEFAULT_REPLAY_BYTES,
-        stall_warning_s: float = DEFAULT_STALL_WARNING_S,
-    ) -> None:
-        if not addresses:
-            raise ConfigError("connect needs at least one shard address")
-        if mode not in MODES:
-            raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
-        if not 0 <= worker_id < num_workers:
-            raise ConfigError(f"worker_id {worker_id} must be in [0, {num_workers})")
-        if compression not in COMPRESSIONS:
-            raise ConfigError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
-        if mode == "ssp" and staleness < 0:
-            raise ConfigError(f"staleness must be >= 0, got {staleness}")
-        self.addresses = list(addresses)
-        self.worker_id = worker_id
-        self.num_workers = num_workers
-        self.mode = mode
-        self.staleness = staleness if mode == "ssp" else 0
-        self.timeout = timeout
-        self.chunk_bytes = chunk_bytes
-        self.split_bytes = split_bytes
+    # Whether this class joins elastic jobs: settings for one and a class for the other
+    # would register a job no worker joins the way it expects.
+    _elastic_job = False
+
+    def __init__(self, settings: ClientSettings) -> None:
+        if settings.elastic != self._elastic_job:
+            raise ConfigError(
+                f"settings of an elastic job (min_workers={settings.min_workers}, max_workers="
+                f"{settings.max_workers}) need ElasticPSClient (connect(elastic=...))"
+                if settings.elastic
+                else "ElasticPSClient needs the settings of an elastic job: min_workers and "
+                "max_workers (connect(elastic='MIN:MAX'))"
+            )
+        self.settings = settings
+        self.addresses = list(settings.addresses)
+        self.worker_id = settings.worker_id
+        self.num_workers = settings.num_workers
+        self.mode = settings.mode
+        self.staleness = settings.staleness
+        self.timeout = settings.timeout
+        self.chunk_bytes = settings.chunk_bytes
+        self.split_bytes = settings.split_bytes
         self.step = 0
         self.last_skipped = False  # the step last pushed had no optimizer update
-        self.shard_map: ShardMap | None = None
-        self.quorum = quorum
-        self.min_workers = self.max_workers = 0  # an elastic job's bounds (ElasticPSClient)
-        self.compression = compression
+        self.quorum = settings.quorum
+        self.min_workers, self.max_workers = settings.min_workers, settings.max_workers
+        self.compression = settings.compression
         self._buffers: set[str] = set()
-        self.tables: dict[str, TableLayout] = {}
-        self.heartbeat_s = heartbeat_s
-        self.security = security or ClientSecurity()
-        self._channels = [self.security.channel(a) for a in self.addresses]
-        channels = [grpc.intercept_channel(c, *interceptors) for c in self._channels]
+        self.heartbeat_s = settings.heartbeat_s
+        self.security = settings.security
         # This process's id: a second process claiming the same worker id is refused.
         self.session = uuid.uuid4().hex[:12]
-        self.identity = JobIdentity(job_id)
-        retry = timeout if retry_s is None else retry_s
-        config = LinkConfig(
-            worker_id, num_workers, timeout, retry, chunk_bytes, self.session, replay_bytes
-        )
-        self.links = [
-            ShardLink(i, a, channel, config, self.identity, self.security)
-            for i, (a, channel) in enumerate(zip(self.addresses, channels, strict=True))
-        ]
-        self._absent = AbsentWorkers(worker_id)
-        self._fan = FanOut(len(self.addresses))
-        self._beats = Heartbeats(self.links, heartbeat_s, worker_id, self.session)
+        self.identity = JobIdentity(settings.job_id)
+        self.shards = Shards(settings, self.session, self.identity)
+        self._state = ModelState(self.shards, self.worker_id, self.chunk_bytes)
+        self._rows = RowReads(self.shards, self.worker_id)
+        self._absent = AbsentWorkers(self.worker_id)
+        self._beats = Heartbeats(self.links, self.heartbeat_s, self.worker_id, self.session)
         probe = partial(shard_statuses, self.links)
-        self._stall = StallWatch(stall_warning_s, worker_id, probe, self.mode, self.staleness)
-        self._closed = False
+        self._stall = StallWatch(
+            settings.stall_warning_s, self.worker_id, probe, self.mode, self.staleness
+        )
         leave_at_exit(self)
+
+    @property
+    def links(self) -> list[ShardLink]:
+        """Each shard's link, in address order."""
+        return self.shards.links
+
+    @property
+    def shard_map(self) -> ShardMap | None:
+        """Where the model's variables lie (None before ``init``)."""
+        return self.shards.shard_map
+
+    @property
+    def tables(self) -> dict[str, TableLayout]:
+        """Where each embedding table's rows lie (empty before ``init``)."""
+        return self.shards.tables
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+        return self.shards.closed
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -147,18 +137,11 @@ class PSClient(ClientState, TableReads):
     def close(self) -> None:
         """Leaves the job (the shards stop counting this worker in the sync quorum and the ssp
         gate), stops heartbeats and closes the channels; the client is unusable afterwards."""
-        if self._closed:
+        if self.shards.closed:
             return
-        self._closed = True
         self._beats.stop()
         self._stall.close()
-        if self.shard_map is not None:  # only a worker that joined (init) leaves
-            self._fan.settle(lambda shard: self.links[shard].leave())
-        self._fan.close()
-        for link in self.links:
-            link.close()
-        for channel in self._channels:
-            channel.close()
+        self.shards.close()
 
     # -- API --------------------------------------------------------------------------------
 
@@ -195,10 +178,10 @@ class PSClient(ClientState, TableReads):
             raise InvalidRequestError(f"names used by both a variable and a table: {clash}")
         try:
             check_names(tables, "table")
-            shard_map = plan(infos, len(self.addresses), self.split_bytes)
+            shard_map = plan(infos, len(self.shards), self.split_bytes)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from exc
-        layouts = {n: TableLayout.build(n, t, len(self.addresses)) for n, t in tables.items()}
+        layouts = {n: TableLayout.build(n, t, len(self.shards)) for n, t in tables.items()}
         digest = shard_map.digest()
         if tables:  # a model without tables keeps the digest it always had
             digest = hashlib.sha256((digest + tables_digest(tables)).encode()).hexdigest()[:16]
@@ -248,8 +231,7 @@ class PSClient(ClientState, TableReads):
 
         with self._stall.waiting("init (the initial values)", None if send_values else -1):
             self._fan_out(init_one)
-        self.shard_map = shard_map
-        self.tables = layouts
+        self.shards.place(shard_map, layouts)
         self.step = min(int(r.clock) for r in registered)
         self._beats.start(min((r.heartbeat_timeout_s for r in registered), default=0.0))
         say_resumed(self.worker_id, self.identity.value, self.step)
@@ -335,7 +317,7 @@ class PSClient(ClientState, TableReads):
         shard_map = self._require_map()
         step = self.step if step is None else step
         pieces = self._pieces(grads)
-        reads = self._reads(rows)
+        reads = self._rows.reads(rows)
         wanted, keys_by_shard = self._keys(None)
         shard_map.check_out(out, wanted)
         into = shard_map.destinations(wanted, out)
@@ -374,8 +356,7 @@ class PSClient(ClientState, TableReads):
         with self._stall.reading(f"step {step}", step + 1):
             if all(fits for *_, fits in plans):  # every shard sent its part before any waits
                 # A shard's call that ends early (it restarted) is recovered while others wait.
-                ended = lambda shard, fn: self.links[shard].steps.when_ended(fn)  # noqa: E731
-                results = self._settled(step, *self._fan.settle_started(start, ended))
+                results = self._settled(step, *self.shards.settle_started(start))
             else:
                 results = self._push_all(step, lambda shard: start(shard)())
         self._pushed(step, [r for r, _ in results])
@@ -383,6 +364,46 @@ class PSClient(ClientState, TableReads):
         merged = shard_map.merge([arrays for _, arrays in results])
         weights = shard_map.join(merged, wanted, into, out)
         return {**weights, **{t: r.result() for t, r in reads.items()}}
+
+    def pull_rows(self, table: str, ids: np.ndarray | Sequence[int]) -> np.ndarray:
+        """Rows ``ids`` of an embedding table, shape ``(len(ids), dim)``, in the order asked.
+
+        Ids are deduplicated before they travel; each shard is asked only for its own rows, in
+        parallel, once the consistency rule lets this worker read (as ``pull``). A dynamic
+        table makes a row the first time any worker touches it.
+
+        Raises:
+            UnknownVariableError: no such table.
+            InvalidRequestError: ids that are not integers, or outside a fixed table's rows.
+        """
+        return self._rows.pull_rows(table, ids, self.step)
+
+    def optimizer_state(self) -> Slots:
+        """Every trained variable's optimizer slots (arrays; counts such as Adam's step as
+        ints), a split variable's pieces joined; slots not made yet are left out.
+
+        Raises:
+            PSError: a shard failed to answer.
+        """
+        return self._state.optimizer_state()
+
+    def load_state(
+        self,
+        values: Mapping[str, np.ndarray] | None,
+        slots: Mapping[str, Mapping[str, Any]],
+        digest: str,
+    ) -> None:
+        """Worker 0: its ``values`` and optimizer ``slots`` replace the shards' (a trained
+        variable left out of ``slots`` starts its optimizer state afresh). Other workers send
+        nothing but ``digest``: they wait until worker 0 has loaded, and check it loaded the
+        same state.
+
+        Raises:
+            ModelMismatchError: this worker loaded another state than worker 0.
+            UnknownVariableError, InvalidRequestError: a bad state (the shards changed nothing).
+            WaitTimeoutError: worker 0 did not load in time.
+        """
+        self._state.load_state(values, slots, digest)
 
     def _keys(self, names: Sequence[str] | None) -> tuple[list[str], list[list[str]]]:
         """(the variables asked for, each shard's piece keys of them).
@@ -394,7 +415,7 @@ class PSClient(ClientState, TableReads):
         if names is None:  # every variable: the map knows each shard's keys
             return [v.name for v in shard_map.variables], [list(k) for k in shard_map.keys_by_shard]
         wanted = list(names)
-        keys_by_shard: list[list[str]] = [[] for _ in self.addresses]
+        keys_by_shard: list[list[str]] = [[] for _ in self.links]
         for name in wanted:
             parts = shard_map.pieces_of(name)
             if not parts and name in self.tables:
@@ -472,14 +493,11 @@ class PSClient(ClientState, TableReads):
     # -- internals --------------------------------------------------------------------------
 
     def _require_map(self) -> ShardMap:
-        self._require_open()
-        if self.shard_map is None:
-            raise NotInitializedError("call client.init(variables, optimizer) before pull or push")
-        return self.shard_map
+        return self.shards.require_map()
 
     def _push_all(self, step: int, fn: Callable[[int], T]) -> list[T]:
         """``fn`` on every shard, all run to the end; see ``_settled``."""
-        return self._settled(step, *self._fan.settle(fn))
+        return self._settled(step, *self.shards.settle(fn))
 
     def _settled(self, step: int, done: list[T], failed: list[tuple[int, Exception]]) -> list[T]:
         """Every shard's result, or the failure to raise; see ``fanout.partial_failure``.
@@ -495,10 +513,5 @@ class PSClient(ClientState, TableReads):
         self.step = max(self.step, step + 1)
         raise partial from failed[0][1]
 
-    def _require_open(self) -> None:
-        if self._closed:
-            raise ClientClosedError(f"worker {self.worker_id}'s client is closed: connect again")
-
     def _fan_out(self, fn: Callable[[int], T]) -> list[T]:
-        self._require_open()
-        return self._fan.each(fn)
+        return self.shards.each(fn)

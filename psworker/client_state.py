@@ -1,10 +1,10 @@
-"""``PSClient``'s optimizer state calls: read every trained variable's slots from the shards
-(joined across split variables) and load a state into them (a mixin of ``PSClient``)."""
+"""A worker's model-state calls: read every trained variable's optimizer slots from the shards
+(joined across split variables), and load values and slots into them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -13,37 +13,31 @@ from pswire.errors import ModelMismatchError, not_in_model
 from pswire.optstate import split_state, state_arrays
 from pswire.proto import ps_pb2
 from pswire.wiremsg import encode_chunk_messages
-from psworker.link import ShardLink
-from psworker.placement import ShardMap
+from psworker.shards import Shards
 
-T = TypeVar("T")
 Slots = dict[str, dict[str, Any]]  # variable -> slot -> array or count
 
 
-class ClientState:
-    """Optimizer state over the shards; ``PSClient`` provides the links and the placement."""
+class ModelState:
+    """Worker ``worker_id``'s reads and loads of the model's state on ``shards``, sent in
+    parts of at most ``chunk_bytes``."""
 
-    links: list[ShardLink]
-    worker_id: int
-    chunk_bytes: int
-
-    def _require_map(self) -> ShardMap:
-        raise NotImplementedError
-
-    def _fan_out(self, fn: Callable[[int], T]) -> list[T]:
-        raise NotImplementedError
+    def __init__(self, shards: Shards, worker_id: int, chunk_bytes: int) -> None:
+        self.shards = shards
+        self.worker_id = worker_id
+        self.chunk_bytes = chunk_bytes
 
     def optimizer_state(self) -> Slots:
-        """Every trained variable's optimizer slots (arrays; counts such as Adam's step as
-        ints), a split variable's pieces joined; slots not made yet are left out.
+        """Every trained variable's optimizer slots, a split variable's pieces joined (see
+        ``PSClient.optimizer_state``).
 
         Raises:
             PSError: a shard failed to answer.
         """
-        shard_map = self._require_map()
+        shard_map = self.shards.require_map()
 
         def one(shard: int) -> dict[str, np.ndarray]:
-            link = self.links[shard]
+            link = self.shards.links[shard]
             request = ps_pb2.PullStateRequest(worker_id=self.worker_id)
 
             def run(stub: Any) -> dict[str, np.ndarray]:
@@ -55,7 +49,7 @@ class ClientState:
             return link.call("PullState", run)
 
         merged: dict[str, np.ndarray] = {}
-        for shard, part in enumerate(self._fan_out(one)):
+        for shard, part in enumerate(self.shards.each(one)):
             for key, array in part.items():
                 if key in merged:  # a piece lives on one shard: never merge one over another
                     raise ModelMismatchError(
@@ -88,20 +82,18 @@ class ClientState:
         slots: Mapping[str, Mapping[str, Any]],
         digest: str,
     ) -> None:
-        """Worker 0: its ``values`` and optimizer ``slots`` replace the shards' (a trained
-        variable left out of ``slots`` starts its optimizer state afresh). Other workers send
-        nothing but ``digest``: they wait until worker 0 has loaded, and check it loaded the
-        same state.
+        """Worker 0's ``values`` and ``slots`` replace the shards'; the others check
+        ``digest`` (see ``PSClient.load_state``).
 
         Raises:
             ModelMismatchError: this worker loaded another state than worker 0.
             UnknownVariableError, InvalidRequestError: a bad state (the shards changed nothing).
             WaitTimeoutError: worker 0 did not load in time.
         """
-        shard_map = self._require_map()
+        shard_map = self.shards.require_map()
         send = self.worker_id == 0
         value_pieces = shard_map.split(dict(values or {})) if send else []
-        slot_pieces: list[Slots] = [{} for _ in self.links]
+        slot_pieces: list[Slots] = [{} for _ in self.shards.links]
         for name, state in slots.items() if send else ():
             parts = shard_map.pieces_of(name)
             if not parts:
@@ -115,7 +107,7 @@ class ClientState:
                 }
 
         def one(shard: int) -> None:
-            link = self.links[shard]
+            link = self.shards.links[shard]
             header = ps_pb2.LoadStateHeader(worker_id=self.worker_id, digest=digest)
             header.has_values = send
 
@@ -128,4 +120,4 @@ class ClientState:
 
             link.call("LoadState", lambda stub: stub.LoadState(stream(), timeout=link.timeout))
 
-        self._fan_out(one)
+        self.shards.each(one)

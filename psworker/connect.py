@@ -8,10 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from pswire import envnames
-from pswire.cli import env_default
 from pswire.cluster import ClusterSpec
 from pswire.errors import ConfigError
-from pswire.job import CLIENT_MODES
 from pswire.security import ClientSecurity
 from psworker.api import Client
 from psworker.client import PSClient
@@ -21,6 +19,7 @@ from psworker.local import LocalClient
 from psworker.ring.algorithm import DEFAULT_TIMEOUT_S as RING_TIMEOUT_S
 from psworker.ring.client import AllReduceClient
 from psworker.ring.rendezvous import RendezvousSettings, rendezvous_ring
+from psworker.settings import ClientSettings, resolve_mode, setting_from_env
 
 log = logging.getLogger(__name__)
 # elastic=True without bounds (and no $PS_ELASTIC): from 1 to this many workers.
@@ -126,24 +125,23 @@ def connect(
     (demanding its neighbour's, signed by the CA) and the token, and calls its neighbour with
     them.
 
-    ``job_id`` (``$PS_JOB_ID``) fixes the job's identity; ``replay_bytes``
-    (``$PS_REPLAY_BYTES``) bounds the pushes kept for replay after a shard restart;
-    ``stall_warning_s`` (``$PS_STALL_WARNING``, default 10) is how often a step that waits
-    for other workers logs a warning naming them (0: never).
+    In a parameter-server mode every other keyword (``timeout``, ``retry_s``,
+    ``chunk_bytes``, ``quorum``, ``heartbeat_s``, ``compression``, ...) is a field of
+    ``ClientSettings``, which ``ClientSettings.from_env`` builds from the arguments, then the
+    ``PS_*`` variables, then the defaults: ``job_id`` (``$PS_JOB_ID``) fixes the job's
+    identity; ``replay_bytes`` (``$PS_REPLAY_BYTES``) bounds the pushes kept for replay after
+    a shard restart; ``stall_warning_s`` (``$PS_STALL_WARNING``, default 10) is how often a
+    step that waits for other workers logs a warning naming them (0: never).
 
     Raises:
-        ConfigError: an unknown mode, a parameter-server mode with no shards, an address
-            without a port, unreadable TLS files, launchers that disagree, or inconsistent
-            arguments such as several workers but no worker id (a ValueError).
+        ConfigError: an unknown mode or setting, a parameter-server mode with no shards, an
+            address without a port, unreadable TLS files, launchers that disagree, or
+            inconsistent arguments such as several workers but no worker id (a ValueError).
     """
     envnames.warn_unknown(who="connect()")
-    given = mode
-    mode = mode or os.environ.get("PS_MODE") or None
-    if mode is not None and mode not in CLIENT_MODES:
-        source = "mode" if given else "$PS_MODE"
-        raise ConfigError(f"{source}={mode!r} is not a mode; expected one of {list(CLIENT_MODES)}")
-    if "compression" not in options and os.environ.get("PS_COMPRESSION"):
-        options["compression"] = os.environ["PS_COMPRESSION"]
+    mode = resolve_mode(mode)
+    if options.get("compression") is None and setting_from_env("compression") is not None:
+        options["compression"] = setting_from_env("compression")  # the ring's too
     if mode == "local":
         return LocalClient()
     environ = dict(os.environ) if cluster is None else {**os.environ, "TF_CONFIG": cluster}
@@ -179,21 +177,8 @@ def connect(
     shards, where = found
     if not shards:
         raise ConfigError(f"{where} lists no parameter servers")
-    if staleness is None:
-        staleness = env_default("PS_STALENESS", 0, int)
-    for name, env, convert in (
-        ("job_id", "PS_JOB_ID", str),
-        ("replay_bytes", "PS_REPLAY_BYTES", int),
-        ("stall_warning_s", "PS_STALL_WARNING", float),
-    ):
-        if name not in options and os.environ.get(env):
-            options[name] = env_default(env, None, convert)
-    common = dict(
-        mode=mode or "sync",
-        staleness=staleness,
-        security=ClientSecurity.from_env(tls_ca, tls_cert, tls_key, token),
-        **options,
-    )
+    secure = {"tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key, "token": token}
+    given = dict(mode=mode, staleness=staleness, **secure, **options)
     bounds = _elastic_bounds(elastic)
     if bounds is not None:
         if identity.worker_id is None and bounds[1] > 1:
@@ -201,7 +186,11 @@ def connect(
                 f"an elastic job of up to {bounds[1]} workers needs each worker's id: pass "
                 "worker_id=, or set $PS_WORKER_ID (or launch with torchrun, srun, TF_CONFIG)"
             )
-        return ElasticPSClient(shards, identity.worker_id or 0, *bounds, **common)
+        low, high = bounds
+        settings = ClientSettings.from_env(
+            shards, identity.worker_id or 0, high, min_workers=low, max_workers=high, **given
+        )
+        return ElasticPSClient(settings)
     count = identity.num_workers
     if identity.worker_id is None and (count or 1) > 1:
         raise ConfigError(
@@ -209,8 +198,9 @@ def connect(
             "worker_id=, or set $PS_WORKER_ID or TF_CONFIG's task.index (two processes as one "
             "worker would have the second's pushes dropped as retries)"
         )
+    settings = ClientSettings.from_env(shards, identity.worker_id or 0, count or 1, **given)
     _log_identity(identity)
-    return PSClient(shards, identity.worker_id or 0, count or 1, **common)
+    return PSClient(settings)
 
 
 def _elastic_bounds(elastic: bool | str | tuple[int, int] | None) -> tuple[int, int] | None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import numpy as np
 
@@ -23,6 +22,7 @@ from pswire.proto import ps_pb2
 from pswire.tables import Table
 from psworker.api import Members
 from psworker.client import PSClient
+from psworker.settings import ClientSettings
 
 log = logging.getLogger(__name__)
 # Each refused prepare means a shard opened the step meanwhile; shards are at most a step or
@@ -48,32 +48,21 @@ def parse_bounds(text: str, source: str = "elastic") -> tuple[int, int]:
 
 
 class ElasticPSClient(PSClient):
-    """A ``PSClient`` of an elastic job of ``min_workers`` to ``max_workers`` members.
+    """A ``PSClient`` of an elastic job of ``settings.min_workers`` to ``max_workers``
+    members.
 
     Worker ids are in ``[0, max_workers)`` (``num_workers`` is ``max_workers``); ``members()``
     says who trains at a step. ``init`` joins: ``step`` is then the step this worker starts
     at, and ``joined_at`` the same.
+
+    Raises:
+        ConfigError: settings of a job of fixed size (no ``min_workers``/``max_workers``).
     """
 
-    def __init__(
-        self,
-        addresses: Sequence[str],
-        worker_id: int,
-        min_workers: int,
-        max_workers: int,
-        **options: Any,
-    ) -> None:
-        if not 1 <= min_workers <= max_workers:
-            raise ConfigError(
-                f"an elastic job needs 1 <= min_workers <= max_workers, got {min_workers}:"
-                f"{max_workers}"
-            )
-        if not 0 <= worker_id < max_workers:
-            raise ConfigError(
-                f"worker_id {worker_id} must be in [0, max_workers={max_workers}) in an elastic job"
-            )
-        super().__init__(addresses, worker_id, max_workers, **options)
-        self.min_workers, self.max_workers = min_workers, max_workers
+    _elastic_job = True
+
+    def __init__(self, settings: ClientSettings) -> None:
+        super().__init__(settings)
         self.joined_at: int | None = None
 
     def init(
@@ -95,7 +84,7 @@ class ElasticPSClient(PSClient):
         try:
             self.step = self.joined_at = self._join()
         except BaseException:
-            self._fan.settle(lambda s: self._join_call(s, Phase.ABORT, 0))
+            self.shards.settle(lambda s: self._join_call(s, Phase.ABORT, 0))
             raise
 
     def members(self, step: int | None = None) -> Members:

@@ -90,7 +90,8 @@ class Leaving(Beating, Protocol):
 class Joined(Protocol):
     """What leaving at exit needs of a client (``PSClient`` is one)."""
 
-    _closed: bool
+    @property
+    def closed(self) -> bool: ...
 
     @property
     def links(self) -> Sequence[Leaving]: ...
@@ -192,7 +193,7 @@ def leave_at_exit(client: Joined) -> None:
 def _leave(ref: weakref.ref[Joined]) -> None:
     # One shard after another: the thread pools that close() fans out on are shut down by now.
     client = ref()
-    if client is None or client._closed or client.shard_map is None:
+    if client is None or client.closed or client.shard_map is None:
         return
     for link in client.links:
         link.leave()

@@ -8,18 +8,15 @@ otherwise it is scattered into place once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from pswire.errors import UnavailableError, not_in_model
+from pswire.errors import UnavailableError
 from pswire.proto import ps_pb2
 from pswire.tables import as_ids, scatter_rows
-from psworker.link import ShardLink
-from psworker.placement import ShardMap, TableLayout
-
-T = TypeVar("T")
+from psworker.placement import TableLayout
+from psworker.shards import Shards
 
 
 class RowRead:
@@ -132,56 +129,38 @@ def place_rows(
         read.place(shard, rows)
 
 
-class TableReads:
-    """``pull_rows`` for ``PSClient`` (which provides the links, the layouts and the fan-out)."""
+class RowReads:
+    """Worker ``worker_id``'s reads of embedding-table rows from ``shards``."""
 
-    links: list[ShardLink]
-    worker_id: int
-    step: int
-    tables: dict[str, TableLayout]
+    def __init__(self, shards: Shards, worker_id: int) -> None:
+        self.shards = shards
+        self.worker_id = worker_id
 
-    def _require_map(self) -> ShardMap:
-        raise NotImplementedError
-
-    def _fan_out(self, fn: Callable[[int], T]) -> list[T]:
-        raise NotImplementedError
-
-    def pull_rows(self, table: str, ids: np.ndarray | Sequence[int]) -> np.ndarray:
-        """Rows ``ids`` of an embedding table, shape ``(len(ids), dim)``, in the order asked.
-
-        Ids are deduplicated before they travel; each shard is asked only for its own rows, in
-        parallel, once the consistency rule lets this worker read (as ``pull``). A dynamic
-        table makes a row the first time any worker touches it.
+    def pull_rows(self, table: str, ids: np.ndarray | Sequence[int], step: int) -> np.ndarray:
+        """Rows ``ids`` of an embedding table, read at ``step``: see ``PSClient.pull_rows``.
 
         Raises:
             UnknownVariableError: no such table.
             InvalidRequestError: ids that are not integers, or outside a fixed table's rows.
         """
-        read = RowRead(self._layout(table), ids)
+        read = RowRead(self.shards.layout(table), ids)
 
         def pull_one(shard: int) -> None:
             query = read.query(shard)
             if query is None:
                 return
-            request = ps_pb2.PullRequest(worker_id=self.worker_id, step=self.step, rows=[query])
+            request = ps_pb2.PullRequest(worker_id=self.worker_id, step=step, rows=[query])
             target = read.target(shard)
             into = {table: target} if target is not None else None
-            read.place(shard, self.links[shard].pull(request, into)[table])
+            read.place(shard, self.shards.links[shard].pull(request, into)[table])
 
-        self._fan_out(pull_one)
+        self.shards.each(pull_one)
         return read.result()
 
-    def _reads(self, rows: Mapping[str, np.ndarray | Sequence[int]] | None) -> dict[str, RowRead]:
+    def reads(self, rows: Mapping[str, np.ndarray | Sequence[int]] | None) -> dict[str, RowRead]:
         """A ``RowRead`` per table of ``rows`` (checked).
 
         Raises:
             UnknownVariableError, InvalidRequestError: as ``pull_rows``.
         """
-        return {t: RowRead(self._layout(t), ids) for t, ids in (rows or {}).items()}
-
-    def _layout(self, table: str) -> TableLayout:
-        self._require_map()
-        layout = self.tables.get(table)
-        if layout is None:
-            raise not_in_model(table, self.tables, "table")
-        return layout
+        return {t: RowRead(self.shards.layout(t), ids) for t, ids in (rows or {}).items()}

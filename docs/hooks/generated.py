@@ -3,7 +3,8 @@
 ``<!-- cli: psctl -->`` (or ``psserver``, ``psworker``) becomes the reference of that command,
 generated from its argparse parser (every subcommand, flag, ``PS_*`` variable and default);
 ``<!-- include: deploy/README.md -->`` becomes that file of the repository, so one text serves
-both the repository and the site.
+both the repository and the site; ``<!-- settings: psworker -->`` becomes the table of
+``psworker.ClientSettings``'s fields (meaning, ``PS_*`` variable, default), from the dataclass.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-_MARKER = re.compile(r"<!-- (cli|include): ([\w./-]+) -->")
+_MARKER = re.compile(r"<!-- (cli|include|settings): ([\w./-]+) -->")
 
 
 def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
@@ -95,6 +96,18 @@ def _escape(text: str) -> str:
     return text
 
 
+def settings_markdown() -> str:
+    """The table of ``psworker.ClientSettings``'s fields, as Markdown."""
+    from psworker.settings import fields_table
+
+    out = ["| field | variable (or where `connect()` finds it) | default | meaning |"]
+    out.append("| --- | --- | --- | --- |")
+    for name, where, default, doc in fields_table():
+        cells = [f"`{name}`", where, default, doc]
+        out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(out)
+
+
 def on_page_markdown(markdown: str, **_: Any) -> str:
     """Replaces the markers (see the module's docstring) in a page's Markdown."""
 
@@ -102,6 +115,8 @@ def on_page_markdown(markdown: str, **_: Any) -> str:
         kind, arg = match.groups()
         if kind == "cli":
             return cli_markdown(arg.replace("-", " "))
+        if kind == "settings":
+            return settings_markdown()
         return (REPO / arg).read_text()
 
     return _MARKER.sub(expand, markdown)

@@ -49,20 +49,22 @@ class Cluster:
         self.port = int(self.server.address.rsplit(":", 1)[1])
         values = {"w": np.zeros(size, np.float32)}
         if worker:  # worker 0 sends the initial values first
-            with psworker.PSClient(
-                [self.server.address], 0, workers, mode=mode, heartbeat_s=0
-            ) as chief:
+            chief_settings = psworker.ClientSettings(
+                addresses=(self.server.address,), num_workers=workers, mode=mode, heartbeat_s=0
+            )
+            with psworker.PSClient(chief_settings) as chief:
                 chief.init(values, SGD(lr=1.0))
-        self.client = psworker.PSClient(
-            [self.server.address],
-            worker,
-            workers,
+        settings = psworker.ClientSettings(
+            addresses=(self.server.address,),
+            worker_id=worker,
+            num_workers=workers,
             mode=mode,
             timeout=timeout,
             retry_s=retry_s,
             heartbeat_s=0,
-            interceptors=plans,
+            interceptors=tuple(plans),
         )
+        self.client = psworker.PSClient(settings)
         self.client.init(values, SGD(lr=1.0))
         self.link: ShardLink = self.client.links[0]
         for plan in plans:  # count from here: the calls init made are not the test's

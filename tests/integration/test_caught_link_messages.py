@@ -40,7 +40,9 @@ def refused_address() -> str:
 def refused() -> Iterator[tuple[ShardLink, grpc.RpcError]]:
     """A link to an address nothing listens on, and the error one call to it got."""
     address = refused_address()
-    client = psworker.PSClient([address], 0, 1, timeout=2.0, retry_s=30.0, heartbeat_s=0)
+    client = psworker.PSClient(
+        psworker.ClientSettings(addresses=(address,), timeout=2.0, retry_s=30.0, heartbeat_s=0)
+    )
     link = client.links[0]
     try:
         link.stub.Status(ps_pb2.StatusRequest(), timeout=2.0)
@@ -195,7 +197,9 @@ def test_no_call_waits_forever_on_a_shard_that_never_answers(
     start = time.monotonic()
     with pytest.raises(WaitTimeoutError, match=r"^Status on shard 0 .*Deadline Exceeded"):
         shard_status([silent], timeout=0.5)
-    client = psworker.PSClient([silent], 0, 1, timeout=0.5, retry_s=0.5, heartbeat_s=0)
+    client = psworker.PSClient(
+        psworker.ClientSettings(addresses=(silent,), timeout=0.5, retry_s=0.5, heartbeat_s=0)
+    )
     try:
         link = client.links[0]
         with pytest.raises(WaitTimeoutError) as timed_out:
@@ -223,7 +227,9 @@ def test_giving_up_on_an_unreachable_shard_says_for_how_long_and_how_many_attemp
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     address = refused_address()
-    client = psworker.PSClient([address], 0, 1, timeout=2.0, retry_s=0.6, heartbeat_s=0)
+    client = psworker.PSClient(
+        psworker.ClientSettings(addresses=(address,), timeout=2.0, retry_s=0.6, heartbeat_s=0)
+    )
     link = client.links[0]
     try:
         with (

@@ -149,7 +149,11 @@ def test_push_then_pull_reads_the_step_after_its_push_into_the_callers_arrays(cl
 
 def test_a_step_another_worker_skipped_is_reported_by_every_read_of_it(cluster) -> None:
     c = cluster(mode="sync", workers=2)
-    other = psworker.PSClient([c.server.address], 1, 2, mode="sync", heartbeat_s=0)
+    other = psworker.PSClient(
+        psworker.ClientSettings(
+            addresses=(c.server.address,), worker_id=1, num_workers=2, heartbeat_s=0
+        )
+    )
     try:
         other.init({"w": np.zeros(2, np.float32)}, SGD(lr=1.0))
         assert other.links[0].push(0, {}, StepOptions(skip=True)).applied

@@ -52,7 +52,7 @@ def test_env_typos_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_client_settings_are_config_errors(kwargs: dict[str, Any], message: str) -> None:
     settings = {"worker_id": 0, "num_workers": 2, **kwargs}
     with pytest.raises(psworker.ConfigError) as info:
-        psworker.PSClient(["127.0.0.1:7001"], **settings)
+        psworker.ClientSettings(addresses=("127.0.0.1:7001",), **settings)
     assert isinstance(info.value, ValueError) and message in str(info.value)
 
 

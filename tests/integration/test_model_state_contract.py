@@ -79,7 +79,9 @@ class ClientHolder(LocalHolder):
     def __init__(
         self, optimizer: Optimizer, addresses: list[str], values: dict[str, np.ndarray] = VALUES
     ) -> None:
-        self.client = psworker.PSClient(addresses, 0, 1, mode="async", heartbeat_s=0)
+        self.client = psworker.PSClient(
+            psworker.ClientSettings(addresses=tuple(addresses), mode="async", heartbeat_s=0)
+        )
         self.client.init(values, optimizer)
 
 

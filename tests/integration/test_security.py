@@ -100,7 +100,11 @@ def refused_by_transport(server: RunningServer, security: ClientSecurity) -> Non
     """A client with the wrong transport credentials is UNAVAILABLE and changes nothing."""
     before = state(server)
     # A short timeout: the client retries UNAVAILABLE (a shard may be restarting) until then.
-    client = psworker.PSClient([server.address], 0, 1, mode="async", timeout=1, security=security)
+    client = psworker.PSClient(
+        psworker.ClientSettings(
+            addresses=(server.address,), mode="async", timeout=1, security=security
+        )
+    )
     try:
         with pytest.raises(psworker.UnavailableError) as info:
             client.init(MODEL, psworker.SGD(lr=0.5))
@@ -182,7 +186,12 @@ def test_missing_or_wrong_token_is_unauthenticated_and_changes_nothing(serve, to
     before = state(server)
 
     intruder = psworker.PSClient(
-        [server.address], 0, 1, mode="async", timeout=5, security=ClientSecurity(token=token)
+        psworker.ClientSettings(
+            addresses=(server.address,),
+            mode="async",
+            timeout=5,
+            security=ClientSecurity(token=token),
+        )
     )
     try:
         with pytest.raises(psworker.UnauthenticatedError) as info:

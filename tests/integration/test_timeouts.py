@@ -16,7 +16,7 @@ from psserver.records import Limits
 from psserver.server import RunningServer, start_server
 from psserver.servicer import DEADLINE_MARGIN_S
 from psserver.shard import Shard
-from psworker.client import DEFAULT_TIMEOUT_S
+from psworker.settings import DEFAULT_TIMEOUT_S
 
 MODEL = {"w": np.zeros(3, np.float32)}
 GRAD = {"w": np.ones(3, np.float32)}

@@ -105,18 +105,7 @@ def stub_classes(path: Path) -> list[str]:
     return found
 
 
-# PSClient's parts still declare each other's state as stubs; Shard's own theirs (issue 26).
-CLIENT_STUBS = pytest.mark.xfail(
-    strict=True,
-    reason="issue 26 item 2, client side not done: PSClient's parts (psworker/client_state.py, "
-    "tables_client.py) still declare each other's state as stubs",
-)
-
-
-@pytest.mark.parametrize(
-    "package",
-    [pytest.param(p, marks=CLIENT_STUBS) if p == "psworker" else p for p in sorted(FORBIDDEN)],
-)
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_no_class_declares_stubs_for_another_classs_state(package: str) -> None:
     stubs = [s for p in modules(package) for s in stub_classes(p)]
     # pswire.optim.Optimizer.apply is an abstract method each optimizer overrides: not a stub

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +25,26 @@ def test_every_error_a_user_can_receive_is_exported_from_psworker() -> None:
     assert not missing, f"not exported from psworker: {missing}"
     unlisted = [c.__name__ for c in family if c.__name__ not in psworker.__all__]
     assert not unlisted, f"exported but not in psworker.__all__: {unlisted}"
+
+
+def test_an_error_class_defined_in_any_client_module_is_exported_too() -> None:
+    # Every module a client call runs through imported first: a PSError subclass defined
+    # outside pswire/errors.py (say in a link or session module) is seen as well.
+    for package in ("pswire", "psworker"):
+        root = importlib.import_module(package)
+        for info in pkgutil.walk_packages(root.__path__, f"{package}."):
+            if not info.name.endswith("__main__"):  # running it is the command itself
+                importlib.import_module(info.name)
+    family = [c for c in errors._subclasses(errors.PSError) if not c.__name__.startswith("_")]
+    assert errors.StepRefusedError in family and errors.DuplicateWorkerError in family
+    missing = [
+        f"{c.__module__}.{c.__name__}"
+        for c in family
+        if getattr(psworker, c.__name__, None) is not c
+    ]
+    assert not missing, f"not exported from psworker: {missing}"
+    assert psworker.ClientSettings.__module__ == "psworker.settings"
+    assert {"ClientSettings", "ElasticPSClient"} <= set(psworker.__all__)
 
 
 def test_every_name_in_all_resolves() -> None:
