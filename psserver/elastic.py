@@ -16,10 +16,10 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from pscore.job import OBSERVER, Job
 from psserver.consistency import ConsistencyPolicy
 from psserver.shard_parts import ShardParts
 from pswire.errors import InvalidRequestError, WorkerDroppedError
-from pswire.job import OBSERVER, Job
 
 PHASES = ("propose", "prepare", "commit", "abort")
 

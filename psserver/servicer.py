@@ -19,7 +19,7 @@ from psserver.shard import Shard
 from pswire import stepmsg
 from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler
 from pswire.errors import InvalidRequestError, NotInitializedError, PSError
-from pswire.job import job_from_proto, job_to_proto
+from pswire.jobspec import job_from_proto, job_to_proto
 from pswire.optstate import split_state, state_arrays
 from pswire.proto import ps_pb2, ps_pb2_grpc
 from pswire.push import assembled_grads, header_options, push_pull_grads, read_stream

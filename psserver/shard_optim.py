@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 
+from pscore.job import Job
+from pscore.optim import Optimizer
+from pscore.optspec import NO_OPTIONS, StepOptions
 from psserver.shard_parts import ShardParts
 from pswire.errors import HyperParameterMismatchError, InvalidRequestError, ModelMismatchError
-from pswire.job import Job
-from pswire.optim import Optimizer
-from pswire.optspec import NO_OPTIONS, StepOptions
 
 __all__ = ["NO_OPTIONS", "OptimizerSide", "StepOptions", "StepSettings"]
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from pscore.job import Job
 from pscore.variables import Variables
 from psserver.agreement import JobAgreement
 from psserver.consistency import Clocks, ConsistencyPolicy
 from psserver.history import MembershipHistory
 from psserver.membership import Membership
 from psserver.records import Limits
-from pswire.job import Job
 
 
 class ShardParts:

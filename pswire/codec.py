@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
-from pswire.errors import InvalidRequestError, ShapeMismatchError, TooLargeError
+from pscore.checks import (
+    BFLOAT16,
+    NUMPY_DTYPES,
+    check_dtype,
+    tensor_nbytes,
+    unsupported_dtype,
+)
+from pswire.errors import InvalidRequestError, TooLargeError
 from pswire.proto import ps_pb2
 
 # 4 MiB chunks: on loopback a stream of MiB-sized messages moves ~4x the bytes/s of one huge
@@ -16,39 +22,10 @@ from pswire.proto import ps_pb2
 DEFAULT_CHUNK_BYTES = 4 << 20
 # What a worker may send gradients as: as they are, or float32 narrowed to 16 bits on the wire.
 COMPRESSIONS = (None, "fp16", "bf16")
-# Dims whose product exceeds this are nonsense whatever the memory (2**48 elements).
-MAX_ELEMENTS = 1 << 48
-DTYPES = frozenset(
-    {"float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool"}
-)
 # bfloat16 has no numpy dtype: it travels as uint16 bit patterns and arrives widened to float32
-# (exactly: bfloat16 is float32's top half).
-BFLOAT16 = "bfloat16"
-# Looked up, not built, per tensor: a small step's whole budget is a few hundred microseconds,
-# and numpy's dtype constructor and ``dtype.name`` cost microseconds each.
-_NUMPY_DTYPE = {
-    name: np.dtype("uint16" if name == BFLOAT16 else name).newbyteorder("<") for name in DTYPES
-}
-_WIRE_NAME = {dt: name for name, dt in _NUMPY_DTYPE.items() if name != BFLOAT16}
+# (exactly: bfloat16 is float32's top half). A numpy dtype's wire name, looked up per tensor.
+_WIRE_NAME = {dt: name for name, dt in NUMPY_DTYPES.items() if name != BFLOAT16}
 _WIRE_NAME[np.dtype("uint16")] = "uint16"  # bfloat16 bit patterns, before their label
-
-
-def check_dtype(dtype: str, name: str) -> np.dtype:
-    """Returns the little-endian numpy dtype for a wire dtype name.
-
-    Raises:
-        InvalidRequestError: the name is not a supported dtype.
-    """
-    dt = _NUMPY_DTYPE.get(dtype)
-    if dt is None:
-        raise _unsupported(dtype, name)
-    return dt
-
-
-def _unsupported(dtype: str, name: str) -> InvalidRequestError:
-    return InvalidRequestError(
-        f"variable '{name}' has unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}"
-    )
 
 
 def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
@@ -68,101 +45,6 @@ def float32_to_bfloat16(values: np.ndarray) -> np.ndarray:
     lsb = (bits >> np.uint32(16)) & np.uint32(1)
     rounded = ((bits + np.uint32(0x7FFF) + lsb) >> np.uint32(16)).astype(np.uint16)
     return np.where(np.isnan(values), np.uint16(0x7FC0), rounded).astype(np.uint16)
-
-
-def tensor_nbytes(name: str, dtype: str, shape: Iterable[int], limit: int | None = None) -> int:
-    """Byte size of a tensor, validating every dim.
-
-    Raises:
-        InvalidRequestError: unknown dtype, a negative dim, or an absurd element count.
-        TooLargeError: the tensor is larger than ``limit`` bytes.
-    """
-    dt = check_dtype(dtype, name)
-    dims = tuple(map(int, shape))
-    if dims and min(dims) < 0:
-        raise InvalidRequestError(f"variable '{name}' has a negative dim in shape {dims}")
-    count = math.prod(dims)
-    # Zero dims are skipped: (0, 2**62) holds no elements, but numpy still refuses the shape.
-    if (count or math.prod(d for d in dims if d)) > MAX_ELEMENTS:
-        raise InvalidRequestError(
-            f"variable '{name}' has shape {dims}: dims multiply past {MAX_ELEMENTS} elements"
-        )
-    nbytes = count * dt.itemsize
-    if limit is not None and nbytes > limit:
-        raise TooLargeError(
-            f"variable '{name}' of shape {dims} is {nbytes} bytes, over the limit of {limit}"
-        )
-    return nbytes
-
-
-def all_finite(array: np.ndarray) -> bool:
-    """Whether a float array holds no NaN or Inf. A large, aligned float32/float64 array is
-    first dotted with itself (one BLAS pass, no temporary): a finite result proves it; a NaN
-    or Inf anywhere, or finite values large enough to overflow, fall through to the exact
-    check. (Unaligned data, such as a tensor decoded in place from a message, would take
-    numpy's non-BLAS loop: 847 us against 18 us for 1 MiB, bench/NOTES.md 19.)"""
-    if (
-        array.size >= 1 << 16
-        and array.dtype in (np.float32, np.float64)
-        and array.flags.aligned
-        and array.flags.c_contiguous
-    ):
-        flat = array.reshape(-1)
-        with np.errstate(over="ignore", invalid="ignore"):
-            if np.isfinite(np.dot(flat, flat)):
-                return True
-    return bool(np.isfinite(array).all())
-
-
-# Many small float32 arrays (up to BATCH_ELEMENTS each, at least BATCH_ARRAYS of them) are
-# checked for NaN/Inf in one pass over their concatenation: a step of 15,000 four-float
-# variables spent most of its checks in per-array numpy calls.
-BATCH_ARRAYS = 64
-BATCH_ELEMENTS = 4096
-
-
-def batched(array: np.ndarray) -> bool:
-    """Whether ``array`` is checked with others (a small, non-empty float32 array)."""
-    return array.dtype == np.float32 and 0 < array.size <= BATCH_ELEMENTS
-
-
-def all_finite_together(arrays: Iterable[object]) -> bool:
-    """Whether the ``batched`` arrays among ``arrays`` (anything else is skipped) hold no NaN
-    or Inf, checked at once. False when they are too few to batch, or when some value is not
-    finite: the caller then checks each array alone (and names the one that fails)."""
-    batch = [a for a in arrays if isinstance(a, np.ndarray) and batched(a)]
-    return len(batch) >= BATCH_ARRAYS and all_finite(np.concatenate(batch, axis=None))
-
-
-def check_tensor(
-    name: str,
-    shape: tuple[int, ...],
-    dtype: str,
-    array: np.ndarray,
-    what: str,
-    finite: bool = False,
-) -> None:
-    """Checks ``array`` against a variable's declared shape and dtype, and for NaN/Inf
-    (unless ``finite``: already known, e.g. from ``all_finite_together``).
-
-    Raises:
-        InvalidRequestError: wrong dtype or non-finite floats.
-        ShapeMismatchError: wrong shape.
-    """
-    if array.dtype != check_dtype(dtype, name):
-        raise InvalidRequestError(
-            f"variable '{name}' has dtype {dtype} on the server, {what} sent {array.dtype}"
-        )
-    if tuple(array.shape) != tuple(shape):
-        raise ShapeMismatchError(
-            f"variable '{name}' has shape {tuple(shape)} on the server, {what} sent "
-            f"{tuple(array.shape)}"
-        )
-    if not finite and array.dtype.kind == "f" and not all_finite(array):
-        bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
-        raise InvalidRequestError(
-            f"variable '{name}': {what} has {bad} non-finite values (NaN or Inf)"
-        )
 
 
 def wire_bytes(
@@ -188,7 +70,7 @@ def wire_bytes(
             raise ValueError(f"bfloat16 bit patterns are uint16, '{name}' is {arr.dtype}")
         dtype = BFLOAT16
     elif dtype is None or dtype == "uint16":  # uint16 travels only as bfloat16
-        raise _unsupported(arr.dtype.name, name)
+        raise unsupported_dtype(arr.dtype.name, name)
     # memoryview's cast: a third of the time of reshape(-1).view(uint8).data (a small step
     # encodes thousands of tensors); it refuses zero-size shapes, which hold no bytes anyway.
     view = memoryview(arr).cast("B") if arr.size else memoryview(b"")  # type: ignore[arg-type]

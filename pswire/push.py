@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from pscore.job import Grads
+from pscore.optspec import NO_OPTIONS, StepOptions
+from pscore.tables import RowSparse
 from pswire import stepmsg
 from pswire.codec import ChunkAssembler
 from pswire.errors import InvalidRequestError
-from pswire.job import Grads
-from pswire.optspec import NO_OPTIONS, StepOptions
 from pswire.proto import ps_pb2
-from pswire.tables import RowSparse
 from pswire.wiremsg import encode_chunk_messages, piece_parts
 
 # -- worker side -------------------------------------------------------------------------------

@@ -15,9 +15,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from pscore.tables import RowSparse
 from pswire.codec import indices_bytes, tensor_to_proto
 from pswire.proto import ps_pb2
-from pswire.tables import RowSparse
 from pswire.wiremsg import (
     ALIGN,
     ChunkRuns,

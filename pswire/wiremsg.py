@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from pscore.tables import RowSparse
 from pswire.codec import DEFAULT_CHUNK_BYTES, indices_bytes, wire_bytes
-from pswire.tables import RowSparse
 
 _WIRE_VARINT, _WIRE_LEN = 0, 2
 _BYTE = tuple(bytes((i,)) for i in range(256))

@@ -12,6 +12,10 @@ from typing import Self, TypeVar
 import grpc
 import numpy as np
 
+from pscore.job import MODES, Job
+from pscore.optim import Optimizer
+from pscore.optspec import StepOptions, resolve_groups
+from pscore.tables import RowSparse, Table
 from pswire.codec import COMPRESSIONS, DEFAULT_CHUNK_BYTES
 from pswire.errors import (
     ClientClosedError,
@@ -21,13 +25,10 @@ from pswire.errors import (
     WorkerDroppedError,
     not_in_model,
 )
-from pswire.job import MODES, Job, job_to_proto
-from pswire.optim import Optimizer
-from pswire.optspec import StepOptions, resolve_groups
+from pswire.jobspec import job_to_proto
 from pswire.piecekey import check_names
 from pswire.proto import ps_pb2
 from pswire.security import ClientSecurity
-from pswire.tables import RowSparse, Table
 from pswire.wiremsg import encode_chunk_messages
 from psworker.client_state import ClientState
 from psworker.fanout import FanOut, partial_failure

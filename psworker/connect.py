@@ -7,11 +7,11 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from pscore.job import CLIENT_MODES
 from pswire import envnames
 from pswire.cli import env_default
 from pswire.cluster import ClusterSpec
 from pswire.errors import ConfigError
-from pswire.job import CLIENT_MODES
 from pswire.security import ClientSecurity
 from psworker.api import Client
 from psworker.client import PSClient

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from pscore.optim import Optimizer
+from pscore.tables import Table
 from pswire.errors import ConfigError, PSError, WaitTimeoutError
-from pswire.optim import Optimizer
 from pswire.proto import ps_pb2
-from pswire.tables import Table
 from psworker.api import Members
 from psworker.client import PSClient
 

@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
+from pscore.optspec import StepOptions
+from pscore.tables import RowSparse
 from pswire import stepmsg
 from pswire.codec import ChunkAssembler
 from pswire.errors import (
@@ -22,13 +24,11 @@ from pswire.errors import (
     UnavailableError,
     WaitTimeoutError,
 )
-from pswire.optspec import StepOptions
 from pswire.proto import ps_pb2
 from pswire.push import push_header, push_stream
 from pswire.rpc_errors import from_rpc_error
 from pswire.security import ClientSecurity
 from pswire.stubs import ParameterServerStub
-from pswire.tables import RowSparse
 from psworker.session import JobIdentity, LinkConfig
 from psworker.stepstream import StepStream, step_timeout_ms
 

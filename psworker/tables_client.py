@@ -13,9 +13,9 @@ from typing import TypeVar
 
 import numpy as np
 
+from pscore.tables import as_ids, scatter_rows
 from pswire.errors import UnavailableError, not_in_model
 from pswire.proto import ps_pb2
-from pswire.tables import as_ids, scatter_rows
 from psworker.link import ShardLink
 from psworker.placement import ShardMap, TableLayout
 

@@ -17,8 +17,8 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pscore.checks import DTYPES, check_dtype
 from pswire.channel import OPTIONS
-from pswire.codec import DTYPES, check_dtype
 from pswire.errors import (
     InvalidRequestError,
     PSError,

@@ -16,7 +16,7 @@ import pytest
 from e2e_support import Lines, Processes, child_env, numpy_worker, rss_bytes
 
 import psworker
-from pswire.optim import SGD
+from pscore.optim import SGD
 from pswire.proto import ps_pb2
 from pswire.push import push_stream
 from pswire.stubs import ParameterServerStub

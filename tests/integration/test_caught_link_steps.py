@@ -17,6 +17,9 @@ from faults import FaultPlan
 from link_cluster import grad, pull_request
 
 import psworker
+from pscore.optim import SGD
+from pscore.optspec import StepOptions
+from pscore.tables import RowSparse
 from psserver.records import Limits
 from pswire.errors import (
     ClientClosedError,
@@ -26,10 +29,7 @@ from pswire.errors import (
     UnavailableError,
     WaitTimeoutError,
 )
-from pswire.optim import SGD
-from pswire.optspec import StepOptions
 from pswire.stepmsg import SMALL_BYTES
-from pswire.tables import RowSparse
 from psworker.link import ShardLink
 
 HALF_LR = StepOptions(values={0: {"lr": 0.5}})  # the job's lr is 1

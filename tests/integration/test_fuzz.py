@@ -18,11 +18,12 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import psworker
+from pscore.checks import DTYPES
+from pscore.job import OBSERVER
 from psserver.records import Limits
 from psserver.server import RunningServer
 from pswire.channel import insecure_channel
-from pswire.codec import DTYPES, tensor_to_chunks
-from pswire.job import OBSERVER
+from pswire.codec import tensor_to_chunks
 from pswire.proto import ps_pb2, ps_pb2_grpc
 
 # A fixed seed keeps a failure reproducible; PS_FUZZ_SEED explores other corners.

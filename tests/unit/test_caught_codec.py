@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pscore.checks import check_tensor
 from pswire.codec import (
     ChunkAssembler,
     bfloat16_to_float32,
-    check_tensor,
     float32_to_bfloat16,
     tensor_to_chunks,
     tensor_to_proto,

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pscore.tables import RowSparse
 from pswire import stepmsg
 from pswire.codec import ChunkAssembler
 from pswire.proto import ps_pb2
 from pswire.push import push_pull_grads
-from pswire.tables import RowSparse
 
 ROWS, DIM = 1024, 32  # 128 KiB of rows: over stepmsg.SMALL_BYTES
 

@@ -14,11 +14,11 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+from pscore.job import Job, VarSpec
+from pscore.optim import SGD
 from psserver.shard import Shard
 from pswire import stepmsg
 from pswire.codec import ChunkAssembler
-from pswire.job import Job, VarSpec
-from pswire.optim import SGD
 from pswire.proto import ps_pb2
 from pswire.push import header_options, push_header, push_pull_grads
 from psworker.outgoing import split_push
