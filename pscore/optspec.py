@@ -1,7 +1,7 @@
 """An optimizer from its spec (its name and hyper-parameters as doubles, the form the wire
 carries) and what each push says beside its gradients (``StepOptions``): which optimizer every
 parameter group runs for one update. The math is in ``pscore/optim.py``; the messages that
-carry both are ``pswire.jobspec`` and ``pswire.stepmsg``."""
+carry both are ``pswire.jobspec`` and ``pswire.write``."""
 
 from __future__ import annotations
 

@@ -36,9 +36,10 @@ from google.protobuf.message import DecodeError, Message
 
 from pscore.checks import tensor_nbytes
 from pscore.tables import RowSparse
-from pswire.codec import ChunkAssembler, indices_bytes, wire_bytes
+from pswire.codec import ChunkAssembler
 from pswire.errors import InvalidRequestError, PSError, TooLargeError, error_for_status
 from pswire.proto import ps_pb2
+from pswire.write import indices_bytes, wire_bytes
 
 log = logging.getLogger(__name__)
 

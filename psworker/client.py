@@ -29,7 +29,7 @@ from pswire.jobspec import job_to_proto
 from pswire.piecekey import check_names
 from pswire.proto import ps_pb2
 from pswire.security import ClientSecurity
-from pswire.wiremsg import encode_chunk_messages
+from pswire.write import encode_chunk_messages
 from psworker.client_state import ClientState
 from psworker.fanout import FanOut, partial_failure
 from psworker.link import ShardLink, shard_status

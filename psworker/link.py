@@ -15,7 +15,7 @@ import numpy as np
 
 from pscore.optspec import StepOptions
 from pscore.tables import RowSparse
-from pswire import stepmsg
+from pswire import write
 from pswire.codec import ChunkAssembler
 from pswire.errors import (
     ClientClosedError,
@@ -25,10 +25,10 @@ from pswire.errors import (
     WaitTimeoutError,
 )
 from pswire.proto import ps_pb2
-from pswire.push import push_header, push_stream
 from pswire.rpc_errors import from_rpc_error
 from pswire.security import ClientSecurity
 from pswire.stubs import ParameterServerStub
+from pswire.write import push_header, push_stream
 from psworker.session import JobIdentity, LinkConfig
 from psworker.stepstream import StepStream, step_timeout_ms
 
@@ -264,7 +264,7 @@ class ShardLink:
             header = push_header(
                 self.worker_id, step, self.incarnation, options, self.config.session
             )
-            return stepmsg.request(header, pieces, rows, step_timeout_ms(self.timeout))
+            return write.request(header, pieces, rows, step_timeout_ms(self.timeout))
 
         def decoded(reply: Any) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
             assembler = ChunkAssembler(into=into)

@@ -18,8 +18,8 @@ import psworker
 from pscore.optim import SGD
 from psserver.admission import ANONYMOUS_GRACE_S, ANONYMOUS_STREAMS_PER_PEER
 from pswire.proto import ps_pb2
-from pswire.push import push_pull_request
 from pswire.stubs import ParameterServerStub
+from pswire.write import push_pull_request
 
 THREADS = 16
 RESERVED = 8  # psserver.admission.RESERVED_THREADS: threads no waiting or streaming call takes

@@ -23,8 +23,8 @@ from pscore.job import OBSERVER
 from psserver.records import Limits
 from psserver.server import RunningServer
 from pswire.channel import insecure_channel
-from pswire.codec import tensor_to_chunks
 from pswire.proto import ps_pb2, ps_pb2_grpc
+from pswire.write import tensor_to_chunks
 
 # A fixed seed keeps a failure reproducible; PS_FUZZ_SEED explores other corners.
 SEED = int(os.environ.get("PS_FUZZ_SEED") or 20_251_130)

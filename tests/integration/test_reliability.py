@@ -25,7 +25,6 @@ from psserver.records import Limits
 from psserver.server import RunningServer, start_server
 from psserver.shard import Shard
 from pswire.channel import insecure_channel
-from pswire.codec import tensor_to_chunks
 from pswire.errors import (
     ConfigError,
     DuplicateWorkerError,
@@ -35,6 +34,7 @@ from pswire.errors import (
     WorkerDroppedError,
 )
 from pswire.proto import ps_pb2, ps_pb2_grpc
+from pswire.write import tensor_to_chunks
 
 SHAPES = {"w": (8, 4), "b": (4,)}
 

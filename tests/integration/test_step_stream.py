@@ -12,8 +12,8 @@ import psworker
 from pscore.optim import SGD
 from pswire.errors import InvalidRequestError, WaitTimeoutError
 from pswire.proto import ps_pb2
-from pswire.push import push_pull_request
 from pswire.stubs import ParameterServerStub
+from pswire.write import push_pull_request
 
 SHAPES = {"w": (3, 4), "b": (4,)}
 

@@ -15,8 +15,9 @@ from pscore.checks import all_finite, check_tensor
 from pscore.optim import RMSprop
 from pscore.optspec import resolve_groups
 from pscore.tables import Table
-from pswire.codec import ChunkAssembler, tensor_to_chunks
+from pswire.codec import ChunkAssembler
 from pswire.errors import InvalidRequestError, TooLargeError
+from pswire.write import tensor_to_chunks
 from psworker.placement import TableLayout
 
 # --- ChunkAssembler's reserve(n) -----------------------------------------------------------

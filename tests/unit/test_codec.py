@@ -14,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pscore.checks import MAX_ELEMENTS, check_dtype, tensor_nbytes
-from pswire.codec import ChunkAssembler, tensor_from_proto, tensor_to_chunks, tensor_to_proto
+from pswire.codec import ChunkAssembler, tensor_from_proto
 from pswire.errors import InvalidRequestError, PSError, TooLargeError
 from pswire.proto import ps_pb2
+from pswire.write import tensor_to_chunks, tensor_to_proto
 
 WIRE_DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8", "bool"]
 

@@ -15,6 +15,7 @@ from pscore.tables import TableSlice
 from psserver.checkpoint_codec import decode_state, encode_state
 from psserver.records import Limits
 from psserver.shard import Shard
+from pswire.codec import header_options
 from pswire.errors import (
     HyperParameterMismatchError,
     InvalidRequestError,
@@ -22,7 +23,7 @@ from pswire.errors import (
     UnknownVariableError,
 )
 from pswire.jobspec import job_from_proto, job_to_proto
-from pswire.push import header_options, push_header
+from pswire.write import push_header
 
 VALUES = {
     "w": np.ones((2, 3), np.float32),

@@ -11,11 +11,11 @@ from pscore.rowstore import RowStore
 from pscore.tables import RowSparse, Table, TableSlice, init_rows, sum_duplicates
 from psserver.checkpoint import Checkpointer
 from psserver.shard import Shard
-from pswire.codec import ChunkAssembler, tensor_to_chunks
+from pswire.codec import ChunkAssembler
 from pswire.errors import InvalidRequestError, ModelMismatchError
 from pswire.proto import ps_pb2
-from pswire.stubs import stream_request_parser
-from pswire.wiremsg import encode_chunk_messages
+from pswire.read import stream_request_parser
+from pswire.write import encode_chunk_messages, tensor_to_chunks
 from psworker.placement import TableLayout
 
 
