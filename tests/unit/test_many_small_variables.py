@@ -15,7 +15,7 @@ from pswire.errors import InvalidRequestError, StepRefusedError
 from psworker.outgoing import split_push
 from psworker.placement import VarInfo, plan
 
-N = 200  # well past the batch threshold (pswire.codec.BATCH_ARRAYS)
+N = 200  # well past the batch threshold (pscore.checks.BATCH_ARRAYS)
 BAD = "v137"
 
 
