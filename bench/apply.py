@@ -12,9 +12,9 @@ import numpy as np
 from bench.report import Ratio, Table, median, print_table
 from bench.throughput import FULL_SHAPES, QUICK_SHAPES, nbytes_of
 from bench.timing import interleave
+from pscore.job import Job, VarSpec
+from pscore.optim import SGD, Adam, Optimizer
 from psserver.shard import Shard
-from pswire.job import Job, VarSpec
-from pswire.optim import SGD, Adam, Optimizer
 
 LR = 1e-3
 MOMENTUM = 0.9

@@ -11,18 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from pswire.codec import (
-    BATCH_ARRAYS,
-    all_finite,
-    all_finite_together,
-    batched,
-    check_tensor,
-)
+from pscore.checks import BATCH_ARRAYS, all_finite, all_finite_together, batched, check_tensor
+from pscore.job import Job
+from pscore.optim import Optimizer
+from pscore.rowstore import RowStore, TableState
+from pscore.tables import RowSparse
 from pswire.errors import InvalidRequestError, StepRefusedError, UnknownVariableError
-from pswire.job import Job
-from pswire.optim import Optimizer
-from pswire.rowstore import RowStore, TableState
-from pswire.tables import RowSparse
 
 # An update is computed with the old values kept (and checked before they are dropped) when an
 # input's sum of squares passes this (some |x| near 1e15 or more) or a hyper-parameter passes

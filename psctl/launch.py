@@ -17,6 +17,7 @@ from typing import TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pscore.job import CLIENT_MODES, MODES
 from psctl import admin
 from psctl.children import (
     EXIT_SIGNAL_BASE,
@@ -31,7 +32,6 @@ from psctl.local_add import AddRequests
 from psctl.nodes import Layout, NodeError, Nodes, NodesConfig
 from psctl.run_folder import RunFolder
 from pswire.errors import ConfigError, PSError
-from pswire.job import CLIENT_MODES, MODES
 from pswire.security import ClientSecurity
 from psworker.elastic import parse_bounds
 

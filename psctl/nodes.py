@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pswire.job import MODES
+from pscore.job import MODES
 from psworker.elastic import parse_bounds
 from psworker.ring.rendezvous import local_host_towards, open_store
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+from pscore.job import Job
 from pswire.errors import ModelMismatchError
-from pswire.job import Job
 
 log = logging.getLogger(__name__)
 

@@ -12,13 +12,13 @@ from typing import Any
 
 import numpy as np
 
+from pscore.checks import check_dtype, check_tensor
+from pscore.job import Job, VarSpec
+from pscore.optspec import optimizer_from_spec
+from pscore.rowstore import TableState
+from pscore.tables import TableSlice
 from psserver.consistency import make_policy
 from psserver.records import ShardState
-from pswire.codec import check_dtype, check_tensor
-from pswire.job import Job, VarSpec
-from pswire.optspec import optimizer_from_spec
-from pswire.rowstore import TableState
-from pswire.tables import TableSlice
 
 FORMAT = "psgrpc-shard-checkpoint"
 VERSION = 1

@@ -25,10 +25,9 @@ from psserver.records import PushResult
 from psserver.servicer import DEADLINE_MARGIN_S
 from psserver.shard import Shard
 from pswire import flightwire as fw
-from pswire.codec import ChunkAssembler
+from pswire.codec import ChunkAssembler, assembled_grads
 from pswire.errors import CallCancelledError, InvalidRequestError, UnauthenticatedError
 from pswire.proto import ps_pb2
-from pswire.push import assembled_grads
 from pswire.security import TOKEN_HEADER, TOKEN_SCHEME, ServerSecurity, check_token
 
 log = logging.getLogger(__name__)

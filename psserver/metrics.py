@@ -22,9 +22,9 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pscore.tables import RowSparse
 from psserver.handlers import rewrapped
 from psserver.shard import Shard
-from pswire.tables import RowSparse
 
 # Latencies from a cached unary call (~0.2 ms) to a sync barrier held by a slow worker (minutes).
 LATENCY_BUCKETS = (

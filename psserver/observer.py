@@ -9,7 +9,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pswire.tables import RowSparse
+from pscore.tables import RowSparse
 
 
 class Observer(Protocol):

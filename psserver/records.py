@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pscore.job import Job
+from pscore.rowstore import TableState
 from psserver.history import MembershipEvent
-from pswire.job import Job
-from pswire.rowstore import TableState
 
 
 @dataclass(frozen=True)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pscore.job import OBSERVER, Job
 from psserver.consistency import Clocks, ConsistencyPolicy
 from psserver.history import MembershipHistory
 from psserver.membership import Membership
 from psserver.progress import Progress
 from psserver.records import Limits, ShardState
 from pswire.errors import InvalidRequestError, WorkerDroppedError
-from pswire.job import OBSERVER, Job
 
 
 class Roster:

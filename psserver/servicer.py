@@ -16,15 +16,21 @@ import numpy as np
 from psserver.admission import DEFAULT_THREADS, Admission
 from psserver.records import PushResult
 from psserver.shard import Shard
-from pswire import stepmsg
-from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler
+from pswire import read, write
+from pswire.codec import (
+    DEFAULT_CHUNK_BYTES,
+    ChunkAssembler,
+    assembled_grads,
+    header_options,
+    push_pull_grads,
+    read_stream,
+)
 from pswire.errors import InvalidRequestError, NotInitializedError, PSError
-from pswire.job import job_from_proto, job_to_proto
+from pswire.jobspec import job_from_proto, job_to_proto
 from pswire.optstate import split_state, state_arrays
 from pswire.proto import ps_pb2, ps_pb2_grpc
-from pswire.push import assembled_grads, header_options, push_pull_grads, read_stream
 from pswire.rpc_errors import rpc_errors
-from pswire.wiremsg import encode_chunk_messages, varint_field
+from pswire.write import encode_chunk_messages, varint_field
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +40,7 @@ DEADLINE_MARGIN_S = 0.25
 
 
 def _row_query(
-    request: ps_pb2.PullRequest | ps_pb2.PushPullRequest | stepmsg.StepRequest,
+    request: ps_pb2.PullRequest | ps_pb2.PushPullRequest | read.StepRequest,
 ) -> list[tuple[str, np.ndarray]]:
     """(table, ids) pairs of a pull (or a PushPull's read); ids decoded without a copy.
 
@@ -286,7 +292,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def _push_pull(
         self,
-        request: ps_pb2.PushPullRequest | stepmsg.StepRequest,
+        request: ps_pb2.PushPullRequest | read.StepRequest,
         timeout: float | None,
         cancelled: threading.Event,
     ) -> bytes | ps_pb2.PushPullResponse:
@@ -294,8 +300,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         rows = _row_query(request)
         gathered = frozenset(table for table, _ in rows)  # copies made for this reply
 
-        def encode(arrays: Mapping[str, np.ndarray], clock: int) -> stepmsg.ReplyTensors:
-            return stepmsg.reply_tensors(arrays, gathered)  # under the lock: the snapshot
+        def encode(arrays: Mapping[str, np.ndarray], clock: int) -> write.ReplyTensors:
+            return write.reply_tensors(arrays, gathered)  # under the lock: the snapshot
 
         result, tensors, clock = self.shard.push_pull(
             header.worker_id,
@@ -310,7 +316,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             options=header_options(header),
             rows=rows,
         )
-        return stepmsg.reply(self._push_response(result), tensors, clock)
+        return write.reply(self._push_response(result), tensors, clock)
 
     def _push_response(self, result: PushResult) -> ps_pb2.PushResponse:
         return ps_pb2.PushResponse(

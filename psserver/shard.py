@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from pscore.job import OBSERVER, Job
+from pscore.tables import RowSparse
 from pscore.variables import Variables
 from psserver.agreement import JobAgreement
 from psserver.consistency import ConsistencyPolicy, make_policy
@@ -41,8 +43,6 @@ from pswire.errors import (
     UnavailableError,
     WaitTimeoutError,
 )
-from pswire.job import OBSERVER, Job
-from pswire.tables import RowSparse
 
 # No step is ever this large: a clock past it would overflow the wire's int64.
 MAX_STEP = 1 << 62

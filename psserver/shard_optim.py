@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from pscore.job import Job
+from pscore.optim import Optimizer
+from pscore.optspec import NO_OPTIONS, StepOptions
 from pswire.errors import HyperParameterMismatchError
-from pswire.job import Job
-from pswire.optim import Optimizer
-from pswire.optspec import NO_OPTIONS, StepOptions
 
 __all__ = ["NO_OPTIONS", "OptimizerSide", "StepOptions", "StepSettings"]
 

@@ -1,54 +1,32 @@
-"""The one place that converts between numpy arrays and protobuf tensor chunks."""
+"""A message's contents as the values both sides compute with: tensor chunks rebuilt as numpy
+arrays (``ChunkAssembler``, no copy for a whole tensor), a push's gradients and its
+``StepOptions``; bfloat16 both ways.
+
+Chunks come from ``pswire.read`` (grpcio) or ``pswire.flightwire`` (Arrow Flight); what writes
+them is ``pswire.write``.
+"""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
-from pswire.errors import InvalidRequestError, ShapeMismatchError, TooLargeError
+from pscore.checks import BFLOAT16, check_dtype, tensor_nbytes
+from pscore.job import Grads
+from pscore.optspec import NO_OPTIONS, StepOptions
+from pscore.tables import RowSparse
+from pswire.errors import InvalidRequestError, TooLargeError
 from pswire.proto import ps_pb2
 
 # 4 MiB chunks: on loopback a stream of MiB-sized messages moves ~4x the bytes/s of one huge
 # unary message (bench/pushpull.py), and each message still costs ~0.6 ms of CPU in grpc Python
 # beyond its bytes: 4 MiB beat 1 MiB by 12-23% with 2 shards on 2 cores (bench/NOTES.md 10).
 DEFAULT_CHUNK_BYTES = 4 << 20
+
 # What a worker may send gradients as: as they are, or float32 narrowed to 16 bits on the wire.
 COMPRESSIONS = (None, "fp16", "bf16")
-# Dims whose product exceeds this are nonsense whatever the memory (2**48 elements).
-MAX_ELEMENTS = 1 << 48
-DTYPES = frozenset(
-    {"float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool"}
-)
-# bfloat16 has no numpy dtype: it travels as uint16 bit patterns and arrives widened to float32
-# (exactly: bfloat16 is float32's top half).
-BFLOAT16 = "bfloat16"
-# Looked up, not built, per tensor: a small step's whole budget is a few hundred microseconds,
-# and numpy's dtype constructor and ``dtype.name`` cost microseconds each.
-_NUMPY_DTYPE = {
-    name: np.dtype("uint16" if name == BFLOAT16 else name).newbyteorder("<") for name in DTYPES
-}
-_WIRE_NAME = {dt: name for name, dt in _NUMPY_DTYPE.items() if name != BFLOAT16}
-_WIRE_NAME[np.dtype("uint16")] = "uint16"  # bfloat16 bit patterns, before their label
-
-
-def check_dtype(dtype: str, name: str) -> np.dtype:
-    """Returns the little-endian numpy dtype for a wire dtype name.
-
-    Raises:
-        InvalidRequestError: the name is not a supported dtype.
-    """
-    dt = _NUMPY_DTYPE.get(dtype)
-    if dt is None:
-        raise _unsupported(dtype, name)
-    return dt
-
-
-def _unsupported(dtype: str, name: str) -> InvalidRequestError:
-    return InvalidRequestError(
-        f"variable '{name}' has unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}"
-    )
 
 
 def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
@@ -68,186 +46,6 @@ def float32_to_bfloat16(values: np.ndarray) -> np.ndarray:
     lsb = (bits >> np.uint32(16)) & np.uint32(1)
     rounded = ((bits + np.uint32(0x7FFF) + lsb) >> np.uint32(16)).astype(np.uint16)
     return np.where(np.isnan(values), np.uint16(0x7FC0), rounded).astype(np.uint16)
-
-
-def tensor_nbytes(name: str, dtype: str, shape: Iterable[int], limit: int | None = None) -> int:
-    """Byte size of a tensor, validating every dim.
-
-    Raises:
-        InvalidRequestError: unknown dtype, a negative dim, or an absurd element count.
-        TooLargeError: the tensor is larger than ``limit`` bytes.
-    """
-    dt = check_dtype(dtype, name)
-    dims = tuple(map(int, shape))
-    if dims and min(dims) < 0:
-        raise InvalidRequestError(f"variable '{name}' has a negative dim in shape {dims}")
-    count = math.prod(dims)
-    # Zero dims are skipped: (0, 2**62) holds no elements, but numpy still refuses the shape.
-    if (count or math.prod(d for d in dims if d)) > MAX_ELEMENTS:
-        raise InvalidRequestError(
-            f"variable '{name}' has shape {dims}: dims multiply past {MAX_ELEMENTS} elements"
-        )
-    nbytes = count * dt.itemsize
-    if limit is not None and nbytes > limit:
-        raise TooLargeError(
-            f"variable '{name}' of shape {dims} is {nbytes} bytes, over the limit of {limit}"
-        )
-    return nbytes
-
-
-def all_finite(array: np.ndarray) -> bool:
-    """Whether a float array holds no NaN or Inf. A large, aligned float32/float64 array is
-    first dotted with itself (one BLAS pass, no temporary): a finite result proves it; a NaN
-    or Inf anywhere, or finite values large enough to overflow, fall through to the exact
-    check. (Unaligned data, such as a tensor decoded in place from a message, would take
-    numpy's non-BLAS loop: 847 us against 18 us for 1 MiB, bench/NOTES.md 19.)"""
-    if (
-        array.size >= 1 << 16
-        and array.dtype in (np.float32, np.float64)
-        and array.flags.aligned
-        and array.flags.c_contiguous
-    ):
-        flat = array.reshape(-1)
-        with np.errstate(over="ignore", invalid="ignore"):
-            if np.isfinite(np.dot(flat, flat)):
-                return True
-    return bool(np.isfinite(array).all())
-
-
-# Many small float32 arrays (up to BATCH_ELEMENTS each, at least BATCH_ARRAYS of them) are
-# checked for NaN/Inf in one pass over their concatenation: a step of 15,000 four-float
-# variables spent most of its checks in per-array numpy calls.
-BATCH_ARRAYS = 64
-BATCH_ELEMENTS = 4096
-
-
-def batched(array: np.ndarray) -> bool:
-    """Whether ``array`` is checked with others (a small, non-empty float32 array)."""
-    return array.dtype == np.float32 and 0 < array.size <= BATCH_ELEMENTS
-
-
-def all_finite_together(arrays: Iterable[object]) -> bool:
-    """Whether the ``batched`` arrays among ``arrays`` (anything else is skipped) hold no NaN
-    or Inf, checked at once. False when they are too few to batch, or when some value is not
-    finite: the caller then checks each array alone (and names the one that fails)."""
-    batch = [a for a in arrays if isinstance(a, np.ndarray) and batched(a)]
-    return len(batch) >= BATCH_ARRAYS and all_finite(np.concatenate(batch, axis=None))
-
-
-def check_tensor(
-    name: str,
-    shape: tuple[int, ...],
-    dtype: str,
-    array: np.ndarray,
-    what: str,
-    finite: bool = False,
-) -> None:
-    """Checks ``array`` against a variable's declared shape and dtype, and for NaN/Inf
-    (unless ``finite``: already known, e.g. from ``all_finite_together``).
-
-    Raises:
-        InvalidRequestError: wrong dtype or non-finite floats.
-        ShapeMismatchError: wrong shape.
-    """
-    if array.dtype != check_dtype(dtype, name):
-        raise InvalidRequestError(
-            f"variable '{name}' has dtype {dtype} on the server, {what} sent {array.dtype}"
-        )
-    if tuple(array.shape) != tuple(shape):
-        raise ShapeMismatchError(
-            f"variable '{name}' has shape {tuple(shape)} on the server, {what} sent "
-            f"{tuple(array.shape)}"
-        )
-    if not finite and array.dtype.kind == "f" and not all_finite(array):
-        bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
-        raise InvalidRequestError(
-            f"variable '{name}': {what} has {bad} non-finite values (NaN or Inf)"
-        )
-
-
-def wire_bytes(
-    name: str, array: np.ndarray, chunk_bytes: int, bfloat16: bool
-) -> tuple[memoryview, str, tuple[int, ...]]:
-    """(the array's little-endian bytes as a view, its wire dtype, its shape), validated.
-
-    Raises:
-        ValueError: ``chunk_bytes`` < 1, or ``bfloat16`` for a non-uint16 array.
-        InvalidRequestError: the array's dtype is not a wire dtype.
-    """
-    if chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-    # Not np.ascontiguousarray: it turns a 0-d array into shape (1,).
-    arr = np.asarray(array)
-    if not arr.flags.c_contiguous:
-        arr = np.ascontiguousarray(arr)
-    if arr.dtype.byteorder == ">":
-        arr = arr.astype(arr.dtype.newbyteorder("<"))
-    dtype = _WIRE_NAME.get(arr.dtype)
-    if bfloat16:
-        if dtype != "uint16":
-            raise ValueError(f"bfloat16 bit patterns are uint16, '{name}' is {arr.dtype}")
-        dtype = BFLOAT16
-    elif dtype is None or dtype == "uint16":  # uint16 travels only as bfloat16
-        raise _unsupported(arr.dtype.name, name)
-    # memoryview's cast: a third of the time of reshape(-1).view(uint8).data (a small step
-    # encodes thousands of tensors); it refuses zero-size shapes, which hold no bytes anyway.
-    view = memoryview(arr).cast("B") if arr.size else memoryview(b"")  # type: ignore[arg-type]
-    return view, dtype, arr.shape
-
-
-def tensor_to_chunks(
-    name: str,
-    array: np.ndarray,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    bfloat16: bool = False,
-    indices: np.ndarray | None = None,
-) -> Iterator[ps_pb2.TensorChunk]:
-    """Splits an array into wire chunks of at most ``chunk_bytes`` of data each.
-
-    Only the slice being sent is copied into a message; the array itself is not duplicated.
-    ``bfloat16``: the array holds bfloat16 bit patterns (uint16) and is labelled so.
-    ``indices``: the row ids of a row-sparse tensor, carried by the first chunk.
-
-    Raises:
-        ValueError: ``chunk_bytes`` < 1.
-        InvalidRequestError: the array's dtype is not a wire dtype.
-    """
-    view, dtype, dims = wire_bytes(name, array, chunk_bytes, bfloat16)
-    total = len(view)
-    shape = list(dims)
-    offset = 0
-    first = True
-    while first or offset < total:
-        end = min(offset + chunk_bytes, total)
-        chunk = ps_pb2.TensorChunk(offset=offset, data=bytes(view[offset:end]))
-        if first:
-            chunk.name = name
-            chunk.dtype = dtype
-            chunk.shape.extend(shape)
-            chunk.total_bytes = total
-            if indices is not None:
-                chunk.indices = indices_bytes(indices)
-            first = False
-        yield chunk
-        offset = end
-
-
-def indices_bytes(indices: np.ndarray) -> bytes:
-    return np.ascontiguousarray(indices, dtype="<i8").tobytes()
-
-
-def tensor_to_proto(
-    name: str, array: np.ndarray, bfloat16: bool = False, indices: np.ndarray | None = None
-) -> ps_pb2.TensorChunk:
-    """Encodes a whole array as a single chunk (small tensors only); arguments as
-    ``tensor_to_chunks``, whose first chunk this equals."""
-    view, dtype, dims = wire_bytes(name, array, 1, bfloat16)
-    chunk = ps_pb2.TensorChunk(
-        name=name, dtype=dtype, shape=dims, total_bytes=len(view), data=bytes(view)
-    )
-    if indices is not None:
-        chunk.indices = indices_bytes(indices)
-    return chunk
 
 
 def tensor_from_proto(chunk: ps_pb2.TensorChunk) -> np.ndarray:
@@ -426,6 +224,7 @@ class ChunkAssembler:
 # travel every step, and validating one took as long as decoding a small tensor. Bounded like
 # the encoder's heads: ever new shapes empty it rather than grow it.
 _SPECS: dict[tuple[str, tuple[int, ...]], tuple[np.dtype, int]] = {}
+
 _MAX_SPECS = 1 << 16
 
 
@@ -458,3 +257,74 @@ def _row_ids(name: str, raw: bytes | memoryview, shape: tuple[int, ...]) -> np.n
         )
     ids = np.frombuffer(raw, dtype="<i8")
     return ids if ids.flags.aligned else ids.copy()  # 8 bytes a row: cheap, and sorts faster
+
+
+# -- a push's gradients and options ---------------------------------------------------------
+
+
+def read_stream(requests: Iterable[Any], assembler: ChunkAssembler, rpc: str) -> Any:
+    """Reads a header-then-chunks stream (Init, Push); returns the header, every chunk fed to
+    ``assembler``.
+
+    Raises:
+        InvalidRequestError: no header, a second one, a chunk before it, an empty message.
+    """
+    header = None
+    for req in requests:
+        kind = req.WhichOneof("body")
+        if kind == "header":
+            if header is not None:
+                raise InvalidRequestError(f"{rpc} stream carries a second header")
+            header = req.header
+        elif kind == "chunk":
+            if header is None:
+                raise InvalidRequestError(f"{rpc} stream sends a chunk before its header")
+            assembler.add(req.chunk)
+        else:
+            raise InvalidRequestError(f"{rpc} stream carries an empty message")
+    if header is None:
+        raise InvalidRequestError(f"{rpc} stream ended without a header")
+    return header
+
+
+def assembled_grads(assembler: ChunkAssembler) -> Grads:
+    """The gradients a finished assembler holds: a table's rows with their ids as
+    ``RowSparse``, dense tensors as arrays.
+
+    Raises:
+        InvalidRequestError: an incomplete tensor.
+    """
+    rows = assembler.indices
+    return {k: RowSparse(rows[k], a) if k in rows else a for k, a in assembler.finish().items()}
+
+
+def push_pull_grads(request: Any, max_bytes: int) -> Grads:
+    """The gradients of a PushPullRequest, a protobuf object or one read by hand (every
+    tensor whole).
+
+    Raises:
+        InvalidRequestError, TooLargeError: malformed or oversized tensors.
+    """
+    assembler = ChunkAssembler(max_bytes)
+    for chunk in request.chunks:
+        assembler.add(chunk)
+    return assembled_grads(assembler)
+
+
+def header_options(header: ps_pb2.PushHeader) -> StepOptions:
+    """The ``StepOptions`` a PushHeader carries.
+
+    Raises:
+        InvalidRequestError: one group given twice.
+    """
+    if not header.values and not header.skip:
+        return NO_OPTIONS
+    values: dict[int, dict[str, float]] = {}
+    for entry in header.values:
+        if entry.group in values:
+            raise InvalidRequestError(
+                f"push from worker {header.worker_id} gives parameter group {entry.group}'s "
+                "hyper-parameters twice"
+            )
+        values[entry.group] = dict(entry.params)
+    return StepOptions(values, header.skip)

@@ -34,10 +34,12 @@ import pyarrow as pa
 import pyarrow.flight as flight
 from google.protobuf.message import DecodeError, Message
 
-from pswire.codec import ChunkAssembler, indices_bytes, tensor_nbytes, wire_bytes
+from pscore.checks import tensor_nbytes
+from pscore.tables import RowSparse
+from pswire.codec import ChunkAssembler
 from pswire.errors import InvalidRequestError, PSError, TooLargeError, error_for_status
 from pswire.proto import ps_pb2
-from pswire.tables import RowSparse
+from pswire.write import indices_bytes, wire_bytes
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,7 @@
-"""The ParameterServer stub and service registration, tensor streams in hand-coded messages.
-
-The generated code would serialize Push/Init requests and Pull responses through protobuf
-objects; here those messages are bytes built by ``pswire.wiremsg.encode_chunk_messages`` and
-read by ``parse_chunk`` (same wire format, fewer copies). Every other RPC is the generated code.
+"""The ParameterServer stub and service registration over ``pswire.write``'s messages and
+``pswire.read``'s parsers: every tensor-carrying RPC (Init, Push, Pull, PullState, LoadState,
+PushPull, PushPullStream) sends bytes and reads with one hand-written parser; the others are
+the generated code.
 """
 
 from __future__ import annotations
@@ -12,12 +11,10 @@ from typing import Any
 
 import grpc
 
-from pswire import stepmsg
 from pswire.proto import ps_pb2, ps_pb2_grpc
-from pswire.wiremsg import WireChunk, parse_chunk, parse_message
+from pswire.read import parse_pull_reply, parse_reply, parse_request, stream_request_parser
 
 SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
-_LEN = 2
 
 
 def as_bytes(message: Any) -> bytes:
@@ -25,83 +22,13 @@ def as_bytes(message: Any) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
-class StreamRequest:
-    """A parsed Init or Push request: its header, or a chunk whose data is not copied."""
-
-    __slots__ = ("chunk", "header", "kind")
-
-    def __init__(self) -> None:
-        self.kind: str | None = None
-        self.header: Any = None
-        self.chunk: WireChunk | None = None
-
-    def WhichOneof(self, group: str) -> str | None:
-        return self.kind
-
-
-class PullReply:
-    """A parsed PullResponse."""
-
-    __slots__ = ("chunk", "clock", "skipped")
-
-    def __init__(self) -> None:
-        self.chunk: WireChunk = WireChunk()  # empty in the one ``skipped`` message
-        self.clock = 0
-        self.skipped = False
-
-
-def stream_request_parser(header_type: Any) -> Callable[[bytes], StreamRequest]:
-    """Parses ``{header = 1 | chunk = 2}`` stream messages (InitRequest, PushRequest).
-
-    Raises (from the parser):
-        ValueError, protobuf's DecodeError: malformed bytes.
-    """
-
-    def parse(data: bytes) -> StreamRequest:
-        request = StreamRequest()
-        for field, wire, value in parse_message(data):
-            if field not in (1, 2):
-                continue  # unknown fields are ignored, as protobuf does
-            if wire != _LEN or not isinstance(value, memoryview):
-                raise ValueError(f"field {field} has wire type {wire}")
-            # A oneof keeps the last member set, as protobuf does.
-            if field == 1:
-                request.kind, request.header = "header", header_type.FromString(bytes(value))
-            else:
-                request.kind, request.chunk = "chunk", parse_chunk(value)
-        return request
-
-    return parse
-
-
-def parse_pull_reply(data: bytes) -> PullReply:
-    """Parses a PullResponse ``{chunk = 1, clock = 2, skipped = 3}``.
-
-    Raises:
-        ValueError: malformed bytes.
-    """
-    reply = PullReply()
-    for field, wire, value in parse_message(data):
-        if field == 1:
-            if not isinstance(value, memoryview):
-                raise ValueError(f"PullResponse.chunk has wire type {wire}")
-            reply.chunk = parse_chunk(value)
-        elif field == 2:
-            if not isinstance(value, int):
-                raise ValueError(f"PullResponse.clock has wire type {wire}")
-            reply.clock = value
-        elif field == 3:
-            reply.skipped = bool(value)
-    return reply
-
-
 class ParameterServerStub(ps_pb2_grpc.ParameterServerStub):
-    """The generated stub with Init, Push and Pull carrying pre-encoded / lazily parsed data.
+    """The generated stub with every tensor-carrying RPC on hand-written messages.
 
-    ``Init``/``Push`` take an iterator of bytes (or protobuf messages); ``Pull`` yields
-    ``PullReply`` objects whose chunk data views the received bytes. ``PushPullStream`` takes
-    and gives ``pswire.stepmsg`` messages (protobuf objects when small, bytes when large);
-    the unary ``PushPull`` is the generated one.
+    ``Init``/``Push``/``LoadState`` take an iterator of bytes (or protobuf messages);
+    ``Pull``/``PullState`` yield ``PullReply`` objects whose chunk data views the received
+    bytes; ``PushPull`` and ``PushPullStream`` take ``pswire.write.request`` bytes (or a
+    protobuf message) and give ``pswire.read.StepReply`` objects.
     """
 
     def __init__(self, channel: grpc.Channel) -> None:
@@ -134,7 +61,12 @@ class ParameterServerStub(ps_pb2_grpc.ParameterServerStub):
         self.PushPullStream = channel.stream_stream(
             f"/{SERVICE}/PushPullStream",
             request_serializer=as_bytes,
-            response_deserializer=stepmsg.parse_reply,
+            response_deserializer=parse_reply,
+        )
+        self.PushPull = channel.unary_unary(
+            f"/{SERVICE}/PushPull",
+            request_serializer=as_bytes,
+            response_deserializer=parse_reply,
         )
 
 
@@ -168,15 +100,15 @@ def add_servicer(
             "ListMembers",
         )
     }
-    # A step's reply is a protobuf object when small, hand-built bytes when large (stepmsg).
+    # A step's request and reply: pswire.read's parser, pswire.write's bytes.
     handlers["PushPull"] = grpc.unary_unary_rpc_method_handler(
         servicer.PushPull,
-        request_deserializer=ps_pb2.PushPullRequest.FromString,
+        request_deserializer=parse_request,
         response_serializer=as_bytes,
     )
     handlers["PushPullStream"] = grpc.stream_stream_rpc_method_handler(
         servicer.PushPullStream,
-        request_deserializer=stepmsg.parse_request,
+        request_deserializer=parse_request,
         response_serializer=as_bytes,
     )
     handlers["Init"] = grpc.stream_unary_rpc_method_handler(

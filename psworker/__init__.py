@@ -1,5 +1,19 @@
 """Client SDK: connect to parameter-server shards (or a ring of peers) and train through them."""
 
+from pscore.optim import (
+    SGD,
+    Adadelta,
+    Adagrad,
+    Adam,
+    Adamax,
+    AdamW,
+    NAdam,
+    Optimizer,
+    RAdam,
+    RMSprop,
+)
+from pscore.optspec import StepOptions
+from pscore.tables import RowSparse, Table
 from pswire import __version__
 from pswire.errors import (
     CallCancelledError,
@@ -23,20 +37,6 @@ from pswire.errors import (
     WaitTimeoutError,
     WorkerDroppedError,
 )
-from pswire.optim import (
-    SGD,
-    Adadelta,
-    Adagrad,
-    Adam,
-    Adamax,
-    AdamW,
-    NAdam,
-    Optimizer,
-    RAdam,
-    RMSprop,
-)
-from pswire.optspec import StepOptions
-from pswire.tables import RowSparse, Table
 from psworker.api import Client
 from psworker.client import PSClient
 from psworker.connect import connect

@@ -12,9 +12,9 @@ from typing import Any, Protocol, Self, runtime_checkable
 
 import numpy as np
 
-from pswire.optim import Optimizer
-from pswire.optspec import StepOptions
-from pswire.tables import RowSparse, Table
+from pscore.optim import Optimizer
+from pscore.optspec import StepOptions
+from pscore.tables import RowSparse, Table
 
 
 @runtime_checkable

@@ -11,19 +11,20 @@ from typing import Any, Self, TypeVar
 
 import numpy as np
 
+from pscore.job import Job
+from pscore.optim import Optimizer
+from pscore.optspec import StepOptions, resolve_groups
+from pscore.tables import RowSparse, Table
 from pswire.errors import (
     ConfigError,
     InvalidRequestError,
     WorkerDroppedError,
     not_in_model,
 )
-from pswire.job import Job, job_to_proto
-from pswire.optim import Optimizer
-from pswire.optspec import StepOptions, resolve_groups
+from pswire.jobspec import job_to_proto
 from pswire.piecekey import check_names
 from pswire.proto import ps_pb2
-from pswire.tables import RowSparse, Table
-from pswire.wiremsg import encode_chunk_messages
+from pswire.write import encode_chunk_messages
 from psworker.client_state import ModelState, Slots
 from psworker.fanout import partial_failure
 from psworker.link import ShardLink, shard_status

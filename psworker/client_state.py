@@ -12,7 +12,7 @@ from pswire.codec import ChunkAssembler
 from pswire.errors import ModelMismatchError, not_in_model
 from pswire.optstate import split_state, state_arrays
 from pswire.proto import ps_pb2
-from pswire.wiremsg import encode_chunk_messages
+from pswire.write import encode_chunk_messages
 from psworker.shards import Shards
 
 Slots = dict[str, dict[str, Any]]  # variable -> slot -> array or count

@@ -16,10 +16,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from pscore.optim import Optimizer
+from pscore.tables import Table
 from pswire.errors import ConfigError, PSError, WaitTimeoutError
-from pswire.optim import Optimizer
 from pswire.proto import ps_pb2
-from pswire.tables import Table
 from psworker.api import Members
 from psworker.client import PSClient
 from psworker.settings import ClientSettings

@@ -23,12 +23,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from pscore.tables import RowSparse
 from pswire import flightwire as fw
 from pswire.codec import ChunkAssembler
 from pswire.errors import PSError, UnavailableError, WaitTimeoutError
 from pswire.proto import ps_pb2
 from pswire.security import TOKEN_HEADER, TOKEN_SCHEME, ClientSecurity
-from pswire.tables import RowSparse
 
 # A request's timeout_ms is a uint32: about 49 days at most.
 MAX_STEP_S = (2**32 - 1) / 1000

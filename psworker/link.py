@@ -13,7 +13,9 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from pswire import stepmsg
+from pscore.optspec import StepOptions
+from pscore.tables import RowSparse
+from pswire import write
 from pswire.codec import ChunkAssembler
 from pswire.errors import (
     ClientClosedError,
@@ -22,13 +24,11 @@ from pswire.errors import (
     UnavailableError,
     WaitTimeoutError,
 )
-from pswire.optspec import StepOptions
 from pswire.proto import ps_pb2
-from pswire.push import push_header, push_stream
 from pswire.rpc_errors import from_rpc_error
 from pswire.security import ClientSecurity
 from pswire.stubs import ParameterServerStub
-from pswire.tables import RowSparse
+from pswire.write import push_header, push_stream
 from psworker.session import JobIdentity, LinkConfig
 from psworker.stepstream import StepStream, step_timeout_ms
 
@@ -264,7 +264,7 @@ class ShardLink:
             header = push_header(
                 self.worker_id, step, self.incarnation, options, self.config.session
             )
-            return stepmsg.request(header, pieces, rows, step_timeout_ms(self.timeout))
+            return write.request(header, pieces, rows, step_timeout_ms(self.timeout))
 
         def decoded(reply: Any) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
             assembler = ChunkAssembler(into=into)

@@ -12,13 +12,13 @@ from typing import Any
 
 import numpy as np
 
+from pscore.job import Job, VarSpec
+from pscore.optim import Optimizer
+from pscore.optspec import StepOptions, resolve_groups
+from pscore.rowstore import RowStore
+from pscore.tables import RowSparse, Table, as_ids
 from pscore.variables import Variables
 from pswire.errors import ClientClosedError, NotInitializedError, not_in_model
-from pswire.job import Job, VarSpec
-from pswire.optim import Optimizer
-from pswire.optspec import StepOptions, resolve_groups
-from pswire.rowstore import RowStore
-from pswire.tables import RowSparse, Table, as_ids
 from psworker.api import push_then_pull
 from psworker.placement import TableLayout, check_out
 

@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pscore.job import CLIENT_MODES
 from pswire import cli, envnames
 from pswire.cluster import ClusterSpec
 from pswire.errors import ConfigError
-from pswire.job import CLIENT_MODES
 from psworker.elastic import parse_bounds
 from psworker.launchers import resolve_identity, shard_addresses
 

@@ -13,17 +13,12 @@ from itertools import pairwise
 
 import numpy as np
 
-from pswire.codec import (
-    all_finite,
-    all_finite_together,
-    batched,
-    check_tensor,
-    float32_to_bfloat16,
-)
+from pscore.checks import all_finite, all_finite_together, batched, check_tensor
+from pscore.job import Job, VarSpec
+from pscore.tables import RowSparse, as_ids
+from pswire.codec import float32_to_bfloat16
 from pswire.errors import InvalidRequestError, ModelMismatchError, not_in_model
-from pswire.job import Job, VarSpec
 from pswire.proto import ps_pb2
-from pswire.tables import RowSparse, as_ids
 from psworker.placement import ShardMap, TableLayout
 
 Pieces = list[dict[str, np.ndarray | RowSparse]]

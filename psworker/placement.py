@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pscore.tables import Table, TableSlice, splitmix64
 from pswire.errors import InvalidRequestError, ModelMismatchError, not_in_model
 from pswire.piecekey import check_names, piece_key
-from pswire.tables import Table, TableSlice, splitmix64
 
 # Variables above this many bytes are split along dim 0 across shards (like TF's
 # MinSizePartitioner), so one huge embedding does not sit on a single shard.

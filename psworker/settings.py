@@ -18,10 +18,10 @@ from typing import Any
 
 import grpc
 
+from pscore.job import CLIENT_MODES, MODES
 from pswire.cli import env_default
 from pswire.codec import COMPRESSIONS, DEFAULT_CHUNK_BYTES
 from pswire.errors import ConfigError
-from pswire.job import CLIENT_MODES, MODES
 from pswire.security import ClientSecurity
 from psworker.placement import DEFAULT_SPLIT_BYTES
 from psworker.session import DEFAULT_REPLAY_BYTES, LinkConfig

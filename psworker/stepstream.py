@@ -56,8 +56,8 @@ class StepStream:
 
     def step(self, request: ps_pb2.PushPullRequest | bytes, timeout: float) -> Any:
         """Sends one step's request (a protobuf object, whose ``timeout_ms`` is set here, or
-        bytes from ``pswire.stepmsg.request`` carrying ``step_timeout_ms(timeout)``); returns
-        its reply (``pswire.stepmsg.parse_reply``'s).
+        bytes from ``pswire.write.request`` carrying ``step_timeout_ms(timeout)``); returns
+        its reply (``pswire.read.parse_reply``'s).
 
         Raises:
             grpc.RpcError: the call failed (it is closed: the next step opens a new one).

@@ -12,9 +12,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from pscore.tables import as_ids, scatter_rows
 from pswire.errors import UnavailableError
 from pswire.proto import ps_pb2
-from pswire.tables import as_ids, scatter_rows
 from psworker.placement import TableLayout
 from psworker.shards import Shards
 

@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from pscore.optim import Optimizer
+from pscore.optspec import StepOptions
+from pscore.tables import RowSparse
 from pswire.errors import ConfigError
-from pswire.optim import Optimizer
-from pswire.optspec import StepOptions
-from pswire.tables import RowSparse
 from psworker.api import Client, Elastic
 from psworker.reports import StepLog
 from psworker.torch_optim import (

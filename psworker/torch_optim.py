@@ -12,8 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pswire.errors import ConfigError
-from pswire.optim import (
+from pscore.optim import (
     SGD,
     Adadelta,
     Adagrad,
@@ -25,6 +24,7 @@ from pswire.optim import (
     RAdam,
     RMSprop,
 )
+from pswire.errors import ConfigError
 
 # Flags that only pick a torch kernel: accepted, and the shards' math is the same.
 IGNORED = ("foreach", "fused")

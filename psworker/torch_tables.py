@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pscore.tables import RowSparse, Table
 from pswire.errors import ConfigError
-from pswire.tables import RowSparse, Table
 from psworker.api import Client
 
 # The zero-element parameter standing for a table in model.parameters(): whichever parameter

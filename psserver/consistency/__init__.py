@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from pscore.job import check_mode
 from psserver.consistency.asynchronous import AsyncPolicy
 from psserver.consistency.base import Clocks, ConsistencyPolicy
 from psserver.consistency.ssp import StalenessPolicy
 from psserver.consistency.sync import SyncPolicy
-from pswire.job import check_mode
 
 
 def make_policy(mode: str, staleness: int = 0, quorum: int = 0) -> ConsistencyPolicy:

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from pscore.tables import RowSparse, sum_duplicates
 from psserver.consistency.base import Clocks, ConsistencyPolicy
-from pswire.tables import RowSparse, sum_duplicates
 
 
 class SyncPolicy(ConsistencyPolicy):

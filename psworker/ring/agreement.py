@@ -19,8 +19,8 @@ from typing import Protocol
 
 import numpy as np
 
+from pscore.optim import Optimizer
 from pswire.errors import HyperParameterMismatchError, PSError
-from pswire.optim import Optimizer
 
 # The tensor's name among the gradients: sorts before every model name, so it travels in the
 # first bucket of its dtype.

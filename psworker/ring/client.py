@@ -8,12 +8,12 @@ from typing import Any
 
 import numpy as np
 
+from pscore.optim import Optimizer
+from pscore.optspec import StepOptions, group_optimizers, resolve_groups
+from pscore.tables import RowSparse, Table
 from pswire.codec import COMPRESSIONS, bfloat16_to_float32, float32_to_bfloat16
 from pswire.errors import ConfigError, InvalidRequestError, ModelMismatchError, not_in_model
-from pswire.optim import Optimizer
-from pswire.optspec import StepOptions, group_optimizers, resolve_groups
 from pswire.security import ClientSecurity
-from pswire.tables import RowSparse, Table
 from psworker.api import push_then_pull
 from psworker.local import LocalClient
 from psworker.ring import agreement

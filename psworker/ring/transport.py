@@ -17,8 +17,8 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pscore.checks import DTYPES, check_dtype
 from pswire.channel import OPTIONS
-from pswire.codec import DTYPES, check_dtype
 from pswire.errors import (
     InvalidRequestError,
     PSError,
@@ -27,10 +27,11 @@ from pswire.errors import (
     error_for_status,
 )
 from pswire.proto import ring_pb2
+from pswire.read import parse_chunk, parse_message
 from pswire.rpc_errors import rpc_errors
 from pswire.security import ServerSecurity, TokenInterceptor
 from pswire.stubs import as_bytes
-from pswire.wiremsg import encode_chunk_messages, parse_chunk, parse_message, varint_field
+from pswire.write import encode_chunk_messages, len_field, varint_field
 from psworker.ring.peer import Failure, Mailbox, Tag
 
 SERVICE_NAME = ring_pb2.DESCRIPTOR.services_by_name["RingPeer"].full_name
@@ -40,7 +41,6 @@ CERTAIN = 1 << 16
 # Dtypes the codec cannot name travel as raw bytes and are viewed back; only bfloat16 bits need it.
 _VIEW_DTYPES = frozenset({"uint16"})
 _TENSOR_NAME = "ring"
-_LEN = 2  # protobuf's length-delimited wire type
 # RingChunk field numbers (ring.proto).
 _OP, _SENDER, _STEP, _SEGMENT, _INDEX, _TENSOR, _ABORT, _VIEW_DTYPE = range(1, 9)
 
@@ -50,16 +50,6 @@ def _describe_default(rank: int) -> str:
 
 
 # -- the messages --------------------------------------------------------------------------
-
-
-def _string_field(field: int, text: str) -> bytes:
-    """One encoded string field (empty for "", which proto3 omits); short strings only."""
-    data = text.encode()
-    if not data:
-        return b""
-    if len(data) > 127:
-        raise ValueError(f"field {field}: {len(data)} bytes is too long for a one-byte length")
-    return bytes(((field << 3) | _LEN, len(data))) + data
 
 
 def encode_data(op: int, sender: int, tag: Tag, array: np.ndarray) -> bytes:
@@ -80,7 +70,7 @@ def encode_data(op: int, sender: int, tag: Tag, array: np.ndarray) -> bytes:
             varint_field(_STEP, tag.step),
             varint_field(_SEGMENT, tag.segment),
             varint_field(_INDEX, tag.chunk),
-            _string_field(_VIEW_DTYPE, view),
+            len_field(_VIEW_DTYPE, view.encode()) if view else b"",
         )
     )
     messages = encode_chunk_messages(

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 import psworker
-from pswire.optim import SGD
+from pscore.optim import SGD
 
 STEPS, GROW_AT, SHRINK_AT = 12, 4, 9
 FEATURES, OUTPUTS, BATCH = 5, 3, 8

@@ -18,7 +18,7 @@ import numpy as np
 from numpy_worker import Gradients, model
 
 import psworker
-from pswire.optim import SGD
+from pscore.optim import SGD
 
 
 def main() -> int:

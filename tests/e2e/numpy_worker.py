@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 import psworker
-from pswire.optim import SGD
+from pscore.optim import SGD
 
 
 def model(floats: int, pieces: int) -> dict[str, np.ndarray]:

@@ -15,11 +15,11 @@ from e2e_support import Processes, child_env, numpy_worker
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import psworker
+from pscore.optim import SGD
 from psserver.admission import ANONYMOUS_GRACE_S, ANONYMOUS_STREAMS_PER_PEER
-from pswire.optim import SGD
 from pswire.proto import ps_pb2
-from pswire.push import push_pull_request
 from pswire.stubs import ParameterServerStub
+from pswire.write import push_pull_request
 
 THREADS = 16
 RESERVED = 8  # psserver.admission.RESERVED_THREADS: threads no waiting or streaming call takes

@@ -16,10 +16,10 @@ import pytest
 from e2e_support import Lines, Processes, child_env, numpy_worker, rss_bytes
 
 import psworker
-from pswire.optim import SGD
+from pscore.optim import SGD
 from pswire.proto import ps_pb2
-from pswire.push import push_stream
 from pswire.stubs import ParameterServerStub
+from pswire.write import push_stream
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc RSS")
 

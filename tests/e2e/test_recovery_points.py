@@ -19,9 +19,9 @@ import pytest
 from e2e_support import Daemon, Processes, numpy_worker
 
 import psworker
+from pscore.tables import RowSparse, Table
 from psctl.admin import checkpoint_all
 from pswire.errors import InvalidRequestError, ModelMismatchError, UnavailableError
-from pswire.tables import RowSparse, Table
 from psworker.link import shard_status
 
 STEPS = 50

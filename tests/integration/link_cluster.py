@@ -9,10 +9,10 @@ import numpy as np
 from faults import FaultPlan
 
 import psworker
+from pscore.optim import SGD
 from psserver.records import Limits, ShardState
 from psserver.server import RunningServer, start_server
 from psserver.shard import Shard
-from pswire.optim import SGD
 from pswire.proto import ps_pb2
 from psworker.link import ShardLink
 

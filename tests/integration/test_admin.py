@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 import psworker
+from pscore.tables import RowSparse, Table, init_rows
 from psctl.admin import checkpoint_all, export_state_dict
 from psserver.checkpoint import Checkpointer, CheckpointScheduler
 from psserver.server import RunningServer, start_server
 from psserver.shard import Shard
 from pswire.errors import ModelMismatchError, NotInitializedError, PSError
-from pswire.tables import RowSparse, Table, init_rows
 
 
 @pytest.fixture

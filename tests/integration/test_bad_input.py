@@ -12,8 +12,8 @@ import pytest
 import psworker
 from psserver.records import Limits
 from pswire.channel import insecure_channel
-from pswire.codec import tensor_to_chunks
 from pswire.proto import ps_pb2, ps_pb2_grpc
+from pswire.write import tensor_to_chunks
 
 WEIGHTS = {
     "fc.weight": np.arange(12, dtype=np.float32).reshape(4, 3),

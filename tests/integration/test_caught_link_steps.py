@@ -17,6 +17,9 @@ from faults import FaultPlan
 from link_cluster import grad, pull_request
 
 import psworker
+from pscore.optim import SGD
+from pscore.optspec import StepOptions
+from pscore.tables import RowSparse
 from psserver.records import Limits
 from pswire.errors import (
     ClientClosedError,
@@ -26,10 +29,7 @@ from pswire.errors import (
     UnavailableError,
     WaitTimeoutError,
 )
-from pswire.optim import SGD
-from pswire.optspec import StepOptions
-from pswire.stepmsg import SMALL_BYTES
-from pswire.tables import RowSparse
+from pswire.write import SMALL_BYTES
 from psworker.link import ShardLink
 
 HALF_LR = StepOptions(values={0: {"lr": 0.5}})  # the job's lr is 1
@@ -58,7 +58,7 @@ def test_a_fused_step_waits_at_the_shard_no_longer_than_the_links_timeout(cluste
     # The step carries its own deadline: the shard gives up on the sync barrier and says what
     # it waited for (without it, the shard would wait its own 5 s and the link's watchdog
     # would cut the call with no reason given).
-    # A step of SMALL_BYTES or more travels as bytes the link encodes itself.
+    # A step under SMALL_BYTES and one over it (its tensors written aligned).
     for size in (2, SMALL_BYTES // 4):
         c = cluster(mode="sync", workers=2, timeout=2.0, size=size)
         with pytest.raises(WaitTimeoutError, match=r"^PushPull on shard 0 .*gave up after 1\.\ds"):

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 import psworker
+from pscore.optim import SGD
+from pscore.optspec import StepOptions
 from pswire.errors import (
     ClientClosedError,
     ShapeMismatchError,
     UnknownVariableError,
 )
-from pswire.optim import SGD
-from pswire.optspec import StepOptions
 from psworker.api import Client
 from psworker.local import LocalClient
 from psworker.ring.client import AllReduceClient

@@ -14,11 +14,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from workers import run_workers
 
 import psworker
+from pscore.optim import SGD
 from psctl import status_view
 from psserver.metrics import ShardMetrics
 from psserver.server import start_server
 from psserver.shard import Shard
-from pswire.optim import SGD
 from psworker.elastic import ElasticPSClient
 
 SHAPES = {"w": (4, 3), "b": (3,)}

@@ -10,8 +10,8 @@ from faults import FaultPlan
 from workers import run_workers
 
 import psworker
+from pscore.optim import SGD
 from psserver.records import Limits
-from pswire.optim import SGD
 
 SHAPES = {"w": (6, 4), "b": (4,)}
 

@@ -12,6 +12,7 @@ import pyarrow.flight as flight
 import pytest
 
 import psworker
+from pscore.tables import RowSparse, Table
 from psctl.certs import CertPaths, write_certs
 from psserver.flight_service import RunningFlightService, start_flight_service
 from psserver.records import Limits
@@ -31,7 +32,6 @@ from pswire.errors import (
 )
 from pswire.proto import ps_pb2
 from pswire.security import ClientSecurity, ServerSecurity
-from pswire.tables import RowSparse, Table
 from psworker.flight_link import FlightLink
 
 pytestmark = pytest.mark.timeout(60)

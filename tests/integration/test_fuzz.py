@@ -18,12 +18,13 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import psworker
+from pscore.checks import DTYPES
+from pscore.job import OBSERVER
 from psserver.records import Limits
 from psserver.server import RunningServer
 from pswire.channel import insecure_channel
-from pswire.codec import DTYPES, tensor_to_chunks
-from pswire.job import OBSERVER
 from pswire.proto import ps_pb2, ps_pb2_grpc
+from pswire.write import tensor_to_chunks
 
 # A fixed seed keeps a failure reproducible; PS_FUZZ_SEED explores other corners.
 SEED = int(os.environ.get("PS_FUZZ_SEED") or 20_251_130)

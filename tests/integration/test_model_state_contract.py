@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 import psworker
+from pscore.job import Job, VarSpec
+from pscore.optim import SGD, Optimizer
 from psserver.records import Limits
 from psserver.shard import Shard
 from pswire.errors import (
@@ -22,8 +24,6 @@ from pswire.errors import (
     StepRefusedError,
     UnknownVariableError,
 )
-from pswire.job import Job, VarSpec
-from pswire.optim import SGD, Optimizer
 from psworker.local import LocalClient
 
 VALUES = {"w": np.full((2, 3), 3e38, np.float32), "b": np.zeros(3, np.float32)}

@@ -10,7 +10,7 @@ import pytest
 from workers import run_workers
 
 import psworker
-from pswire.optim import SGD, Adam, Optimizer
+from pscore.optim import SGD, Adam, Optimizer
 
 FEATURES, CLASSES = 12, 3
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import psworker
+from pscore.tables import Table
 from pswire.errors import InvalidRequestError, ModelMismatchError
-from pswire.tables import Table
 from psworker.placement import VarInfo, plan
 
 

@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 
 import psworker
+from pscore.optim import SGD
+from pscore.tables import RowSparse, Table
 from psserver.checkpoint import Checkpointer, CheckpointScheduler
 from psserver.records import Limits
 from psserver.server import RunningServer, start_server
 from psserver.shard import Shard
 from pswire.channel import insecure_channel
-from pswire.codec import tensor_to_chunks
 from pswire.errors import (
     ConfigError,
     DuplicateWorkerError,
@@ -32,9 +33,8 @@ from pswire.errors import (
     TooLargeError,
     WorkerDroppedError,
 )
-from pswire.optim import SGD
 from pswire.proto import ps_pb2, ps_pb2_grpc
-from pswire.tables import RowSparse, Table
+from pswire.write import tensor_to_chunks
 
 SHAPES = {"w": (8, 4), "b": (4,)}
 
@@ -244,7 +244,7 @@ def test_a_worker_process_that_exits_without_close_leaves_the_job(shards):
     (server,) = shards(1, Limits(max_wait_s=60, heartbeat_timeout_s=60))
     script = (
         "import sys, numpy as np, psworker\n"
-        "from pswire.optim import SGD\n"
+        "from pscore.optim import SGD\n"
         "c = psworker.connect([sys.argv[1]], worker_id=1, num_workers=2, mode='ssp', staleness=1)\n"
         "c.init({'w': np.zeros(4, np.float32)}, SGD(lr=0.1))\n"
         "c.push_pull({'w': np.ones(4, np.float32)})\n"  # no close(): the script just ends

@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 
 from pswire.channel import insecure_channel
-from pswire.codec import bfloat16_to_float32, float32_to_bfloat16, tensor_to_proto
+from pswire.codec import bfloat16_to_float32, float32_to_bfloat16
 from pswire.errors import InvalidRequestError, PSError, UnavailableError, WaitTimeoutError
 from pswire.proto import ring_pb2, ring_pb2_grpc
+from pswire.write import tensor_to_proto
 from psworker.ring import transport as ringwire
 from psworker.ring.buckets import BucketPlan
 from psworker.ring.peer import Tag

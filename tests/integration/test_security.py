@@ -16,9 +16,9 @@ from psctl.certs import CertPaths, write_certs
 from psserver.records import Limits
 from psserver.server import RunningServer, start_server
 from psserver.shard import Shard
-from pswire.codec import tensor_to_chunks
 from pswire.proto import ps_pb2, ps_pb2_grpc
 from pswire.security import ClientSecurity, ServerSecurity
+from pswire.write import tensor_to_chunks
 from psworker.link import shard_status
 
 TOKEN = "s3cret-token_for.tests"

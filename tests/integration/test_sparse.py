@@ -13,10 +13,10 @@ torch = pytest.importorskip("torch")
 from workers import run_workers  # noqa: E402
 
 import psworker  # noqa: E402
+from pscore.tables import RowSparse, Table, init_rows  # noqa: E402
 from pswire.errors import InvalidRequestError, UnknownVariableError  # noqa: E402
 from pswire.proto import ps_pb2  # noqa: E402
-from pswire.push import push_stream  # noqa: E402
-from pswire.tables import RowSparse, Table, init_rows  # noqa: E402
+from pswire.write import push_stream  # noqa: E402
 from psworker.torch import DistributedOptimizer, Embedding, EmbeddingBag  # noqa: E402
 
 ROWS, DIM, STEPS, BATCH, BAG = 50, 4, 30, 6, 3

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 import psworker
+from pscore.optim import SGD
 from pswire.errors import InvalidRequestError, WaitTimeoutError
-from pswire.optim import SGD
 from pswire.proto import ps_pb2
-from pswire.push import push_pull_request
 from pswire.stubs import ParameterServerStub
+from pswire.write import push_pull_request
 
 SHAPES = {"w": (3, 4), "b": (4,)}
 

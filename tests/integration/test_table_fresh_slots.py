@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import psworker  # noqa: E402
-from pswire.tables import RowSparse, Table, init_rows  # noqa: E402
+from pscore.tables import RowSparse, Table, init_rows  # noqa: E402
 
 DIM, SEED = 3, 7
 

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import psworker  # noqa: E402
-from pswire.tables import init_rows  # noqa: E402
+from pscore.tables import init_rows  # noqa: E402
 from psworker.torch import DistributedOptimizer, Embedding  # noqa: E402
 
 ROWS, DIM, BAG, BATCH, STEPS, INF_AT = 20, 4, 3, 6, 8, 3

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import psworker
+from pscore.tables import RowSparse, Table, init_rows
 from pswire.errors import InvalidRequestError
-from pswire.tables import RowSparse, Table, init_rows
 
 DIM = 5
 

@@ -13,13 +13,13 @@ import pytest
 import safetensors
 import safetensors.numpy
 
+from pscore.job import Job, VarSpec
+from pscore.optim import SGD, Adam, Optimizer
+from pscore.tables import RowSparse, TableSlice
 from psserver import checkpoint_codec
 from psserver.checkpoint import Checkpointer, CorruptCheckpointError
 from psserver.records import Limits
 from psserver.shard import Shard
-from pswire.job import Job, VarSpec
-from pswire.optim import SGD, Adam, Optimizer
-from pswire.tables import RowSparse, TableSlice
 
 TABLE = TableSlice("emb", 3, num_rows=4, row_start=0, row_end=4, seed=1)
 SPECS = (VarSpec("w", (3, 4), "float32"), VarSpec("emb", (4, 3), "float32", table=TABLE))

@@ -6,18 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pswire.codec import (
-    ChunkAssembler,
-    bfloat16_to_float32,
-    check_tensor,
-    float32_to_bfloat16,
-    tensor_to_chunks,
-    tensor_to_proto,
-)
+from pscore.checks import check_tensor
+from pswire.codec import ChunkAssembler, bfloat16_to_float32, float32_to_bfloat16
 from pswire.errors import InvalidRequestError, ShapeMismatchError
 from pswire.proto import ps_pb2
-from pswire.stubs import stream_request_parser
-from pswire.wiremsg import encode_chunk_messages
+from pswire.read import stream_request_parser
+from pswire.write import encode_chunk_messages, tensor_to_chunks, tensor_to_proto
 
 ROWS = np.arange(12, dtype=np.float32).reshape(3, 4)
 IDS = np.array([5, 9, 2], dtype=np.int64)

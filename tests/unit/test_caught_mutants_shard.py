@@ -14,6 +14,10 @@ import numpy as np
 import pytest
 from hand_clock import Clock
 
+from pscore.job import OBSERVER, Job, VarSpec
+from pscore.optim import SGD
+from pscore.optspec import StepOptions
+from pscore.tables import RowSparse, TableSlice
 from psserver.records import Limits
 from psserver.shard import MAX_STEP, Shard
 from pswire.errors import (
@@ -24,10 +28,6 @@ from pswire.errors import (
     StepRefusedError,
     WaitTimeoutError,
 )
-from pswire.job import OBSERVER, Job, VarSpec
-from pswire.optim import SGD
-from pswire.optspec import StepOptions
-from pswire.tables import RowSparse, TableSlice
 
 HEARTBEAT_S = 10.0
 SHORT_S = 0.2  # a wait that must end at once in the real code; a broken one times out

@@ -11,11 +11,13 @@ import warnings
 import numpy as np
 import pytest
 
-from pswire.codec import ChunkAssembler, all_finite, check_tensor, tensor_to_chunks
+from pscore.checks import all_finite, check_tensor
+from pscore.optim import RMSprop
+from pscore.optspec import resolve_groups
+from pscore.tables import Table
+from pswire.codec import ChunkAssembler
 from pswire.errors import InvalidRequestError, TooLargeError
-from pswire.optim import RMSprop
-from pswire.optspec import resolve_groups
-from pswire.tables import Table
+from pswire.write import tensor_to_chunks
 from psworker.placement import TableLayout
 
 # --- ChunkAssembler's reserve(n) -----------------------------------------------------------

@@ -9,9 +9,9 @@ import inspect
 import numpy as np
 import pytest
 
-from pswire.optim import SGD, Adagrad, Adam, AdamW, Optimizer, RMSprop
-from pswire.rowstore import RowStore
-from pswire.tables import TableSlice
+from pscore.optim import SGD, Adagrad, Adam, AdamW, Optimizer, RMSprop
+from pscore.rowstore import RowStore
+from pscore.tables import TableSlice
 
 # torch.optim's defaults (torch 2.x), by our names; checked against torch itself below.
 TORCH_DEFAULTS: dict[type[Optimizer], dict[str, float]] = {

@@ -9,9 +9,9 @@ import re
 import numpy as np
 import pytest
 
+from pscore.optim import SGD, RMSprop
+from pscore.optspec import with_values
 from pswire.errors import ConfigError, InvalidRequestError
-from pswire.optim import SGD, RMSprop
-from pswire.optspec import with_values
 
 
 def test_a_bad_replacement_value_names_the_optimizer_and_only_a_given_place() -> None:

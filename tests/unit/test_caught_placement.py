@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
+from pscore.tables import Table, TableSlice
 from pswire.errors import InvalidRequestError
-from pswire.tables import Table, TableSlice
 from psworker.placement import TableLayout, VarInfo, check_out, plan, tables_digest
 
 MODEL = [VarInfo("big", (6, 4), "float32"), VarInfo("b", (3,), "float64")]

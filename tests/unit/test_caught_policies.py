@@ -7,6 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pscore.job import Job, VarSpec
+from pscore.optim import SGD
+from pscore.tables import RowSparse, TableSlice
 from psserver.consistency import (
     AsyncPolicy,
     Clocks,
@@ -17,9 +20,6 @@ from psserver.consistency import (
 from psserver.records import Limits
 from psserver.shard import Shard
 from pswire.errors import InvalidRequestError, WaitTimeoutError
-from pswire.job import Job, VarSpec
-from pswire.optim import SGD
-from pswire.tables import RowSparse, TableSlice
 
 
 def clocks(updates: int, finished: dict[int, int], live: set[int]) -> Clocks:

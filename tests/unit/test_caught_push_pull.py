@@ -13,6 +13,10 @@ import numpy as np
 import pytest
 from hand_clock import Clock
 
+from pscore.job import Job, VarSpec
+from pscore.optim import SGD
+from pscore.optspec import StepOptions, resolve_groups
+from pscore.tables import RowSparse, TableSlice
 from psserver.records import Limits
 from psserver.shard import Shard
 from pswire.errors import (
@@ -21,10 +25,6 @@ from pswire.errors import (
     InvalidRequestError,
     StepRefusedError,
 )
-from pswire.job import Job, VarSpec
-from pswire.optim import SGD
-from pswire.optspec import StepOptions, resolve_groups
-from pswire.tables import RowSparse, TableSlice
 
 TABLE = TableSlice("emb", 3, num_rows=4, row_start=0, row_end=4)
 SPECS = (VarSpec("w", (2,), "float32"), VarSpec("emb", (4, 3), "float32", table=TABLE))

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from hand_clock import Clock
 
+from pscore.job import Job, VarSpec
+from pscore.optim import SGD
 from pscore.variables import Variables
 from psserver.records import Limits
 from psserver.shard import Shard
 from pswire.errors import WaitTimeoutError
-from pswire.job import Job, VarSpec
-from pswire.optim import SGD
 
 HEARTBEAT_S = 10.0
 SPECS = (VarSpec("w", (3,), "float32"), VarSpec("b", (2,), "float32"))

@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 from hand_clock import Clock
 
+from pscore.job import OBSERVER, Job, VarSpec
+from pscore.optim import SGD
+from pscore.tables import RowSparse, TableSlice
 from psserver.records import Limits
 from psserver.shard import Shard
 from pswire.errors import (
@@ -20,9 +23,6 @@ from pswire.errors import (
     ShardRestartedError,
     WaitTimeoutError,
 )
-from pswire.job import OBSERVER, Job, VarSpec
-from pswire.optim import SGD
-from pswire.tables import RowSparse, TableSlice
 
 SPECS = (VarSpec("w", (2,), "float32"), VarSpec("b", (3,), "float32"))
 START = {"w": np.array([1.0, 2.0], np.float32), "b": np.zeros(3, np.float32)}

@@ -15,6 +15,8 @@ import pytest
 import safetensors
 import safetensors.numpy
 
+from pscore.job import Job, VarSpec
+from pscore.optim import SGD, Adagrad, Adam, Optimizer
 from psserver.checkpoint import (
     Checkpointer,
     CheckpointScheduler,
@@ -24,8 +26,6 @@ from psserver.checkpoint import (
 from psserver.records import Limits, ShardState
 from psserver.shard import Shard
 from pswire.errors import InvalidRequestError, ModelMismatchError, NotInitializedError
-from pswire.job import Job, VarSpec
-from pswire.optim import SGD, Adagrad, Adam, Optimizer
 
 SPECS = (
     VarSpec("w", (3, 4), "float32"),

@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pscore.job import Job, VarSpec
+from pscore.optim import SGD
 from psserver.checkpoint import Checkpointer, CheckpointScheduler
 from psserver.config import parse_config
 from psserver.records import Limits
 from psserver.shard import Shard
-from pswire.job import Job, VarSpec
-from pswire.optim import SGD
 
 SPECS = (VarSpec("w", (3,), "float32"),)
 

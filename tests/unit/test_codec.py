@@ -13,17 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pswire import codec
-from pswire.codec import (
-    MAX_ELEMENTS,
-    ChunkAssembler,
-    tensor_from_proto,
-    tensor_nbytes,
-    tensor_to_chunks,
-    tensor_to_proto,
-)
+from pscore.checks import MAX_ELEMENTS, check_dtype, tensor_nbytes
+from pswire.codec import ChunkAssembler, tensor_from_proto
 from pswire.errors import InvalidRequestError, PSError, TooLargeError
 from pswire.proto import ps_pb2
+from pswire.write import tensor_to_chunks, tensor_to_proto
 
 WIRE_DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8", "bool"]
 
@@ -252,7 +246,7 @@ def test_tensor_nbytes_rejects_negative_dims_and_unknown_dtypes() -> None:
         tensor_nbytes("v", "float32", (0, -3))
     with pytest.raises(InvalidRequestError, match=r"'v'.*'float8'"):
         tensor_nbytes("v", "float8", (3,))
-    assert codec.check_dtype("float32", "v") == np.dtype("<f4")
+    assert check_dtype("float32", "v") == np.dtype("<f4")
 
 
 # --- malformed streams ---------------------------------------------------------------------
@@ -389,7 +383,7 @@ def test_assembler_decodes_into_given_arrays_when_they_fit() -> None:
 
 
 def test_all_finite_is_exact_for_large_arrays_and_huge_finite_values() -> None:
-    from pswire.codec import all_finite
+    from pscore.checks import all_finite
 
     a = np.zeros(1 << 17, np.float32)
     assert all_finite(a)

@@ -10,11 +10,11 @@ import time
 import numpy as np
 import pytest
 
+from pscore.job import Job, VarSpec
+from pscore.optim import SGD
 from psserver.records import Limits
 from psserver.shard import Shard
 from pswire.errors import InvalidRequestError, WaitTimeoutError, WorkerDroppedError
-from pswire.job import Job, VarSpec
-from pswire.optim import SGD
 
 VALUES = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
 SPECS = (VarSpec("w", (2, 3), "float32"),)

@@ -10,11 +10,11 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
+from pscore.tables import RowSparse
 from pswire import flightwire as fw
 from pswire.codec import ChunkAssembler, float32_to_bfloat16
 from pswire.errors import InvalidRequestError, PSError, TooLargeError, _subclasses
 from pswire.proto import ps_pb2
-from pswire.tables import RowSparse
 
 
 class Loopback:

@@ -1,7 +1,9 @@
 """The package boundaries the architecture promises, checked on the source: psserver never
-imports torch or psworker; psworker and psctl never import psserver; pswire imports none of
-them (nor pscore); pscore computes without grpc or torch; torch stays out of psworker's
-numpy-level modules."""
+imports torch or psworker; psworker and psctl never import psserver; pswire (the wire) may
+import pscore (the core whose types it encodes) but none of the others; pscore computes with
+numpy alone: no grpc, protobuf or torch, and of pswire only the exception family
+(``pswire.errors``, which imports nothing of ours); torch stays out of psworker's numpy-level
+modules."""
 
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 # Packages and the top-level names their modules must never import.
 FORBIDDEN = {
-    "pswire": {"pscore", "psserver", "psworker", "psctl", "torch"},
-    "pscore": {"psserver", "psworker", "psctl", "torch", "grpc"},
+    "pswire": {"psserver", "psworker", "psctl", "torch"},
+    "pscore": {"psserver", "psworker", "psctl", "torch", "grpc", "google"},
     "psserver": {"psworker", "psctl", "torch"},
     "psworker": {"psserver", "psctl"},
     "psctl": {"psserver"},
@@ -55,6 +57,35 @@ def test_packages_import_only_what_the_architecture_allows(package: str) -> None
         if hit:
             bad[rel] = sorted(hit)
     assert not bad, f"forbidden imports: {bad}"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The full dotted name of every absolute import in ``path`` (``from a.b import c``:
+    ``a.b.c`` when that is a module of ours, else ``a.b``)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                names.add(full if (REPO / f"{full.replace('.', '/')}.py").exists() else node.module)
+    return names
+
+
+def test_the_core_reaches_the_wire_only_through_its_errors() -> None:
+    # pscore is below pswire: of pswire it may import only the exception family, and that
+    # module imports nothing of ours, so no chain of imports leads back into pscore.
+    allowed = {"pswire.errors"}
+    bad = {}
+    for path in modules("pscore"):
+        hit = {m for m in imported_modules(path) if m.split(".")[0] == "pswire"} - allowed
+        if hit:
+            bad[path.relative_to(REPO).as_posix()] = sorted(hit)
+    assert not bad, f"pscore modules importing pswire beyond its errors: {bad}"
+    ours = {*FORBIDDEN, "pscore"}
+    errors_imports = {m.split(".")[0] for m in imported_modules(REPO / "pswire/errors.py")}
+    assert not errors_imports & ours, f"pswire/errors.py imports {errors_imports & ours}"
 
 
 def test_the_numpy_sdk_imports_without_torch() -> None:
@@ -108,7 +139,7 @@ def stub_classes(path: Path) -> list[str]:
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_no_class_declares_stubs_for_another_classs_state(package: str) -> None:
     stubs = [s for p in modules(package) for s in stub_classes(p)]
-    # pswire.optim.Optimizer.apply is an abstract method each optimizer overrides: not a stub
+    # pscore.optim.Optimizer.apply is an abstract method each optimizer overrides: not a stub
     # for another class's state.
-    stubs = [s for s in stubs if not s.startswith("pswire/optim.py:Optimizer.")]
+    stubs = [s for s in stubs if not s.startswith("pscore/optim.py:Optimizer.")]
     assert not stubs, f"stub declarations: {stubs}"

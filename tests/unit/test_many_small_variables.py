@@ -7,15 +7,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pscore.job import Job, VarSpec
+from pscore.optim import SGD, Adam, Optimizer
 from psserver.records import Limits
 from psserver.shard import Shard
 from pswire.errors import InvalidRequestError, StepRefusedError
-from pswire.job import Job, VarSpec
-from pswire.optim import SGD, Adam, Optimizer
 from psworker.outgoing import split_push
 from psworker.placement import VarInfo, plan
 
-N = 200  # well past the batch threshold (pswire.codec.BATCH_ARRAYS)
+N = 200  # well past the batch threshold (pscore.checks.BATCH_ARRAYS)
 BAD = "v137"
 
 

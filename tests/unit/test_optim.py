@@ -1,4 +1,4 @@
-"""Unit tests for pswire.optim: numpy optimizers that must follow torch.optim's math exactly."""
+"""Unit tests for pscore.optim: numpy optimizers that must follow torch.optim's math exactly."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pswire.errors import InvalidRequestError
-from pswire.optim import (
+from pscore.optim import (
     OPTIMIZERS,
     SGD,
     Adadelta,
@@ -23,7 +22,8 @@ from pswire.optim import (
     RAdam,
     RMSprop,
 )
-from pswire.optspec import StepOptions, group_optimizers, optimizer_from_spec, with_values
+from pscore.optspec import StepOptions, group_optimizers, optimizer_from_spec, with_values
+from pswire.errors import InvalidRequestError
 
 STEPS = 50
 SHAPES = [(6, 5), (7,)]

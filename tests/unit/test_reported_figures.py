@@ -9,13 +9,13 @@ from pathlib import Path
 
 import numpy as np
 
+from pscore.job import Job, VarSpec
+from pscore.optim import SGD
 from psctl import demo_results
 from psctl.status_view import render_json, render_table
 from psserver.checkpoint import Checkpointer
 from psserver.records import Limits
 from psserver.shard import Shard
-from pswire.job import Job, VarSpec
-from pswire.optim import SGD
 from pswire.proto import ps_pb2
 
 METRICS = {

@@ -9,11 +9,11 @@ import threading
 import numpy as np
 import pytest
 
+from pscore.job import Job, VarSpec
+from pscore.optim import SGD
 from psserver.records import Limits
 from psserver.shard import Shard
 from pswire.errors import ModelMismatchError, WaitTimeoutError
-from pswire.job import Job, VarSpec
-from pswire.optim import SGD
 
 SPECS = (VarSpec("w", (3,), "float32"),)
 

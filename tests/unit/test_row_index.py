@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pswire.optim import SGD, Adagrad
-from pswire.rowindex import RowIndex
-from pswire.rowstore import RowStore
-from pswire.tables import TableSlice, init_rows
+from pscore.optim import SGD, Adagrad
+from pscore.rowindex import RowIndex
+from pscore.rowstore import RowStore
+from pscore.tables import TableSlice, init_rows
 
 
 class Reference:

@@ -7,6 +7,8 @@ import threading
 import numpy as np
 import pytest
 
+from pscore.job import Job, VarSpec
+from pscore.optim import SGD
 from psserver.records import Limits
 from psserver.shard import Shard
 from pswire.errors import (
@@ -18,8 +20,6 @@ from pswire.errors import (
     UnknownVariableError,
     WaitTimeoutError,
 )
-from pswire.job import Job, VarSpec
-from pswire.optim import SGD
 
 VALUES = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(3, np.float32)}
 

@@ -11,6 +11,9 @@ import time
 import numpy as np
 import pytest
 
+from pscore.job import Job, VarSpec
+from pscore.optim import SGD
+from pscore.tables import TableSlice
 from psserver.records import Limits
 from psserver.shard import Shard
 from pswire.errors import (
@@ -23,9 +26,6 @@ from pswire.errors import (
     UnavailableError,
     WaitTimeoutError,
 )
-from pswire.job import Job, VarSpec
-from pswire.optim import SGD
-from pswire.tables import TableSlice
 
 VALUES = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(3, np.float32)}
 SPECS = (VarSpec("w", (2, 3), "float32"), VarSpec("b", (3,), "float32"))

@@ -8,20 +8,22 @@ import threading
 import numpy as np
 import pytest
 
+from pscore.job import Job, VarSpec
+from pscore.optim import SGD, Adam
+from pscore.optspec import StepOptions
+from pscore.tables import TableSlice
 from psserver.checkpoint_codec import decode_state, encode_state
 from psserver.records import Limits
 from psserver.shard import Shard
+from pswire.codec import header_options
 from pswire.errors import (
     HyperParameterMismatchError,
     InvalidRequestError,
     ModelMismatchError,
     UnknownVariableError,
 )
-from pswire.job import Job, VarSpec, job_from_proto, job_to_proto
-from pswire.optim import SGD, Adam
-from pswire.optspec import StepOptions
-from pswire.push import header_options, push_header
-from pswire.tables import TableSlice
+from pswire.jobspec import job_from_proto, job_to_proto
+from pswire.write import push_header
 
 VALUES = {
     "w": np.ones((2, 3), np.float32),

@@ -14,13 +14,13 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+from pscore.job import Job, VarSpec
+from pscore.optim import SGD
 from psserver.shard import Shard
-from pswire import stepmsg
-from pswire.codec import ChunkAssembler
-from pswire.job import Job, VarSpec
-from pswire.optim import SGD
+from pswire import read, write
+from pswire.codec import ChunkAssembler, header_options, push_pull_grads
 from pswire.proto import ps_pb2
-from pswire.push import header_options, push_header, push_pull_grads
+from pswire.write import push_header
 from psworker.outgoing import split_push
 from psworker.placement import VarInfo, plan
 
@@ -67,19 +67,19 @@ class Job2Shards:
         merged: dict[str, np.ndarray] = {}
         for shard, part in zip(self.shards, pieces, strict=True):
             header = push_header(0, self.clock, None, None, "")
-            sent = stepmsg.request(header, part, [], 1000)
+            sent = write.request(header, part, [], 1000)
             assert isinstance(sent, bytes), "the step must take the hand-built path"
-            request = stepmsg.parse_request(sent)
+            request = read.parse_request(sent)
             pushed, tensors, clock = shard.push_pull(
                 0,
                 request.header.step,
                 push_pull_grads(request, 1 << 40),
-                encode=lambda arrays, _: stepmsg.reply_tensors(arrays, frozenset()),
+                encode=lambda arrays, _: write.reply_tensors(arrays, frozenset()),
                 take=True,
                 options=header_options(request.header),
             )
             assert pushed.applied
-            reply = stepmsg.parse_reply(stepmsg.reply(ps_pb2.PushResponse(), tensors, clock))
+            reply = read.parse_reply(write.reply(ps_pb2.PushResponse(), tensors, clock))
             assembler = ChunkAssembler()
             for chunk in reply.chunks:
                 assembler.add(chunk)

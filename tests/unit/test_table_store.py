@@ -5,23 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pscore.job import Job, VarSpec
+from pscore.optim import SGD, Adagrad, Adam
+from pscore.rowstore import RowStore
+from pscore.tables import RowSparse, Table, TableSlice, init_rows, sum_duplicates
 from psserver.checkpoint import Checkpointer
 from psserver.shard import Shard
-from pswire.codec import ChunkAssembler, tensor_to_chunks
+from pswire.codec import ChunkAssembler
 from pswire.errors import InvalidRequestError, ModelMismatchError
-from pswire.job import Job, VarSpec
-from pswire.optim import SGD, Adagrad, Adam
 from pswire.proto import ps_pb2
-from pswire.rowstore import RowStore
-from pswire.stubs import stream_request_parser
-from pswire.tables import (
-    RowSparse,
-    Table,
-    TableSlice,
-    init_rows,
-    sum_duplicates,
-)
-from pswire.wiremsg import encode_chunk_messages
+from pswire.read import stream_request_parser
+from pswire.write import encode_chunk_messages, tensor_to_chunks
 from psworker.placement import TableLayout
 
 

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from pswire.codec import ChunkAssembler, float32_to_bfloat16, tensor_to_chunks
+from pswire.codec import ChunkAssembler, float32_to_bfloat16
 from pswire.proto import ps_pb2
-from pswire.stubs import parse_pull_reply, stream_request_parser
-from pswire.wiremsg import encode_chunk_messages, parse_chunk, varint_field
+from pswire.read import parse_chunk, parse_pull_reply, stream_request_parser
+from pswire.write import encode_chunk_messages, tensor_to_chunks, varint_field
 
 DTYPES = ["float16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool"]
 arrays = st.sampled_from(DTYPES).flatmap(

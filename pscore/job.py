@@ -1,4 +1,5 @@
-"""The job description both ends agree on (``Job``, ``VarSpec``) and its protobuf form."""
+"""The job description both ends agree on (``Job``, ``VarSpec``) and the checks of a step
+against it; its protobuf form is ``pswire.jobspec``."""
 
 from __future__ import annotations
 
@@ -8,18 +9,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pswire.codec import (
-    all_finite_together,
-    batched,
-    check_dtype,
-    check_tensor,
-    tensor_nbytes,
-)
+from pscore.checks import all_finite_together, batched, check_dtype, check_tensor
+from pscore.optim import Optimizer
+from pscore.optspec import StepOptions, group_optimizers
+from pscore.tables import RowSparse, TableSlice, check_rows
 from pswire.errors import InvalidRequestError, TooLargeError, UnknownVariableError
-from pswire.optim import Optimizer
-from pswire.optspec import StepOptions, group_optimizers, optimizer_from_spec
-from pswire.proto import ps_pb2
-from pswire.tables import RowSparse, TableSlice, check_rows, table_from_proto, table_to_proto
 
 Grads = dict[str, np.ndarray | RowSparse]
 
@@ -373,63 +367,3 @@ def _slot_arrays(optimizer: Optimizer) -> int:
     """How many arrays the size of a variable the optimizer keeps per variable."""
     state = optimizer.make_state(np.zeros(1, np.float32))
     return sum(1 for v in state.values() if v is None or isinstance(v, np.ndarray))
-
-
-def job_from_proto(spec: ps_pb2.JobSpec) -> Job:
-    """Builds a Job from the wire, validating dtypes and dims.
-
-    Raises:
-        InvalidRequestError: bad optimizer, dtype or dims.
-    """
-    variables = []
-    for v in spec.variables:
-        # The same dtype and dims checks as a tensor on the wire: a job must not declare a
-        # variable that no tensor could ever match (negative or absurd dims).
-        tensor_nbytes(v.name, v.dtype, v.shape)
-        table = table_from_proto(v) if v.HasField("table") else None
-        shape = tuple(int(d) for d in v.shape)
-        variables.append(VarSpec(v.name, shape, v.dtype, v.average, table, int(v.group)))
-    return Job(
-        mode=spec.mode,
-        staleness=int(spec.staleness),
-        num_workers=int(spec.num_workers),
-        optimizer=optimizer_from_spec(spec.optimizer.name, dict(spec.optimizer.params)),
-        variables=tuple(variables),
-        model_digest=spec.model_digest,
-        quorum=int(spec.quorum),
-        job_id=spec.job_id,
-        groups=tuple(optimizer_from_spec(g.name, dict(g.params)) for g in spec.groups),
-        min_workers=int(spec.min_workers),
-        max_workers=int(spec.max_workers),
-        shard=int(spec.shard),
-        num_shards=int(spec.num_shards),
-    )
-
-
-def job_to_proto(job: Job) -> ps_pb2.JobSpec:
-    """The JobSpec message of ``job`` (what a worker sends at init, what Status reports)."""
-    return ps_pb2.JobSpec(
-        mode=job.mode,
-        staleness=job.staleness,
-        num_workers=job.num_workers,
-        optimizer=ps_pb2.OptimizerSpec(name=job.optimizer.name, params=job.optimizer.params()),
-        variables=[variable_to_proto(v) for v in job.variables],
-        model_digest=job.model_digest,
-        quorum=job.quorum,
-        job_id=job.job_id,
-        groups=[ps_pb2.OptimizerSpec(name=g.name, params=g.params()) for g in job.groups],
-        min_workers=job.min_workers,
-        max_workers=job.max_workers,
-        shard=job.shard,
-        num_shards=job.num_shards,
-    )
-
-
-def variable_to_proto(v: VarSpec) -> ps_pb2.VariableSpec:
-    if v.table is not None:
-        spec = table_to_proto(v.table)
-        spec.group = v.group
-        return spec
-    return ps_pb2.VariableSpec(
-        name=v.key, dtype=v.dtype, shape=v.shape, average=v.average, group=v.group
-    )

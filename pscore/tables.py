@@ -1,10 +1,10 @@
-"""Row-sparse embedding tables: their description, wire form, checks and seeded rows.
+"""Row-sparse embedding tables: their description, checks and seeded rows.
 
 Shared by the shards and the clients, which must agree on all of it: a slice's ids, the
 initial value of every row (a pure function of the seed and the id, so a row is the same on
 any shard, after an eviction, and in ``local`` mode). Which shard holds an id is the client's
 business (``psworker.placement``); the row storage and sparse optimizer step are
-``pswire.rowstore``.
+``pscore.rowstore``; the wire form is ``pswire.jobspec``.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from pswire.codec import all_finite
+from pscore.checks import all_finite
+from pscore.optim import Optimizer
 from pswire.errors import ConfigError, InvalidRequestError, TooLargeError
-from pswire.optim import Optimizer
-from pswire.proto import ps_pb2
 
 INITS = ("normal", "uniform", "zeros")
 TABLE_DTYPES = ("float32", "float64")
@@ -129,33 +128,6 @@ class TableSlice:
                 f"{where}: weight_decay {decay} has no row-sparse form (it "
                 "would decay rows a step never touched); torch's sparse optimizers refuse it too"
             )
-
-
-def table_to_proto(t: TableSlice) -> ps_pb2.VariableSpec:
-    """The wire form of one shard's slice of a table (a VariableSpec with its TableSpec)."""
-    spec = ps_pb2.VariableSpec(name=t.key, dtype=t.dtype, shape=(t.local_rows, t.dim))
-    spec.table.CopyFrom(
-        ps_pb2.TableSpec(
-            num_rows=t.num_rows,
-            row_start=t.row_start,
-            row_end=t.row_end,
-            capacity=t.capacity,
-            init=t.init,
-            init_scale=t.init_scale,
-            seed=t.seed,
-        )
-    )
-    return spec
-
-
-def table_from_proto(v: ps_pb2.VariableSpec) -> TableSlice:
-    """A table slice from its wire form (validated later, by ``TableSlice.check``)."""
-    t = v.table
-    dim = int(v.shape[1]) if len(v.shape) == 2 else 0
-    return TableSlice(
-        v.name, dim, v.dtype, int(t.num_rows), int(t.row_start), int(t.row_end),
-        int(t.capacity), t.init, float(t.init_scale), int(t.seed),
-    )  # fmt: skip
 
 
 def check_rows(spec: TableSlice, ids: np.ndarray, values: np.ndarray | None, what: str) -> None:

@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from pswire.codec import all_finite
+from pscore.checks import all_finite
+from pscore.optim import Optimizer
+from pscore.rowindex import RowIndex
+from pscore.tables import TableSlice, init_rows, scatter_rows, sum_duplicates
 from pswire.errors import InvalidRequestError
-from pswire.optim import Optimizer
-from pswire.rowindex import RowIndex
-from pswire.tables import TableSlice, init_rows, scatter_rows, sum_duplicates
 
 # Arrays at least this large are reserved as anonymous memory in 4 KiB pages (see _reserve).
 _RESERVE_MIN_BYTES = 1 << 22

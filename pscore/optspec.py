@@ -1,6 +1,7 @@
-"""An optimizer's wire form (its name and hyper-parameters as doubles) and what each push
-says beside its gradients (``StepOptions``): which optimizer every parameter group runs for one
-update. The math is in ``pswire/optim.py``."""
+"""An optimizer from its spec (its name and hyper-parameters as doubles, the form the wire
+carries) and what each push says beside its gradients (``StepOptions``): which optimizer every
+parameter group runs for one update. The math is in ``pscore/optim.py``; the messages that
+carry both are ``pswire.jobspec`` and ``pswire.write``."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from pscore.optim import OPTIMIZERS, Optimizer
 from pswire.errors import InvalidRequestError
-from pswire.optim import OPTIMIZERS, Optimizer
 
 
 def optimizer_from_spec(name: str, params: Mapping[str, float]) -> Optimizer:
