@@ -28,6 +28,8 @@ from pswire.optim import (
     RAdam,
     RMSprop,
 )
+from pswire.rowstore import RowStore
+from pswire.tables import TableSlice
 
 EVERY = [
     SGD(lr=0.1, momentum=0.9),
@@ -194,3 +196,23 @@ def test_a_forked_child_runs_its_own_optimizer_threads(monkeypatch: pytest.Monke
         proc.join(10)
         if proc.is_alive():
             proc.kill()
+
+
+def test_a_large_row_sparse_step_that_overflows_is_refused_and_changes_nothing() -> None:
+    # 2,048 rows of 64: the step runs in pieces and is measured as it goes, as a dense one.
+    rows, dim = 2048, 64
+    store = RowStore(TableSlice("t", dim, num_rows=rows, row_end=rows, seed=3), Adam(lr=0.01))
+    ids = np.arange(rows, dtype=np.int64)
+    assert store.apply(ids, np.full((rows, dim), 0.5, np.float32))
+    before = store.export()
+    grad = np.ones((rows, dim), np.float32)
+    grad[rows - 2, 5] = 3e38  # its square overflows the second moment, in the last piece
+    assert store.apply(ids, grad) is False
+    after = store.export()
+    assert after.values.tobytes() == before.values.tobytes()
+    for key, value in before.slots.items():
+        got = after.slots[key]
+        assert (got.tobytes() == value.tobytes()) if isinstance(value, np.ndarray) else got == value
+    # A finite step is taken: the measure proved it finite.
+    assert store.apply(ids, np.ones((rows, dim), np.float32))
+    assert store.export().values.tobytes() != before.values.tobytes()
