@@ -61,8 +61,9 @@ def scratch(like: np.ndarray, index: int = 0) -> np.ndarray:
         "buffers", {}
     )
     buf = buffers.get((like.dtype, index))
-    if buf is None:
-        buf = buffers[(like.dtype, index)] = np.empty(DEFAULT_BLOCK_ELEMENTS, like.dtype)
+    if buf is None or buf.size < like.size:  # grown by doubling, up to a piece
+        size = min(DEFAULT_BLOCK_ELEMENTS, 1 << max(10, (like.size - 1).bit_length()))
+        buf = buffers[(like.dtype, index)] = np.empty(size, like.dtype)
     return buf[: like.size].reshape(like.shape)
 
 
