@@ -244,7 +244,9 @@ def plot(tables: list[Table], path: str) -> bool:
         values = [float(r[value_col]) for r in rows]
         # Positions, not labels, on the axis: the same system recurs (once per shard count).
         ys = list(range(len(rows)))
-        colors = ["tab:blue" if lbl.startswith("ours") else "tab:gray" for lbl in labels]
+        # Ours in blue, whichever label column names the system (the first, or after a group).
+        ours = [any(str(r[c]).startswith("ours") for c in label_cols) for r in rows]
+        colors = ["tab:blue" if o else "tab:gray" for o in ours]
         ax.barh(ys, values, color=colors)
         ax.set_yticks(ys, labels, fontsize=7)
         ax.invert_yaxis()
