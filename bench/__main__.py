@@ -12,17 +12,20 @@ from pathlib import Path
 
 from bench.report import (
     SUMMARY_COLUMNS,
+    TARGET_COLUMNS,
     Table,
     environment,
     plot,
     print_table,
     render,
     summary_rows,
+    target_rows,
 )
 
 # In this order: the wire first, then the pieces it is built from. bench.pushpull (100 MiB,
 # in-process vs processes, chunk sweep) stays a separate diagnostic: python -m bench.pushpull.
 SUITES = (
+    "steps",
     "throughput",
     "latency",
     "manyvars",
@@ -58,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n## summary ({'--quick' if args.quick else 'default'}, {elapsed:.0f}s)")
     print(render(SUMMARY_COLUMNS, summary_rows(tables)))
+    targets = target_rows(tables)
+    print("\n## targets (issue 28's Must show): measured in this run")
+    print(render(TARGET_COLUMNS, targets))
     for name, why in failed.items():
         print(f"FAILED bench.{name}: {why}")
 
@@ -69,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         "environment": environment(),
         "elapsed_s": elapsed,
         "summary": [dict(zip(SUMMARY_COLUMNS, r, strict=True)) for r in summary_rows(tables)],
+        "targets": [dict(zip(TARGET_COLUMNS, r, strict=True)) for r in targets],
         "tables": [t.to_json() for t in tables],
         "failed": failed,
     }

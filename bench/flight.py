@@ -21,17 +21,10 @@ import psworker
 from bench import flight_proto, flight_ring, flight_service, memory, peers, torchps
 from bench.latency import STREAM_ECHO, echo_steps
 from bench.report import Ratio, Table, check, median, print_table
+from bench.steps import MID, SMALL
 from bench.throughput import FULL_SHAPES, RAW_GRPC, RAW_TCP, nbytes_of, raw_steps
 from bench.timing import Step, interleave
 
-SMALL: dict[str, tuple[int, ...]] = {"w": (30, 30), "b": (100,)}  # 1,000 params
-MID: dict[str, tuple[int, ...]] = {  # 1,001,152 params
-    "embedding": (2500, 256),
-    "fc1.weight": (512, 512),
-    "fc1.bias": (512,),
-    "fc2.weight": (192, 512),
-    "fc2.bias": (192,),
-}
 OURS = "ours today (push_pull, out=)"
 FLIGHT_CALL = "Flight DoExchange, new call per step"
 FLIGHT_OPEN = "Flight DoExchange, exchange kept open"

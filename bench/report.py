@@ -28,6 +28,7 @@ class Ratio:
     meaning: str = "speed, >1: ours faster"
     goal: str = ""  # e.g. ">= 1.2" from issue 7's "Must show"; empty: no target
     met: bool | None = None
+    target: str = ""  # the name in TARGETS this ratio measures; empty: none
 
 
 @dataclass
@@ -127,6 +128,82 @@ def summary_rows(tables: list[Table]) -> list[list[Any]]:
     return rows
 
 
+@dataclass(frozen=True)
+class Target:
+    """One "Must show" line of the issue the suite is run for: ``name`` (as the suites set
+    ``Ratio.target``), the ``goal`` on the ratio, what it means, and where it comes from."""
+
+    name: str
+    goal: str
+    meaning: str
+    suite: str
+    # For suites that do not set ``Ratio.target``: (comparison, ours, peer) of the ratio.
+    match: tuple[str, str, str] | None = None
+
+
+# Issue 28's Must show, in its order (docs/benchmarks.md's targets table comes from this).
+TARGETS = (
+    Target("1M 1 shard vs torch TCP", ">= 0.75", "speed, >1: ours faster", "steps"),
+    Target("1M 2 shards vs torch TCP", ">= 1.0", "speed, >1: ours faster", "steps"),
+    Target("25M 2 shards vs torch TCP", ">= 1.5", "speed, >1: ours faster", "steps"),
+    Target("25M vs raw TCP", ">= 0.5", "speed, >1: ours faster", "steps"),
+    Target("1,000 params vs torch default", ">= 1.2", "speed, >1: ours faster", "steps"),
+    # The grpcio step stream as it is before the Flight switch: no suite runs both paths yet.
+    Target("1,000 params vs today's step stream", ">= 1.0", "speed, >1: ours faster", "-"),
+    Target(
+        "ring 64 MiB, 2 workers vs gloo",
+        "<= 1.3",
+        "time, <1: ours faster (the bare ring; the issue times it through the SDK's push)",
+        "allreduce",
+        ("2 workers, 64 MiB", "ring", "gloo"),
+    ),
+    Target(
+        "ring 64 MiB, 4 workers vs gloo",
+        "<= 1.5",
+        "time, <1: ours faster (the bare ring; the issue times it through the SDK's push)",
+        "allreduce",
+        ("4 workers, 64 MiB", "ring", "gloo"),
+    ),
+    Target("ring through the SDK vs the bare ring", "<= 1.1", "time, SDK push / bare", "-"),
+    Target("sparse vs torch embedding server", ">= 1.5", "speed, >1: ours faster", "sparse"),
+    Target("row create us/row", "<= 0.5", "us per row created, lower is better", "sparse"),
+    Target("apply SGD momentum vs torch.optim", ">= 0.8", "speed, >1: ours faster", "apply"),
+    Target("apply Adam vs torch.optim", ">= 0.8", "speed, >1: ours faster", "apply"),
+    Target("shard peak RSS / state", "<= 1.5", "lower is better", "memory"),
+)
+TARGET_COLUMNS = ["target", "measured", "goal", "result", "suite", "meaning"]
+
+
+def target_rows(tables: list[Table]) -> list[list[Any]]:
+    """One row per target: the ratio measured in this run (the last one, when a suite gives
+    several), its goal and met / MISSED, or "not measured" (its suite was not run, was left
+    out by --quick, or no suite measures it yet)."""
+    found: dict[str, Ratio] = {}
+    for table in tables:
+        for r in table.ratios:
+            if r.target:
+                found[r.target] = r
+            for t in TARGETS:
+                if (
+                    t.match is not None
+                    and t.suite == r.suite
+                    and t.match
+                    == (
+                        r.comparison,
+                        r.ours,
+                        r.peer,
+                    )
+                ):
+                    found[t.name] = r
+    rows = []
+    for t in TARGETS:
+        r = found.get(t.name)
+        met = check(r.ratio, t.goal) if r is not None else None
+        result = {None: "not measured", True: "met", False: "MISSED"}[met]
+        rows.append([t.name, r.ratio if r else None, t.goal, result, t.suite, t.meaning])
+    return rows
+
+
 def environment() -> dict[str, Any]:
     env: dict[str, Any] = {
         "python": platform.python_version(),
@@ -169,7 +246,9 @@ def plot(tables: list[Table], path: str) -> bool:
         values = [float(r[value_col]) for r in rows]
         # Positions, not labels, on the axis: the same system recurs (once per shard count).
         ys = list(range(len(rows)))
-        colors = ["tab:blue" if lbl.startswith("ours") else "tab:gray" for lbl in labels]
+        # Ours in blue, whichever label column names the system (the first, or after a group).
+        ours = [any(str(r[c]).startswith("ours") for c in label_cols) for r in rows]
+        colors = ["tab:blue" if o else "tab:gray" for o in ours]
         ax.barh(ys, values, color=colors)
         ax.set_yticks(ys, labels, fontsize=7)
         ax.invert_yaxis()

@@ -25,6 +25,9 @@ import psworker
 from bench import peers, torchemb, torchps
 from bench.report import Ratio, Table, check, median, print_table
 from bench.timing import interleave
+from pscore.optim import SGD
+from pscore.rowstore import RowStore
+from pscore.tables import TableSlice
 from psworker import RowSparse
 from psworker import Table as EmbeddingTable
 
@@ -227,6 +230,28 @@ def _load() -> float:
         return float("nan")
 
 
+CREATE_ROUNDS = 9
+
+
+def row_create_us(cfg: Config, rounds: int) -> tuple[float, list[float]]:
+    """Microseconds per row that creating rows on first touch adds to a shard: its row
+    store, in process, gathers ``cfg.batch`` ids never touched before, then the same ids
+    again; the difference per row. (median, each round's)."""
+    spec = TableSlice(NAME, cfg.dim, num_rows=cfg.num_rows, row_end=cfg.num_rows, seed=0)
+    store = RowStore(spec, SGD(lr=LR))
+    fresh = np.random.default_rng(1).permutation(cfg.num_rows)[: rounds * cfg.batch]
+    per_round = []
+    for r in range(rounds):
+        ids = np.sort(fresh[r * cfg.batch : (r + 1) * cfg.batch])
+        t0 = time.perf_counter()
+        store.gather(ids)
+        t1 = time.perf_counter()
+        store.gather(ids)
+        t2 = time.perf_counter()
+        per_round.append(((t1 - t0) - (t2 - t1)) / cfg.batch * 1e6)
+    return median(per_round), per_round
+
+
 def table_rows(cfg: Config, found: dict[tuple[str, int], Phases]) -> list[list[object]]:
     """One row per (system, shards): median step, range, halves, useful rows/s, peer/ours."""
     out: list[list[object]] = []
@@ -288,6 +313,7 @@ def measure(
             ratio_of(found, (best, n), (PEER, n)),
             goal=">= 1.5" if n == 1 and not quick else "",
             met=None if quick or n != 1 else check(ratio_of(found, (best, n), (PEER, n)), ">= 1.5"),
+            target="sparse vs torch embedding server" if n == 1 and not quick else "",
         )
         for n in counts
     ]
@@ -319,6 +345,20 @@ def measure(
             for n in counts
         ]
         found.update({k: v for k, v in more.items() if k[0] == DENSE})
+    create, per_round = row_create_us(cfg, CREATE_ROUNDS)
+    ratios.append(
+        Ratio(
+            "sparse",
+            f"row created on first touch ({cfg.dim} floats, {cfg.batch} per call)",
+            "RowStore.gather, first touch minus second",
+            "-",
+            create,
+            meaning="us per row, lower is better",
+            goal="" if quick else "<= 0.5",
+            met=None if quick else check(create, "<= 0.5"),
+            target="" if quick else "row create us/row",
+        )
+    )
     rows = table_rows(cfg, found)
     raw = {f"{cfg.batch}x{cfg.dim}/{s} x{n}": asdict(p) for (s, n), p in found.items()}
     if sweep if sweep is not None else not quick:
@@ -352,9 +392,17 @@ def measure(
             "(>1: ours faster). Batches of distinct random ids, sorted as Embedding sends "
             "them, the same for every system. "
             f"1-minute load average after each group: {', '.join(f'{x:.1f}' for x in loads)}.",
+            f"row created on first touch: {create:.2f} us per row (a shard's RowStore, in "
+            f"process: gathering {cfg.batch} ids never touched before, minus gathering them "
+            f"again; median of {CREATE_ROUNDS} fresh batches).",
         ],
         ratios=ratios,
-        raw={"config": asdict(cfg), "sweep": [asdict(c) for c in SWEEP], "times_s": raw},
+        raw={
+            "config": asdict(cfg),
+            "row_create_us": per_round,
+            "sweep": [asdict(c) for c in SWEEP],
+            "times_s": raw,
+        },
         elapsed_s=time.perf_counter() - t0,
     )
 

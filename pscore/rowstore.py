@@ -110,10 +110,15 @@ class RowStore:
             k: self._gathered(k, v, rows) if isinstance(v, np.ndarray) else v
             for k, v in self.slots.items()
         }
+        # In cache-sized pieces, the results measured as they are made (optim.py): a finite
+        # measure proves every result finite; else each is checked exactly.
         with np.errstate(over="ignore", invalid="ignore"):  # non-finite results: refused
-            (optimizer or self.optimizer).apply(part, np.asarray(grad, self.values.dtype), sub)
+            squares = (optimizer or self.optimizer).apply_blocked(
+                part, np.asarray(grad, self.values.dtype), sub, measure=True
+            )
         arrays = [part, *(v for v in sub.values() if isinstance(v, np.ndarray))]
-        if not all(all_finite(a) for a in arrays):
+        proven = squares is not None and bool(np.isfinite(squares))
+        if not proven and not all(all_finite(a) for a in arrays):
             return None
 
         def store() -> None:

@@ -11,7 +11,14 @@ from typing import Any
 
 import numpy as np
 
-from pscore.checks import BATCH_ARRAYS, all_finite, all_finite_together, batched, check_tensor
+from pscore.checks import (
+    BATCH_ARRAYS,
+    all_finite,
+    all_finite_together,
+    batched,
+    check_tensor,
+    sum_squares,
+)
 from pscore.job import Job
 from pscore.optim import Optimizer
 from pscore.rowstore import RowStore, TableState
@@ -98,10 +105,14 @@ class Variables:
             if summed or not isinstance(grad, RowSparse)
         ]
         small = all_finite_together([values for _, values in checked])
+        # One pass over each gradient measures it for both checks: finite (a finite sum of
+        # squares proves it; else the exact check decides) and the risk of overflow below.
+        grad_squares: dict[str, float] = {}
         for key, values in checked:
             if small and batched(values):
                 continue
-            if values.dtype.kind == "f" and not all_finite(values):
+            squares = grad_squares[key] = sum_squares(values)
+            if not np.isfinite(squares) and not all_finite(values):
                 raise StepRefusedError(
                     f"the gradient to apply to '{key}' is not finite (a sum or average of "
                     "finite gradients overflowed); nothing was applied"
@@ -126,13 +137,21 @@ class Variables:
                 f"the optimizer step made {refused} non-finite (values or optimizer state "
                 "overflowed); the variables were left as before"
             )
-        risky = bool(trained) and self._risky(groups, update, trained)
+        risky = bool(trained) and self._risky(groups, update, trained, grad_squares)
         backup = self._backup(trained) if risky else None
+        # A large variable's results are measured piece by piece as the step makes them.
+        measured: dict[str, float] = {}
         with np.errstate(over="ignore", invalid="ignore"):  # non-finite results: see below
             for key in trained:
-                spec = specs[key]
-                groups[spec.group].apply_blocked(self.values[key], update[key], self.slots[key])
-        bad = self._measure_all(trained)
+                optimizer = groups[specs[key].group]
+                result = optimizer.apply_blocked(
+                    self.values[key], update[key], self.slots[key], measure=True
+                )
+                if result is not None:
+                    measured[key] = result
+        failed = set(self._measure_all([k for k in trained if k not in measured]))
+        failed.update(k for k, squares in measured.items() if not self._record(k, squares))
+        bad = [k for k in trained if k in failed]
         if bad:
             if backup is not None:
                 for key, (value, slots) in backup.items():
@@ -150,10 +169,15 @@ class Variables:
             store()
 
     def _risky(
-        self, groups: tuple[Optimizer, ...], update: Mapping[str, Any], trained: list[str]
+        self,
+        groups: tuple[Optimizer, ...],
+        update: Mapping[str, Any],
+        trained: list[str],
+        grad_squares: Mapping[str, float],
     ) -> bool:
         """Whether any input is large enough (or a hyper-parameter extreme enough) that the
-        optimizer could overflow: then the old values are kept until the results are checked."""
+        optimizer could overflow: then the old values are kept until the results are checked.
+        ``grad_squares``: the gradients' sums of squares already measured (by key)."""
         if any(abs(v) > HYPER_SAFE for g in groups for v in g.params().values()):
             return True
         squares = self._squares
@@ -162,10 +186,11 @@ class Variables:
         # Many small gradients at once: their squares summed together bound each one's.
         batch = [update[k] for k in trained if batched(update[k])]
         small = len(batch) >= BATCH_ARRAYS and (
-            _sum_squares(np.concatenate(batch, axis=None)) <= SAFE_SUM_SQUARES
+            sum_squares(np.concatenate(batch, axis=None)) <= SAFE_SUM_SQUARES
         )
         return any(
-            _sum_squares(update[key]) > SAFE_SUM_SQUARES
+            (grad_squares[key] if key in grad_squares else sum_squares(update[key]))
+            > SAFE_SUM_SQUARES
             for key in trained
             if not (small and batched(update[key]))
         )
@@ -217,9 +242,14 @@ class Variables:
         step's risk check); whether all of them are finite."""
         arrays = [self.values[key], *(v for v in self.slots[key].values() if _is_array(v))]
         # np.max, not max(): max(5.0, nan) is 5.0, which would pass a NaN slot as finite.
-        squares = float(np.max([_sum_squares(a) for a in arrays]))
+        return self._record(key, float(np.max([sum_squares(a) for a in arrays])))
+
+    def _record(self, key: str, squares: float) -> bool:
+        """Records ``squares``, the largest sum of squares among a variable and its slots
+        (for the next step's risk check); whether all of them are finite (a finite measure
+        proves it; else they are checked exactly)."""
         self._squares[key] = squares
-        return bool(np.isfinite(squares)) or all(all_finite(a) for a in arrays)
+        return bool(np.isfinite(squares)) or self._finite(key)
 
     def optimizer_state(self) -> dict[str, dict[str, Any]]:
         """Copies of every trained variable's optimizer slots (slots not made yet left out)."""
@@ -320,16 +350,6 @@ class Variables:
         for key in out.slots:
             out._measure(key)
         return out
-
-
-def _sum_squares(array: np.ndarray) -> float:
-    """The sum of squares of a float array (one BLAS pass): inf or NaN when it holds a
-    non-finite value or values large enough to overflow it; 0 for other dtypes."""
-    if array.dtype.kind != "f":
-        return 0.0
-    flat = array.reshape(-1)
-    with np.errstate(over="ignore", invalid="ignore"):
-        return float(np.dot(flat, flat))
 
 
 def _is_array(value: Any) -> bool:
