@@ -83,6 +83,7 @@ def allreduce(
     timeout: float = DEFAULT_TIMEOUT_S,
     chunk_bytes: int = RING_CHUNK_BYTES,
     bfloat16: bool = False,
+    divisor: int = 1,
 ) -> np.ndarray:
     """Sums ``buffer`` over every rank of the ring, in place: reduce-scatter, then all-gather.
 
@@ -92,7 +93,10 @@ def allreduce(
     sub-chunk is sent on as soon as it is reduced, so the send of one overlaps the reduction of
     the next and the two phases overlap too. float16 and bfloat16 are summed in float32 (partial
     sums travel as float32; finished segments in the buffer's own 16 bits); float32 and float64
-    in their own precision. Every rank ends with identical bits.
+    in their own precision. Every rank ends with identical bits. With ``divisor`` n the sum
+    is divided by n (a mean with n = world size) by the rank that completes each segment, just
+    before its all-gather: each rank divides 1/world of the buffer, and the result is the same
+    bits as dividing the sum afterwards (``sum / dtype(n)``).
 
     Args:
         peer: this rank's links; every rank must call with the same length, dtype and options.
@@ -101,12 +105,14 @@ def allreduce(
         timeout: seconds any single receive may wait.
         chunk_bytes: sub-chunk size in bytes of the accumulator dtype.
         bfloat16: ``buffer`` holds bfloat16 values as uint16 bit patterns.
+        divisor: divide the sum by this (1: the plain sum).
 
     Returns:
-        ``buffer``, now holding the sum over ranks.
+        ``buffer``, now holding the sum over ranks (divided by ``divisor``).
 
     Raises:
-        ValueError: the buffer is not contiguous, 1-D and writeable, or ``chunk_bytes`` < 1.
+        ValueError: the buffer is not contiguous, 1-D and writeable, ``chunk_bytes`` < 1 or
+            ``divisor`` < 1.
         InvalidRequestError: unsupported dtype, or a neighbour sent a chunk of another size or
             dtype (ranks disagree on the buffer).
         PSError: whatever the peer raises (``WaitTimeoutError`` for a silent neighbour).
@@ -115,8 +121,12 @@ def allreduce(
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
     check_sum_dtype(buffer.dtype, bfloat16)
+    if divisor < 1:
+        raise ValueError(f"divisor must be >= 1, got {divisor}")
     world, rank = peer.world_size, peer.rank
     if world == 1 or buffer.size == 0:
+        if divisor != 1 and buffer.size:
+            _divide(buffer, 0, buffer.size, divisor, bfloat16)
         return buffer
     acc: np.ndarray
     if bfloat16:
@@ -127,6 +137,8 @@ def allreduce(
         acc = buffer  # summed in place in its own precision
 
     def finish(lo: int, hi: int) -> None:
+        if divisor != 1:
+            np.divide(acc[lo:hi], acc.dtype.type(divisor), out=acc[lo:hi])
         if acc is buffer:
             return
         buffer[lo:hi] = float32_to_bfloat16(acc[lo:hi]) if bfloat16 else acc[lo:hi]
@@ -156,6 +168,16 @@ def allreduce(
             if step < last_step:
                 peer.send_to_right(Tag(step + 1, segment, k), buffer[lo:hi])
     return buffer
+
+
+def _divide(buffer: np.ndarray, lo: int, hi: int, divisor: int, bfloat16: bool) -> None:
+    """``buffer[lo:hi] /= divisor`` as ``allreduce`` divides (16-bit values in float32)."""
+    if bfloat16:
+        buffer[lo:hi] = float32_to_bfloat16(bfloat16_to_float32(buffer[lo:hi]) / _F32.type(divisor))
+    elif buffer.dtype == _F16:
+        buffer[lo:hi] = buffer[lo:hi].astype(_F32) / _F32.type(divisor)
+    else:
+        np.divide(buffer[lo:hi], buffer.dtype.type(divisor), out=buffer[lo:hi])
 
 
 def broadcast(

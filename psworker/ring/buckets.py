@@ -99,20 +99,30 @@ class BucketPlan:
     def names(self) -> list[str]:
         return [s.name for b in self.buckets for s in b.slots]
 
-    def flatten(self, tensors: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        """Copies the tensors into new flat buffers, one per bucket.
+    def empty(self) -> list[np.ndarray]:
+        """New, uninitialised flat buffers, one per bucket (to reuse with ``flatten(out=)``)."""
+        return [np.empty(bucket.size, dtype=bucket.dtype) for bucket in self.buckets]
+
+    def flatten(
+        self, tensors: Mapping[str, np.ndarray], out: Sequence[np.ndarray] | None = None
+    ) -> list[np.ndarray]:
+        """Copies the tensors into flat buffers, one per bucket: ``out``'s (from ``empty``:
+        a step's buckets reuse memory already faulted in) or new ones.
 
         Raises:
             UnknownVariableError: a planned tensor is missing or an unplanned one is given.
             ShapeMismatchError: a tensor's shape differs from the plan.
-            InvalidRequestError: a tensor's dtype differs from the plan.
+            InvalidRequestError: a tensor's dtype differs from the plan, or ``out`` does not
+                match it.
         """
+        if out is not None:
+            self._check_buffers(out)
         extra = set(tensors) - set(self.names)
         if extra:
             raise UnknownVariableError(f"tensors {sorted(extra)} are not in the bucket plan")
         buffers = []
-        for bucket in self.buckets:
-            buffer = np.empty(bucket.size, dtype=bucket.dtype)
+        for index, bucket in enumerate(self.buckets):
+            buffer = np.empty(bucket.size, dtype=bucket.dtype) if out is None else out[index]
             for slot in bucket.slots:
                 if slot.name not in tensors:
                     raise UnknownVariableError(
@@ -129,7 +139,7 @@ class BucketPlan:
                         f"tensor '{slot.name}' has dtype {tensor.dtype}, the bucket plan "
                         f"expects {bucket.dtype}"
                     )
-                buffer[slot.offset : slot.offset + slot.size] = tensor.reshape(-1)
+                np.copyto(buffer[slot.offset : slot.offset + slot.size], tensor.reshape(-1))
             buffers.append(buffer)
         return buffers
 
@@ -139,17 +149,22 @@ class BucketPlan:
         Raises:
             InvalidRequestError: the buffers do not match the plan's count, sizes or dtypes.
         """
+        self._check_buffers(buffers)
+        out: dict[str, np.ndarray] = {}
+        for bucket, buffer in zip(self.buckets, buffers, strict=True):
+            for slot in bucket.slots:
+                out[slot.name] = buffer[slot.offset : slot.offset + slot.size].reshape(slot.shape)
+        return out
+
+    def _check_buffers(self, buffers: Sequence[np.ndarray]) -> None:
+        """Raises InvalidRequestError unless ``buffers`` match the plan's count, sizes, dtypes."""
         if len(buffers) != len(self.buckets):
             raise InvalidRequestError(
                 f"got {len(buffers)} buffers for a plan of {len(self.buckets)} buckets"
             )
-        out: dict[str, np.ndarray] = {}
         for i, (bucket, buffer) in enumerate(zip(self.buckets, buffers, strict=True)):
             if buffer.shape != (bucket.size,) or buffer.dtype != bucket.dtype:
                 raise InvalidRequestError(
                     f"bucket {i} is {buffer.shape} {buffer.dtype}, the plan expects "
                     f"({bucket.size},) {bucket.dtype}"
                 )
-            for slot in bucket.slots:
-                out[slot.name] = buffer[slot.offset : slot.offset + slot.size].reshape(slot.shape)
-        return out

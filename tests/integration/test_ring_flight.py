@@ -1,4 +1,5 @@
-"""The ring over real gRPC peers on loopback: sums, broadcast, buckets, and failing peers."""
+"""The ring over real Flight peers on loopback: messages, sums, broadcast, buckets, and failing
+peers."""
 
 from __future__ import annotations
 
@@ -15,15 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
+import pyarrow.flight as flight
 import pytest
 
-from pswire.channel import insecure_channel
-from pswire.codec import bfloat16_to_float32, float32_to_bfloat16, tensor_to_proto
+from pswire import flightwire
+from pswire.codec import bfloat16_to_float32, float32_to_bfloat16
 from pswire.errors import InvalidRequestError, PSError, UnavailableError, WaitTimeoutError
-from pswire.proto import ring_pb2, ring_pb2_grpc
-from psworker.ring import transport as ringwire
+from pswire.proto import ring_pb2
+from psworker.ring import flight_transport as ringwire
 from psworker.ring.buckets import BucketPlan
 from psworker.ring.peer import Tag
 from psworker.ring.ring import Ring, RingServer
@@ -86,7 +87,7 @@ def cluster(world: int, timeout: float = 20.0) -> Iterator[list[Ring]]:
             ring.close(grace=0.2)
 
 
-# -- the hand-coded wire ----------------------------------------------------------------------
+# -- the messages ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -95,56 +96,56 @@ def cluster(world: int, timeout: float = 20.0) -> Iterator[list[Ring]]:
         np.arange(7, dtype=np.float32),
         np.linspace(-1, 1, 5),
         np.arange(3, dtype=np.float16),
-        np.array([0x3F80, 0x7FC0], dtype=np.uint16),  # bfloat16 bits: travel viewed as bytes
+        np.array([0x3F80, 0x7FC0], dtype=np.uint16),  # bfloat16 bits
+        np.arange(5, dtype=np.uint8),  # broadcast bytes
         np.zeros(0, dtype=np.float32),
     ],
 )
-def test_data_chunks_read_back_and_match_protobuf(array: np.ndarray) -> None:
-    tag = Tag(step=3, segment=2, chunk=300)  # 300: a two-byte varint
-    data = ringwire.encode_data(1 << 40, 5, tag, array)
-    got = ringwire.parse(data)
+def test_data_chunks_read_back_as_views_of_the_batch(array: np.ndarray) -> None:
+    tag = Tag(step=3, segment=2, chunk=300)
+    header = ringwire.encode_header(
+        ringwire.DATA, 1 << 40, 5, tag, ringwire.dtype_code(array.dtype)
+    )
+    batch = flightwire.as_batch(array)
+    got = ringwire.parse(header, batch)
     assert got.key == (1 << 40, 3, 2, 300) and got.sender == 5 and got.abort is None
     assert got.array is not None and got.array.dtype == array.dtype
     np.testing.assert_array_equal(got.array, array)
-    # The generated code reads the same bytes the same way (and the old sender's are read).
-    message = ring_pb2.RingChunk.FromString(data)
-    assert (message.op, message.sender, message.step, message.segment, message.index) == (
-        1 << 40,
-        5,
-        3,
-        2,
-        300,
-    )
-    assert message.view_dtype == ("uint16" if array.dtype == np.uint16 else "")
-    assert message.tensor.data == array.tobytes()
-    again = ringwire.parse(message.SerializeToString())
-    assert again.array is not None
-    np.testing.assert_array_equal(again.array, array)
+    if array.size:  # no copy: the array views the batch's buffer
+        assert np.shares_memory(got.array, array)
 
 
-def test_abort_chunks_read_back() -> None:
+def test_abort_messages_read_back() -> None:
     abort = ring_pb2.RingAbort(status="UNAVAILABLE", message="gone", hops=2, origin=1)
-    got = ringwire.parse(ringwire.encode_abort(4, 1, abort))
+    header = ringwire.encode_header(ringwire.ABORT, 4, 1) + abort.SerializeToString()
+    got = ringwire.parse(header, None)
     assert got.key == (4, 0, 0, 0) and got.sender == 1 and got.array is None
     assert got.abort == abort
 
 
+def _header(kind: int = 0, code: int = 1) -> bytes:
+    return ringwire.encode_header(kind, 0, 0, Tag(0, 0, 0), code)
+
+
 @pytest.mark.parametrize(
-    ("data", "match"),
+    ("header", "batch", "match"),
     [
-        (b"\x08", "unreadable ring chunk"),  # a varint cut short
-        (
-            ring_pb2.RingChunk(
-                tensor=tensor_to_proto("ring", np.zeros((2, 2), np.float32))
-            ).SerializeToString(),
-            "one whole 1-D array",
-        ),
-        (ring_pb2.RingChunk(tensor={"dtype": "complex64"}).SerializeToString(), "unsupported"),
+        (b"\x00\x01", None, "unreadable ring chunk"),  # a header cut short
+        (_header(kind=9), None, "unknown kind 9"),
+        (_header(code=99), flightwire.as_batch(np.zeros(4, np.uint8)), "unknown dtype 99"),
+        (_header(code=1), flightwire.as_batch(np.zeros(6, np.uint8)), "not whole float32"),
+        (_header(code=1), None, "expected a record batch"),
+        (_header(kind=1) + b"\x0a\x05ab", None, "unreadable ring abort"),
     ],
 )
-def test_malformed_chunks_are_refused(data: bytes, match: str) -> None:
+def test_malformed_messages_are_refused(header: bytes, batch: Any, match: str) -> None:
     with pytest.raises(InvalidRequestError, match=match):
-        ringwire.parse(data)
+        ringwire.parse(header, batch)
+
+
+def test_a_dtype_a_chunk_cannot_carry_is_refused() -> None:
+    with pytest.raises(InvalidRequestError, match="complex64"):
+        ringwire.dtype_code(np.dtype(np.complex64))
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -312,16 +313,15 @@ def test_unreachable_neighbour_fails_the_rendezvous() -> None:
 
 
 @pytest.mark.parametrize(
-    ("chunk", "match"),
+    ("header", "match"),
     [
-        (ring_pb2.RingChunk(op=0, sender=0, view_dtype="object"), "only uint8 data"),
-        (ring_pb2.RingChunk(op=0, sender=2), "same list of addresses"),
+        (ringwire.encode_header(ringwire.DATA, 0, 0, Tag(0, 0, 0), 99), "unknown dtype 99"),
+        (ringwire.encode_header(ringwire.DATA, 0, 2, Tag(0, 0, 0), 4), "same list of addresses"),
     ],
 )
 def test_malformed_chunk_is_refused_and_fails_the_receiver_at_once(
-    chunk: ring_pb2.RingChunk, match: str
+    header: bytes, match: str
 ) -> None:
-    chunk.tensor.CopyFrom(tensor_to_proto("ring", np.zeros(4, np.uint8)))
     with cluster(2) as rings:
         # Rank 1 waits for rank 0, and an impostor stream arrives instead.
         outcome: list[Outcome] = []
@@ -329,13 +329,17 @@ def test_malformed_chunk_is_refused_and_fails_the_receiver_at_once(
             target=lambda: outcome.extend(on_ranks(lambda r: rings[r].allreduce(np.ones(8)), [1]))
         )
         waiting.start()
-        with insecure_channel(rings[1].address) as channel:
-            stub = ring_pb2_grpc.RingPeerStub(channel)
-            with pytest.raises(grpc.RpcError) as refused:
-                stub.Send(iter([chunk]), timeout=5)
+        client = flight.FlightClient(f"grpc+tcp://{rings[1].address}")
+        descriptor = flight.FlightDescriptor.for_command(ringwire.COMMAND)
+        writer, _ = client.do_put(descriptor, flightwire.SCHEMA)
+        with pytest.raises(flight.FlightError) as refused:
+            writer.write_with_metadata(flightwire.as_batch(np.zeros(4, np.uint8)), header)
+            writer.done_writing()
+            writer.close()
+        client.close()
         waiting.join(10)
-    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert match in refused.value.details()
+    error = flightwire.from_flight_error(refused.value)
+    assert isinstance(error, InvalidRequestError) and match in str(error)
     (o,) = outcome
     assert isinstance(o.error, InvalidRequestError) and match in str(o.error)
     assert o.seconds < 5  # failed by the bad chunk, not by the 20 s timeout
