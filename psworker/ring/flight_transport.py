@@ -60,6 +60,7 @@ DATA, ABORT, FLUSH = 0, 1, 2
 DTYPES = tuple(np.dtype(d).newbyteorder("<") for d in ("f2", "f4", "f8", "u2", "u1"))
 _CODES = {d: i for i, d in enumerate(DTYPES)}
 _ACK = struct.Struct("<Q")
+_STATUS = object()  # tells the writing thread to read the call's status: the call has ended
 _FAILURES = (flight.FlightError, pa.ArrowException, OSError)
 # How long a connection attempt waits before the next (the neighbour may not listen yet).
 _RETRY_S = 0.05
@@ -349,11 +350,12 @@ class _RingService(flight.FlightServerBase):
                 return
             metadata = chunk.app_metadata
             try:
-                if owner.stopped:
-                    # Flight's shutdown waits for open calls: end this one, so the sender
-                    # learns at its next message that this rank is gone.
-                    raise UnavailableError(f"{owner.describe_self()} has stopped its ring port")
                 got = parse(metadata if metadata is not None else b"", chunk.data)
+                if owner.stopped and got.kind == DATA:
+                    # Flight's shutdown waits for open calls: end this one, so the sender
+                    # learns at its next chunk that this rank is gone. (A flush is still
+                    # acknowledged: it only confirms chunks this rank took before it stopped.)
+                    raise UnavailableError(f"{owner.describe_self()} has stopped its ring port")
                 sender, op = got.sender, got.op
                 owner.take(got)
             except PSError as exc:
@@ -504,9 +506,17 @@ class RightLink:
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            header, array = item
             if self._error is not None:
                 continue  # the stream is gone; drain so close() finishes
+            if item is _STATUS:
+                try:
+                    self._writer.close()
+                except _FAILURES as exc:
+                    self._fail(exc)
+                else:
+                    self._fail(UnavailableError(f"{self._right} closed the connection"))
+                continue
+            header, array = item
             try:
                 if array is None:
                     self._writer.write_metadata(header)
@@ -532,9 +542,9 @@ class RightLink:
                 self._fail(exc)
                 return
             if ack is None:
-                # The neighbour ended the call (its process died, or it stopped) while this
-                # rank still streams to it.
-                self._fail(UnavailableError(f"{self._right} closed the connection"))
+                # The neighbour ended the call (its process died, it stopped, or it refused a
+                # message) while this rank still streams to it: the writing thread reads why.
+                self._queue.put(_STATUS)
                 return
             with self._cond:
                 self._acked = max(self._acked, _ACK.unpack(ack.to_pybytes())[0])
