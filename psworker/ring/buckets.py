@@ -104,10 +104,16 @@ class BucketPlan:
         return [np.empty(bucket.size, dtype=bucket.dtype) for bucket in self.buckets]
 
     def flatten(
-        self, tensors: Mapping[str, np.ndarray], out: Sequence[np.ndarray] | None = None
+        self,
+        tensors: Mapping[str, np.ndarray],
+        out: Sequence[np.ndarray] | None = None,
+        sources: bool = False,
     ) -> list[np.ndarray]:
         """Copies the tensors into flat buffers, one per bucket: ``out``'s (from ``empty``:
         a step's buckets reuse memory already faulted in) or new ones.
+
+        With ``sources`` a bucket that holds one C-contiguous tensor is not copied: its entry
+        is a flat view of that tensor (for an out-of-place all-reduce reading it).
 
         Raises:
             UnknownVariableError: a planned tensor is missing or an unplanned one is given.
@@ -122,26 +128,39 @@ class BucketPlan:
             raise UnknownVariableError(f"tensors {sorted(extra)} are not in the bucket plan")
         buffers = []
         for index, bucket in enumerate(self.buckets):
+            checked = [(slot, self._checked(bucket, slot, tensors)) for slot in bucket.slots]
+            if sources and len(checked) == 1 and checked[0][1].flags.c_contiguous:
+                buffers.append(checked[0][1].reshape(-1))
+                continue
             buffer = np.empty(bucket.size, dtype=bucket.dtype) if out is None else out[index]
-            for slot in bucket.slots:
-                if slot.name not in tensors:
-                    raise UnknownVariableError(
-                        f"tensor '{slot.name}' is in the bucket plan but was not given"
-                    )
-                tensor = np.asarray(tensors[slot.name])
-                if tensor.shape != slot.shape:
-                    raise ShapeMismatchError(
-                        f"tensor '{slot.name}' has shape {tensor.shape}, the bucket plan "
-                        f"expects {slot.shape}"
-                    )
-                if tensor.dtype != bucket.dtype:
-                    raise InvalidRequestError(
-                        f"tensor '{slot.name}' has dtype {tensor.dtype}, the bucket plan "
-                        f"expects {bucket.dtype}"
-                    )
+            for slot, tensor in checked:
                 np.copyto(buffer[slot.offset : slot.offset + slot.size], tensor.reshape(-1))
             buffers.append(buffer)
         return buffers
+
+    @staticmethod
+    def _checked(bucket: Bucket, slot: Slot, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The tensor for ``slot``, checked against the plan.
+
+        Raises:
+            UnknownVariableError, ShapeMismatchError, InvalidRequestError: as ``flatten``.
+        """
+        if slot.name not in tensors:
+            raise UnknownVariableError(
+                f"tensor '{slot.name}' is in the bucket plan but was not given"
+            )
+        tensor = np.asarray(tensors[slot.name])
+        if tensor.shape != slot.shape:
+            raise ShapeMismatchError(
+                f"tensor '{slot.name}' has shape {tensor.shape}, the bucket plan "
+                f"expects {slot.shape}"
+            )
+        if tensor.dtype != bucket.dtype:
+            raise InvalidRequestError(
+                f"tensor '{slot.name}' has dtype {tensor.dtype}, the bucket plan "
+                f"expects {bucket.dtype}"
+            )
+        return tensor
 
     def unflatten(self, buffers: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
         """Splits bucket buffers back into named tensors (views into the buffers, no copy).

@@ -279,13 +279,18 @@ class AllReduceClient:
                 )
                 for bucket in self._plan.buckets
             ]
-        buckets = self._plan.flatten(wire, out=self._buckets)
+        # A bucket of one tensor is read from the tensor itself: no copy into the bucket.
+        sources = self._plan.flatten(wire, out=self._buckets, sources=True)
         n = self.num_workers
-        for bucket, mean in zip(buckets, self._ring_means, strict=True):
+        for bucket, source, mean in zip(self._buckets, sources, self._ring_means, strict=True):
             self.ring.allreduce(
-                bucket, inplace=True, bfloat16=bucket.dtype == np.uint16, divisor=n if mean else 1
+                bucket,
+                inplace=True,
+                bfloat16=bucket.dtype == np.uint16,
+                divisor=n if mean else 1,
+                source=None if source is bucket else source,
             )
-        summed = self._plan.unflatten(buckets)
+        summed = self._plan.unflatten(self._buckets)
         averaged = {
             s.name
             for b, m in zip(self._plan.buckets, self._ring_means, strict=True)

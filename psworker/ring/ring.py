@@ -207,7 +207,13 @@ class Ring:
     # -- collectives -------------------------------------------------------------------------
 
     def allreduce(
-        self, array: np.ndarray, *, inplace: bool = False, bfloat16: bool = False, divisor: int = 1
+        self,
+        array: np.ndarray,
+        *,
+        inplace: bool = False,
+        bfloat16: bool = False,
+        divisor: int = 1,
+        source: np.ndarray | None = None,
     ) -> np.ndarray:
         """The sum of ``array`` over all ranks, divided by ``divisor`` (the world size for a
         mean: each rank divides the segment it completes, ``algorithm.allreduce``).
@@ -219,6 +225,9 @@ class Ring:
                 instead of a copy.
             bfloat16: ``array`` holds bfloat16 values as uint16 bit patterns.
             divisor: what the sum is divided by (1: the plain sum).
+            source: this rank's values when they are not ``array``'s (same size and dtype,
+                contiguous; unchanged until this returns): ``array`` only receives the result,
+                with no copy of ``source`` into it first (use with ``inplace``).
 
         Returns:
             The sum (over ``divisor``), with ``array``'s shape and dtype; bit-identical on
@@ -242,6 +251,7 @@ class Ring:
                 chunk_bytes=pipeline_chunk(self.chunk_bytes, buffer.nbytes // self.world_size),
                 bfloat16=bfloat16,
                 divisor=divisor,
+                source=None if source is None else np.asarray(source).reshape(-1),
             )
         )
         return arr if inplace else buffer.reshape(arr.shape)
