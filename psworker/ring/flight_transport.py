@@ -201,7 +201,7 @@ class RingServer:
     ) -> None:
         """Binds ``host:port`` (port 0 picks a free one) and starts serving. ``security``: TLS
         (mutual with a CA) and the token, as a shard's; None: plaintext, no token. ``threads``
-        is kept for callers of the grpcio server; Flight sizes its own pool.
+        is accepted for callers that size a server pool; Flight sizes its own.
 
         Raises:
             RuntimeError: the address could not be bound.
