@@ -64,6 +64,8 @@ _STATUS = object()  # tells the writing thread to read the call's status: the ca
 _FAILURES = (flight.FlightError, pa.ArrowException, OSError)
 # How long a connection attempt waits before the next (the neighbour may not listen yet).
 _RETRY_S = 0.05
+# How long closing waits for the client's own close (it waits for a blocked write).
+_CLOSE_S = 1.0
 
 
 def _describe_default(rank: int) -> str:
@@ -499,6 +501,13 @@ class RightLink:
         self._closing = True
         self._queue.put(None)
         self._threads[0].join(max(0.0, grace))
+        # A neighbour that stopped reading (SIGSTOP) leaves a write blocked, and closing the
+        # client then waits for it: close in the background and give up after a moment.
+        closer = threading.Thread(target=self._close_client, name="ring-close", daemon=True)
+        closer.start()
+        closer.join(_CLOSE_S)
+
+    def _close_client(self) -> None:
         with contextlib.suppress(*_FAILURES):
             self._client.close()
 

@@ -363,13 +363,15 @@ import numpy as np
 from psworker.ring import ring as ring_peer
 
 rank, timeout, die_after_sends = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+how = getattr(signal, sys.argv[4])
 server = ring_peer.RingServer("127.0.0.1:0")
 print(server.address, flush=True)
 addresses = json.loads(sys.stdin.readline())
 ring = ring_peer.Ring(rank, addresses, timeout=timeout, server=server, chunk_bytes=4096)
 print(float(ring.allreduce(np.full(1000, rank + 1.0, np.float32))[0]), flush=True)
 if die_after_sends > 0:
-    # Scheduled fault: SIGKILL in the middle of the next collective, once some chunks are out.
+    # Scheduled fault: SIGKILL (or SIGSTOP) in the middle of the next collective, once some
+    # chunks are out.
     send = ring_peer._OpPeer.send_to_right
     sent = [0]
     def send_then_die(self, tag, array):
@@ -377,7 +379,7 @@ if die_after_sends > 0:
         sent[0] += 1
         if sent[0] == die_after_sends:
             time.sleep(0.5)  # the stream carries them meanwhile
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), how)
     ring_peer._OpPeer.send_to_right = send_then_die
     ring.allreduce(np.ones(100_000, np.float32))
 sys.stdin.readline()
@@ -385,13 +387,15 @@ sys.stdin.readline()
 
 
 @contextlib.contextmanager
-def ring_with_child(die_after_sends: int) -> Iterator[tuple[list[Ring], subprocess.Popen[str]]]:
+def ring_with_child(
+    die_after_sends: int, how: str = "SIGKILL"
+) -> Iterator[tuple[list[Ring], subprocess.Popen[str]]]:
     """Ranks 0 and 2 in this process, rank 1 a child process; one all-reduce done."""
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     )
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, "1", str(FAIL_TIMEOUT), str(die_after_sends)],
+        [sys.executable, "-c", CHILD, "1", str(FAIL_TIMEOUT), str(die_after_sends), how],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -458,3 +462,18 @@ def test_peer_killed_mid_collective_is_detected_at_once() -> None:
     assert receiver.seconds < FAIL_TIMEOUT + MARGIN
     if isinstance(receiver.error, UnavailableError):
         assert "disconnected" in str(receiver.error)
+
+
+def test_peer_frozen_mid_collective_is_named_within_the_timeout_and_close_does_not_hang() -> None:
+    with ring_with_child(die_after_sends=3, how="SIGSTOP") as (rings, _child):
+        outcomes = on_ranks(lambda r: rings[r].allreduce(np.ones(100_000, np.float32)), [0, 2])
+        for o in outcomes:
+            # Rank 2 waits for the frozen rank in vain; rank 0 waits behind rank 2 (or its
+            # stream to the frozen rank stops taking data): both name rank 1, within the bound.
+            assert isinstance(o.error, WaitTimeoutError | UnavailableError), o.error
+            assert_names(o.error, rings[0], 1)
+            assert o.seconds < FAIL_TIMEOUT + MARGIN
+        t0 = time.monotonic()
+        for ring in (rings[0], rings[2]):
+            ring.close(grace=0.2)
+        assert time.monotonic() - t0 < 10  # a write blocked on the frozen rank does not hang it
