@@ -53,6 +53,9 @@ COMMAND = b"psworker.ring/1"
 READY_ACTION = "psworker.ring.ready"
 # The most bytes a rank holds of chunks it has not read yet: well above a collective's share.
 DEFAULT_MAX_BUFFERED_BYTES = 1 << 30
+# How long a chunk of the collective after next waits for this rank to catch up (the Ring sets
+# its own timeout).
+DEFAULT_WAIT_S = 30.0
 # kind, collective, sender, ring step, segment, chunk, dtype code.
 HEADER = struct.Struct("<BQIIIIB")
 DATA, ABORT, FLUSH = 0, 1, 2
@@ -225,8 +228,11 @@ class RingServer:
         self.mailbox = Mailbox()
         self.max_buffered_bytes = max_buffered_bytes
         # The collective this rank is in (or will start next): chunks of it and the one after
-        # are filed, any other is refused, so a peer cannot make the mailbox grow unbounded.
-        self.current_op = 0
+        # are filed; one further ahead waits (up to ``wait_s``) until this rank catches up,
+        # any other is refused, so a peer cannot make the mailbox grow unbounded.
+        self._current_op = 0
+        self._advanced = threading.Condition()
+        self.wait_s = DEFAULT_WAIT_S
         self.rank: int | None = None
         self.world_size = 0
         self.describe: Callable[[int], str] = _describe_default
@@ -246,21 +252,41 @@ class RingServer:
         del port
 
     @property
+    def current_op(self) -> int:
+        return self._current_op
+
+    @current_op.setter
+    def current_op(self, op: int) -> None:
+        with self._advanced:
+            self._current_op = op
+            self._advanced.notify_all()
+
+    @property
     def stopped(self) -> bool:
         return self._stopped
 
     def describe_self(self) -> str:
         return self.describe(self.rank) if self.rank is not None else f"ring port {self.address}"
 
-    def attach(self, rank: int, world_size: int, describe: Callable[[int], str]) -> None:
-        """Tells the server whose it is, so it can check senders and name them in errors."""
+    def attach(
+        self,
+        rank: int,
+        world_size: int,
+        describe: Callable[[int], str],
+        wait_s: float = DEFAULT_WAIT_S,
+    ) -> None:
+        """Tells the server whose it is, so it can check senders and name them in errors, and
+        how long a chunk from a left neighbour that ran ahead may wait for this rank."""
         self.rank, self.world_size, self.describe = rank, world_size, describe
+        self.wait_s = wait_s
 
     def stop(self, grace: float = 0.5) -> None:
         """Stops serving; an open stream from the left neighbour is cut after ``grace`` s."""
         if self._stopped:
             return
-        self._stopped = True
+        with self._advanced:
+            self._stopped = True
+            self._advanced.notify_all()
         done = threading.Thread(target=self._service.shutdown, daemon=True)
         done.start()
         done.join(grace + 1.0)
@@ -288,6 +314,14 @@ class RingServer:
             return
         if chunk.array is None:
             return
+        if chunk.op == self.current_op + 2:
+            # A broadcast's root needs nothing from its left, so it may start the collective
+            # after next while this rank still finishes one: hold the stream until it starts
+            # the next (gRPC's flow control holds the sender meanwhile).
+            with self._advanced:
+                self._advanced.wait_for(
+                    lambda: chunk.op <= self._current_op + 1 or self._stopped, self.wait_s
+                )
         if not self.current_op <= chunk.op <= self.current_op + 1:
             raise InvalidRequestError(
                 f"{self.describe(chunk.sender)} sent a chunk of collective {chunk.op}, but this "

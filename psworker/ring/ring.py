@@ -161,7 +161,7 @@ class Ring:
         if server is None:
             server = RingServer(bind or self.addresses[rank], security=self.security.peer_server())
         self._server = server
-        self._server.attach(rank, self.world_size, self.describe)
+        self._server.attach(rank, self.world_size, self.describe, self.timeout)
         self._lock = threading.Lock()
         self._next_op = 0
         self._failure: Failure | None = None

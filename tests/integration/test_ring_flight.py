@@ -477,3 +477,29 @@ def test_peer_frozen_mid_collective_is_named_within_the_timeout_and_close_does_n
         for ring in (rings[0], rings[2]):
             ring.close(grace=0.2)
         assert time.monotonic() - t0 < 10  # a write blocked on the frozen rank does not hang it
+
+
+def test_a_root_two_collectives_ahead_is_held_until_its_neighbour_catches_up() -> None:
+    # A broadcast's root receives nothing, so it can finish collectives 0 and 1 (its right
+    # neighbour filed them) and send collective 2 before that neighbour started collective 0.
+    with cluster(2) as rings:
+        sent = [np.full(10, i + 1.0) for i in range(3)]
+        root: list[Outcome] = []
+        ahead = threading.Thread(
+            target=lambda: root.extend(
+                on_ranks(lambda r: [rings[0].broadcast(a, root=0) for a in sent], [0])
+            )
+        )
+        ahead.start()
+        deadline = time.monotonic() + 20
+        mailbox = rings[1]._server.mailbox
+        while len(mailbox) < 2 and mailbox.failure is None:  # 0 and 1 filed, 2 on its way
+            assert time.monotonic() < deadline, "the root's first two broadcasts never arrived"
+            time.sleep(0.01)
+        assert mailbox.failure is None, mailbox.failure.detail  # collective 2 was not refused
+        got = [rings[1].broadcast(np.zeros(10), root=0) for _ in sent]
+        ahead.join(30)
+    (o,) = root
+    assert o.error is None, o.error
+    for g, a in zip(got, sent, strict=True):
+        np.testing.assert_array_equal(g, a)
