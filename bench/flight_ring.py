@@ -28,7 +28,7 @@ from psworker.ring.ring import Ring, RingServer
 MIB = 1 << 20
 META = struct.Struct("<QII")  # (all-reduce number, ring step, chunk)
 TIMEOUT_S = 120.0
-OURS = "ours today (gRPC ring)"
+OURS = "ours (psworker Ring, Flight since issue 28)"
 FLIGHT = "Flight ring (prototype)"
 GLOO = "gloo"
 

@@ -1,12 +1,13 @@
-"""All-reduce mode: workers average gradients over a ring of peer-to-peer gRPC streams.
+"""All-reduce mode: workers average gradients over a ring of peer-to-peer Arrow Flight streams.
 
-``algorithm`` (reduce-scatter and all-gather over an abstract ``peer.Peer``), ``transport``
-(the RingPeer gRPC service and its messages), ``ring`` (a process's ``Ring`` over that
-transport), ``buckets`` (flat gradient buckets) and ``client`` (``AllReduceClient``).
+``algorithm`` (reduce-scatter and all-gather over an abstract ``peer.Peer``),
+``flight_transport`` (each rank's Flight ring port and its stream to the right neighbour),
+``ring`` (a process's ``Ring`` over that transport), ``buckets`` (flat gradient buckets) and
+``client`` (``AllReduceClient``).
 """
 
 from psworker.ring.client import AllReduceClient
+from psworker.ring.flight_transport import RingServer
 from psworker.ring.ring import Ring
-from psworker.ring.transport import RingServer
 
 __all__ = ["AllReduceClient", "Ring", "RingServer"]

@@ -83,6 +83,8 @@ def allreduce(
     timeout: float = DEFAULT_TIMEOUT_S,
     chunk_bytes: int = RING_CHUNK_BYTES,
     bfloat16: bool = False,
+    divisor: int = 1,
+    source: np.ndarray | None = None,
 ) -> np.ndarray:
     """Sums ``buffer`` over every rank of the ring, in place: reduce-scatter, then all-gather.
 
@@ -92,7 +94,13 @@ def allreduce(
     sub-chunk is sent on as soon as it is reduced, so the send of one overlaps the reduction of
     the next and the two phases overlap too. float16 and bfloat16 are summed in float32 (partial
     sums travel as float32; finished segments in the buffer's own 16 bits); float32 and float64
-    in their own precision. Every rank ends with identical bits.
+    in their own precision. Every rank ends with identical bits. With ``divisor`` n the sum
+    is divided by n (a mean with n = world size) by the rank that completes each segment, just
+    before its all-gather: each rank divides 1/world of the buffer, and the result is the same
+    bits as dividing the sum afterwards (``sum / dtype(n)``). With ``source`` this rank's
+    values are read from it and the result written to ``buffer`` (out of place, at no extra
+    pass: each element of ``buffer`` is written before it is read), so a caller's array needs
+    no copy into a buffer first; ``source`` must not change until this returns.
 
     Args:
         peer: this rank's links; every rank must call with the same length, dtype and options.
@@ -101,12 +109,15 @@ def allreduce(
         timeout: seconds any single receive may wait.
         chunk_bytes: sub-chunk size in bytes of the accumulator dtype.
         bfloat16: ``buffer`` holds bfloat16 values as uint16 bit patterns.
+        divisor: divide the sum by this (1: the plain sum).
+        source: this rank's values, if not ``buffer``'s: same length and dtype, contiguous.
 
     Returns:
-        ``buffer``, now holding the sum over ranks.
+        ``buffer``, now holding the sum over ranks (divided by ``divisor``).
 
     Raises:
-        ValueError: the buffer is not contiguous, 1-D and writeable, or ``chunk_bytes`` < 1.
+        ValueError: the buffer is not contiguous, 1-D and writeable, ``chunk_bytes`` < 1 or
+            ``divisor`` < 1.
         InvalidRequestError: unsupported dtype, or a neighbour sent a chunk of another size or
             dtype (ranks disagree on the buffer).
         PSError: whatever the peer raises (``WaitTimeoutError`` for a silent neighbour).
@@ -115,18 +126,36 @@ def allreduce(
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
     check_sum_dtype(buffer.dtype, bfloat16)
+    if divisor < 1:
+        raise ValueError(f"divisor must be >= 1, got {divisor}")
+    src = buffer
+    if source is not None:
+        _check_buffer(source, writeable=False)
+        if source.shape != buffer.shape or source.dtype != buffer.dtype:
+            raise ValueError(
+                f"source is {source.shape} {source.dtype}, the buffer {buffer.shape} "
+                f"{buffer.dtype}: they must match"
+            )
+        src = source
     world, rank = peer.world_size, peer.rank
     if world == 1 or buffer.size == 0:
+        if src is not buffer:
+            np.copyto(buffer, src)
+        if divisor != 1 and buffer.size:
+            _divide(buffer, 0, buffer.size, divisor, bfloat16)
         return buffer
-    acc: np.ndarray
+    acc: np.ndarray  # where partial sums are made
+    own: np.ndarray  # this rank's values, in acc's dtype
     if bfloat16:
-        acc = bfloat16_to_float32(buffer)
+        acc = own = bfloat16_to_float32(src)
     elif buffer.dtype == _F16:
-        acc = buffer.astype(_F32)
+        acc = own = src.astype(_F32)
     else:
-        acc = buffer  # summed in place in its own precision
+        acc, own = buffer, src  # summed in its own precision, into the buffer
 
     def finish(lo: int, hi: int) -> None:
+        if divisor != 1:
+            np.divide(acc[lo:hi], acc.dtype.type(divisor), out=acc[lo:hi])
         if acc is buffer:
             return
         buffer[lo:hi] = float32_to_bfloat16(acc[lo:hi]) if bfloat16 else acc[lo:hi]
@@ -136,12 +165,12 @@ def allreduce(
     last_step = 2 * world - 3
     # Reduce-scatter: step s receives segment r-s-1, adds it, and passes it on at step s+1.
     for k, lo, hi in _chunks(bounds, rank, chunk):
-        peer.send_to_right(Tag(0, rank, k), acc[lo:hi])
+        peer.send_to_right(Tag(0, rank, k), own[lo:hi])
     for step in range(world - 1):
         segment = (rank - step - 1) % world
         for k, lo, hi in _chunks(bounds, segment, chunk):
             got = _receive(peer, Tag(step, segment, k), timeout, hi - lo, acc.dtype)
-            np.add(acc[lo:hi], got, out=acc[lo:hi])
+            np.add(own[lo:hi], got, out=acc[lo:hi])
             if step < world - 2:
                 peer.send_to_right(Tag(step + 1, segment, k), acc[lo:hi])
             else:
@@ -156,6 +185,16 @@ def allreduce(
             if step < last_step:
                 peer.send_to_right(Tag(step + 1, segment, k), buffer[lo:hi])
     return buffer
+
+
+def _divide(buffer: np.ndarray, lo: int, hi: int, divisor: int, bfloat16: bool) -> None:
+    """``buffer[lo:hi] /= divisor`` as ``allreduce`` divides (16-bit values in float32)."""
+    if bfloat16:
+        buffer[lo:hi] = float32_to_bfloat16(bfloat16_to_float32(buffer[lo:hi]) / _F32.type(divisor))
+    elif buffer.dtype == _F16:
+        buffer[lo:hi] = buffer[lo:hi].astype(_F32) / _F32.type(divisor)
+    else:
+        np.divide(buffer[lo:hi], buffer.dtype.type(divisor), out=buffer[lo:hi])
 
 
 def broadcast(

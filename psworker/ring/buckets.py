@@ -99,39 +99,68 @@ class BucketPlan:
     def names(self) -> list[str]:
         return [s.name for b in self.buckets for s in b.slots]
 
-    def flatten(self, tensors: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        """Copies the tensors into new flat buffers, one per bucket.
+    def empty(self) -> list[np.ndarray]:
+        """New, uninitialised flat buffers, one per bucket (to reuse with ``flatten(out=)``)."""
+        return [np.empty(bucket.size, dtype=bucket.dtype) for bucket in self.buckets]
+
+    def flatten(
+        self,
+        tensors: Mapping[str, np.ndarray],
+        out: Sequence[np.ndarray] | None = None,
+        sources: bool = False,
+    ) -> list[np.ndarray]:
+        """Copies the tensors into flat buffers, one per bucket: ``out``'s (from ``empty``:
+        a step's buckets reuse memory already faulted in) or new ones.
+
+        With ``sources`` a bucket that holds one C-contiguous tensor is not copied: its entry
+        is a flat view of that tensor (for an out-of-place all-reduce reading it).
 
         Raises:
             UnknownVariableError: a planned tensor is missing or an unplanned one is given.
             ShapeMismatchError: a tensor's shape differs from the plan.
-            InvalidRequestError: a tensor's dtype differs from the plan.
+            InvalidRequestError: a tensor's dtype differs from the plan, or ``out`` does not
+                match it.
         """
+        if out is not None:
+            self._check_buffers(out)
         extra = set(tensors) - set(self.names)
         if extra:
             raise UnknownVariableError(f"tensors {sorted(extra)} are not in the bucket plan")
         buffers = []
-        for bucket in self.buckets:
-            buffer = np.empty(bucket.size, dtype=bucket.dtype)
-            for slot in bucket.slots:
-                if slot.name not in tensors:
-                    raise UnknownVariableError(
-                        f"tensor '{slot.name}' is in the bucket plan but was not given"
-                    )
-                tensor = np.asarray(tensors[slot.name])
-                if tensor.shape != slot.shape:
-                    raise ShapeMismatchError(
-                        f"tensor '{slot.name}' has shape {tensor.shape}, the bucket plan "
-                        f"expects {slot.shape}"
-                    )
-                if tensor.dtype != bucket.dtype:
-                    raise InvalidRequestError(
-                        f"tensor '{slot.name}' has dtype {tensor.dtype}, the bucket plan "
-                        f"expects {bucket.dtype}"
-                    )
-                buffer[slot.offset : slot.offset + slot.size] = tensor.reshape(-1)
+        for index, bucket in enumerate(self.buckets):
+            checked = [(slot, self._checked(bucket, slot, tensors)) for slot in bucket.slots]
+            if sources and len(checked) == 1 and checked[0][1].flags.c_contiguous:
+                buffers.append(checked[0][1].reshape(-1))
+                continue
+            buffer = np.empty(bucket.size, dtype=bucket.dtype) if out is None else out[index]
+            for slot, tensor in checked:
+                np.copyto(buffer[slot.offset : slot.offset + slot.size], tensor.reshape(-1))
             buffers.append(buffer)
         return buffers
+
+    @staticmethod
+    def _checked(bucket: Bucket, slot: Slot, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The tensor for ``slot``, checked against the plan.
+
+        Raises:
+            UnknownVariableError, ShapeMismatchError, InvalidRequestError: as ``flatten``.
+        """
+        if slot.name not in tensors:
+            raise UnknownVariableError(
+                f"tensor '{slot.name}' is in the bucket plan but was not given"
+            )
+        tensor = np.asarray(tensors[slot.name])
+        if tensor.shape != slot.shape:
+            raise ShapeMismatchError(
+                f"tensor '{slot.name}' has shape {tensor.shape}, the bucket plan "
+                f"expects {slot.shape}"
+            )
+        if tensor.dtype != bucket.dtype:
+            raise InvalidRequestError(
+                f"tensor '{slot.name}' has dtype {tensor.dtype}, the bucket plan "
+                f"expects {bucket.dtype}"
+            )
+        return tensor
 
     def unflatten(self, buffers: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
         """Splits bucket buffers back into named tensors (views into the buffers, no copy).
@@ -139,17 +168,22 @@ class BucketPlan:
         Raises:
             InvalidRequestError: the buffers do not match the plan's count, sizes or dtypes.
         """
+        self._check_buffers(buffers)
+        out: dict[str, np.ndarray] = {}
+        for bucket, buffer in zip(self.buckets, buffers, strict=True):
+            for slot in bucket.slots:
+                out[slot.name] = buffer[slot.offset : slot.offset + slot.size].reshape(slot.shape)
+        return out
+
+    def _check_buffers(self, buffers: Sequence[np.ndarray]) -> None:
+        """Raises InvalidRequestError unless ``buffers`` match the plan's count, sizes, dtypes."""
         if len(buffers) != len(self.buckets):
             raise InvalidRequestError(
                 f"got {len(buffers)} buffers for a plan of {len(self.buckets)} buckets"
             )
-        out: dict[str, np.ndarray] = {}
         for i, (bucket, buffer) in enumerate(zip(self.buckets, buffers, strict=True)):
             if buffer.shape != (bucket.size,) or buffer.dtype != bucket.dtype:
                 raise InvalidRequestError(
                     f"bucket {i} is {buffer.shape} {buffer.dtype}, the plan expects "
                     f"({bucket.size},) {bucket.dtype}"
                 )
-            for slot in bucket.slots:
-                out[slot.name] = buffer[slot.offset : slot.offset + slot.size].reshape(slot.shape)
-        return out

@@ -73,6 +73,8 @@ class AllReduceClient:
         self._local = LocalClient()
         self._buffers: set[str] = set()
         self._plan: BucketPlan | None = None
+        self._buckets: list[np.ndarray] = []  # the plan's buffers, reused every step
+        self._ring_means: list[bool] = []  # per bucket: whether the ring itself averages it
         self._specs: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
         self._optimizers: tuple[Optimizer, ...] = ()  # each parameter group's, from init
         self._groups = ""  # agreement.groups_digest of init's groups
@@ -258,18 +260,51 @@ class AllReduceClient:
     def _average(
         self, tensors: dict[str, np.ndarray], sums: set[str] | frozenset[str] = frozenset()
     ) -> dict[str, np.ndarray]:
-        """The mean of each tensor over the ranks (the sum for names in ``sums``)."""
+        """The mean of each tensor over the ranks (the sum for names in ``sums``).
+
+        Tensors travel in the plan's buckets, which live across steps (their memory is faulted
+        in once). A bucket whose tensors all travel in their own float dtype is averaged by the
+        ring itself (each rank divides the segment it completes) and its tensors come back as
+        views of it, valid until the next call; other buckets (16-bit compression, integer
+        buffers) are summed and divided here.
+        """
         wire = {name: self._encode(name, t) for name, t in tensors.items()}
         if self._plan is None:
             self._plan = BucketPlan.for_arrays(wire, self.bucket_bytes)
-        buckets = self._plan.flatten(wire)
-        for bucket in buckets:
-            self.ring.allreduce(bucket, inplace=True, bfloat16=bucket.dtype == np.uint16)
-        summed = self._plan.unflatten(buckets)
+            self._buckets = self._plan.empty()
+            self._ring_means = [
+                all(
+                    tensors[slot.name].dtype == bucket.dtype and bucket.dtype.kind == "f"
+                    for slot in bucket.slots
+                )
+                for bucket in self._plan.buckets
+            ]
+        # A bucket of one tensor is read from the tensor itself: no copy into the bucket.
+        sources = self._plan.flatten(wire, out=self._buckets, sources=True)
         n = self.num_workers
+        for bucket, source, mean in zip(self._buckets, sources, self._ring_means, strict=True):
+            self.ring.allreduce(
+                bucket,
+                inplace=True,
+                bfloat16=bucket.dtype == np.uint16,
+                divisor=n if mean else 1,
+                source=None if source is bucket else source,
+            )
+        summed = self._plan.unflatten(self._buckets)
+        averaged = {
+            s.name
+            for b, m in zip(self._plan.buckets, self._ring_means, strict=True)
+            if m
+            for s in b.slots
+        }
         out = {}
         for name, original in tensors.items():
             total = summed[name]
+            if name in averaged:
+                # The ring divided: a sum is the mean times n (exact for the agreement's bytes
+                # and n a power of two, else equal wherever the sums are, which is what counts).
+                out[name] = total * original.dtype.type(n) if name in sums else total
+                continue
             if total.dtype == np.uint16:
                 total = bfloat16_to_float32(total)
             if name in sums:

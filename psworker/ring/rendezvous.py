@@ -19,7 +19,7 @@ from typing import Any
 
 from pswire.errors import ConfigError, UnavailableError, WaitTimeoutError
 from pswire.security import ClientSecurity
-from psworker.ring.transport import RingServer
+from psworker.ring.flight_transport import RingServer
 
 KEY_PREFIX = "psworker/ring"
 

@@ -1,44 +1,32 @@
-"""The ring all-reduce between worker processes: a RingPeer gRPC server each, streams rightwards."""
+"""The ring all-reduce between worker processes: a Flight ring port each, one stream rightwards."""
 
 from __future__ import annotations
 
-import contextlib
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
-import grpc
 import numpy as np
 
-from pswire.channel import MAX_MESSAGE_BYTES, wait_ready
+from pswire.channel import MAX_MESSAGE_BYTES
 from pswire.errors import (
     ClientClosedError,
     ConfigError,
     InvalidRequestError,
     PSError,
-    UnavailableError,
     WaitTimeoutError,
 )
 from pswire.proto import ring_pb2
-from pswire.rpc_errors import from_rpc_error
 from pswire.security import ClientSecurity
 from psworker.ring import algorithm
+from psworker.ring.flight_transport import CERTAIN, RightLink, RingServer
 from psworker.ring.peer import Failure, Peer, Tag
-from psworker.ring.transport import (
-    CERTAIN,
-    RingPeerStub,
-    RingServer,
-    encode_abort,
-    encode_data,
-)
 
 __all__ = ["Ring", "RingServer"]
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT_S = algorithm.DEFAULT_TIMEOUT_S
-_END = None  # ends a request stream
 # A segment large enough travels in at least this many chunks, so sending one overlaps
 # reducing the next; but no chunk shrinks below 1 MiB for it (each message costs CPU).
 _PIPELINE_DEPTH = 4
@@ -51,19 +39,12 @@ def pipeline_chunk(max_chunk: int, segment_bytes: int) -> int:
 
 
 class _OpPeer:
-    """One collective's links: tags carry the op number; sends stream lazily to the right.
-
-    Arrays are encoded in gRPC's request thread as the stream drains, so posting a send costs
-    the algorithm nothing; ``finish`` waits until the right neighbour has taken everything.
-    """
+    """One collective's links: tags carry the op number; sends queue on the ring's stream to
+    the right neighbour; ``finish`` waits until the neighbour holds everything."""
 
     def __init__(self, owner: Ring, op: int) -> None:
         self._ring = owner
         self._op = op
-        self._queue: queue.SimpleQueue[Any] | None = None
-        self._call: grpc.Future | None = None
-        self._sent = 0
-        self._aborting = False
         self.recv_timeout: WaitTimeoutError | None = None
 
     @property
@@ -79,7 +60,8 @@ class _OpPeer:
         return self._ring.describe(self._ring.left_rank)
 
     def send_to_right(self, tag: Tag, array: np.ndarray) -> None:
-        self._stream().put((tag, array))
+        assert self._ring._link is not None
+        self._ring._link.send(self._op, tag, array)
 
     def recv_from_left(self, tag: Tag, timeout: float) -> np.ndarray:
         array = self._ring._server.mailbox.get((self._op, *tag), timeout)
@@ -102,73 +84,18 @@ class _OpPeer:
             hops=0 if certain else failure.weight,
             origin=failure.origin,
         )
-        self._aborting = True
-        self._stream().put(encode_abort(self._op, self.rank, message))
+        assert self._ring._link is not None
+        self._ring._link.send_abort(self._op, message)
 
     def finish(self, timeout: float) -> None:
-        """Closes the stream and waits until the right neighbour acknowledges all of it.
+        """Waits until the right neighbour acknowledges every chunk of this collective.
 
         Raises:
             WaitTimeoutError: the neighbour took nothing for ``timeout`` seconds.
             PSError: the stream failed (the neighbour is gone, or rejected a chunk).
         """
-        call = self._call
-        if call is None:
-            return
-        self.end()
-        progress = self._sent
-        while True:
-            try:
-                call.result(timeout=timeout)
-                return
-            except grpc.FutureTimeoutError:
-                if self._sent == progress:
-                    right = self._ring.describe(self._ring.right_rank)
-                    raise WaitTimeoutError(
-                        f"{self._ring.describe(self.rank)}: {right} took no data for "
-                        f"{timeout:g} s (collective {self._op}); is that worker stuck?"
-                    ) from None
-                progress = self._sent
-            except grpc.RpcError as exc:
-                raise self._send_error(exc) from None
-
-    def end(self) -> None:
-        """Half-closes the current stream (a clean end, unlike a cancelled one)."""
-        if self._queue is not None:
-            self._queue.put(_END)
-            self._queue = None
-
-    def _stream(self) -> queue.SimpleQueue[Any]:
-        if self._queue is None:
-            requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
-            assert self._ring._stub is not None
-            call = self._ring._stub.Send.future(self._requests(requests))
-            self._ring._calls.append(call)
-            call.add_done_callback(self._on_done)
-            self._queue, self._call = requests, call
-        return self._queue
-
-    def _requests(self, requests: queue.SimpleQueue[Any]) -> Iterator[bytes]:
-        while True:
-            item = requests.get()
-            if item is _END:
-                return
-            self._sent += 1
-            yield item if isinstance(item, bytes) else encode_data(self._op, self.rank, *item)
-
-    def _send_error(self, exc: grpc.RpcError) -> PSError:
-        right = self._ring.describe(self._ring.right_rank)
-        return from_rpc_error(exc, f"{self._ring.describe(self.rank)} could not send to {right}")
-
-    def _on_done(self, call: grpc.Future) -> None:
-        # A stream carrying only our own abort may fail because the right is already gone;
-        # that must not displace the verdict the abort carried.
-        if call.cancelled() or self._aborting:
-            return
-        exc = call.exception()
-        if isinstance(exc, grpc.RpcError):
-            error = self._send_error(exc)
-            self._ring._server.mailbox.fail(Failure(error, CERTAIN, self.rank, str(error)))
+        if self._ring._link is not None:
+            self._ring._link.flush(self._op, timeout)
 
 
 class Ring:
@@ -234,27 +161,27 @@ class Ring:
         if server is None:
             server = RingServer(bind or self.addresses[rank], security=self.security.peer_server())
         self._server = server
-        self._server.attach(rank, self.world_size, self.describe)
+        self._server.attach(rank, self.world_size, self.describe, self.timeout)
         self._lock = threading.Lock()
         self._next_op = 0
         self._failure: Failure | None = None
         self._closed = False
-        self._calls: list[grpc.Future] = []
-        self._channel: grpc.Channel | None = None
-        self._stub: RingPeerStub | None = None
+        self._link: RightLink | None = None
+        self._aborting = False  # a broken stream then must not displace the abort's verdict
         if self.world_size > 1:
-            channel = self.security.channel(self.addresses[self.right_rank])
             try:
-                wait_ready(channel, self.timeout)
-            except grpc.FutureTimeoutError:
-                channel.close()
+                self._link = RightLink(
+                    self.addresses[self.right_rank],
+                    sender=rank,
+                    right=self.describe(self.right_rank),
+                    me=self.describe(rank),
+                    timeout=self.timeout,
+                    security=self.security,
+                    on_failure=self._link_failed,
+                )
+            except BaseException:
                 self._server.stop(0)
-                raise UnavailableError(
-                    f"{self.describe(rank)}: {self.describe(self.right_rank)} accepted no "
-                    f"connection within {self.timeout:g} s; is that worker running?"
-                ) from None
-            self._channel = channel
-            self._stub = RingPeerStub(channel)
+                raise
 
     # -- who is who --------------------------------------------------------------------------
 
@@ -280,9 +207,16 @@ class Ring:
     # -- collectives -------------------------------------------------------------------------
 
     def allreduce(
-        self, array: np.ndarray, *, inplace: bool = False, bfloat16: bool = False
+        self,
+        array: np.ndarray,
+        *,
+        inplace: bool = False,
+        bfloat16: bool = False,
+        divisor: int = 1,
+        source: np.ndarray | None = None,
     ) -> np.ndarray:
-        """The sum of ``array`` over all ranks (the caller divides for a mean).
+        """The sum of ``array`` over all ranks, divided by ``divisor`` (the world size for a
+        mean: each rank divides the segment it completes, ``algorithm.allreduce``).
 
         Args:
             array: float16/float32/float64 of any shape, identical shape and dtype on every
@@ -290,9 +224,14 @@ class Ring:
             inplace: write the sum into ``array`` (which must be C-contiguous and writeable)
                 instead of a copy.
             bfloat16: ``array`` holds bfloat16 values as uint16 bit patterns.
+            divisor: what the sum is divided by (1: the plain sum).
+            source: this rank's values when they are not ``array``'s (same size and dtype,
+                contiguous; unchanged until this returns): ``array`` only receives the result,
+                with no copy of ``source`` into it first (use with ``inplace``).
 
         Returns:
-            The sum, with ``array``'s shape and dtype; bit-identical on every rank.
+            The sum (over ``divisor``), with ``array``'s shape and dtype; bit-identical on
+            every rank.
 
         Raises:
             ValueError: ``inplace`` with an array that cannot be written in place.
@@ -301,6 +240,8 @@ class Ring:
         """
         arr = np.asarray(array)
         algorithm.check_sum_dtype(arr.dtype, bfloat16)
+        if divisor < 1:
+            raise ValueError(f"divisor must be >= 1, got {divisor}")
         buffer = self._flat(arr, inplace)
         self._collective(
             lambda peer: algorithm.allreduce(
@@ -309,6 +250,8 @@ class Ring:
                 timeout=self.timeout,
                 chunk_bytes=pipeline_chunk(self.chunk_bytes, buffer.nbytes // self.world_size),
                 bfloat16=bfloat16,
+                divisor=divisor,
+                source=None if source is None else np.asarray(source).reshape(-1),
             )
         )
         return arr if inplace else buffer.reshape(arr.shape)
@@ -359,22 +302,12 @@ class Ring:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def close(self, grace: float = 1.0) -> None:
-        """Lets pending aborts reach the right neighbour, then stops the server and channel."""
+        """Lets pending aborts reach the right neighbour, then stops the stream and server."""
         if self._closed:
             return
         self._closed = True
-        deadline = time.monotonic() + grace
-        for call in self._calls:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            # Whatever became of it, the call has had its chance to deliver.
-            with contextlib.suppress(
-                grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError
-            ):
-                call.result(timeout=remaining)
-        if self._channel is not None:
-            self._channel.close()
+        if self._link is not None:
+            self._link.close(grace)
         self._server.stop(grace)
 
     def __enter__(self) -> Ring:
@@ -400,7 +333,6 @@ class Ring:
             if self._failure is not None:
                 cls = type(self._failure.error)
                 raise cls(f"the ring failed earlier and cannot be used: {self._failure.error}")
-            self._calls = [c for c in self._calls if not c.done()]
             op = self._next_op
             self._next_op += 1
             self._server.current_op = op  # the server takes chunks of this and the next one
@@ -415,8 +347,6 @@ class Ring:
                 if failure.error is exc:
                     raise
                 raise failure.error from exc
-            finally:
-                peer.end()
 
     def _settle(self, peer: _OpPeer, exc: Exception) -> Failure:
         """Agrees on the best explanation of a failure and passes it to the right neighbour.
@@ -433,8 +363,9 @@ class Ring:
             mailbox.fail(Failure(error, weight, self.rank, str(error)))
         failure = mailbox.failure
         assert failure is not None
-        if self._stub is None:
+        if self._link is None:
             return failure
+        self._aborting = True
         peer.abort(failure)
         deadline = time.monotonic() + self._grace
         while failure.weight < CERTAIN:
@@ -444,3 +375,8 @@ class Ring:
             failure = better
             peer.abort(failure)
         return failure
+
+    def _link_failed(self, error: PSError) -> None:
+        """The stream to the right neighbour broke: every wait of this rank fails at once."""
+        if not self._aborting:
+            self._server.mailbox.fail(Failure(error, CERTAIN, self.rank, str(error)))

@@ -268,23 +268,39 @@ def test_a_worker_process_that_exits_without_close_leaves_the_job(shards):
 
 
 def test_a_ring_rank_files_only_its_current_and_next_collective():
+    import pyarrow.flight as flight
+
+    from pswire import flightwire
+    from psworker.ring.flight_transport import COMMAND, DATA, RingServer, dtype_code, encode_header
     from psworker.ring.peer import Tag
-    from psworker.ring.transport import RingPeerStub, RingServer, encode_data
 
     server = RingServer(max_buffered_bytes=1 << 20)
+    chunk = np.ones(1024, np.float32)
+    descriptor = flight.FlightDescriptor.for_command(COMMAND)
+
+    def send(ops_and_tags):
+        """Streams chunks on one DoPut; the server's verdict as a PSError, or None."""
+        client = flight.FlightClient(f"grpc+tcp://{server.address}")
+        try:
+            writer, _ = client.do_put(descriptor, flightwire.SCHEMA)
+            for op, tag in ops_and_tags:
+                header = encode_header(DATA, op, 0, tag, dtype_code(chunk.dtype))
+                writer.write_with_metadata(flightwire.as_batch(chunk), header)
+            writer.done_writing()
+            writer.close()
+        except flight.FlightError as exc:
+            return flightwire.from_flight_error(exc)
+        finally:
+            client.close()
+        return None
+
     try:
-        with insecure_channel(server.address) as channel:
-            send = RingPeerStub(channel).Send
-            chunk = np.ones(1024, np.float32)
-            send(iter([encode_data(1, 0, Tag(0, 0, 0), chunk)]), timeout=5)  # next: filed
-            with pytest.raises(grpc.RpcError) as far:
-                send(iter([encode_data(7, 0, Tag(0, 0, 0), chunk)]), timeout=5)
-            assert far.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "takes only collectives 0 and 1" in far.value.details()
-            many = (encode_data(0, 0, Tag(0, 0, i), chunk) for i in range(400))  # 1.6 MB
-            with pytest.raises(grpc.RpcError) as full:
-                send(many, timeout=5)
-            assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert send([(1, Tag(0, 0, 0))]) is None  # the next collective: filed
+        far = send([(7, Tag(0, 0, 0))])
+        assert far is not None and far.status == "INVALID_ARGUMENT"
+        assert "takes only collectives 0 and 1" in str(far)
+        full = send((0, Tag(0, 0, i)) for i in range(400))  # 1.6 MB
+        assert full is not None and full.status == "RESOURCE_EXHAUSTED"
     finally:
         server.stop()
 

@@ -295,7 +295,7 @@ def _ring_pair(certs: CertPaths, tokens: tuple[str, str], timeout: float = 10.0)
     """Two all-reduce workers, each with a TLS + token ring server; returns their outcomes."""
     import threading
 
-    from psworker.ring.transport import RingServer
+    from psworker.ring.flight_transport import RingServer
 
     servers = [
         RingServer(

@@ -487,3 +487,93 @@ def test_unflatten_checks_the_buffers() -> None:
     buffers[0] = buffers[0][:-1]
     with pytest.raises(InvalidRequestError, match="bucket 0"):
         plan.unflatten(buffers)
+
+
+# -- the mean in the ring, and buckets reused across steps ------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    world=st.integers(1, 6),
+    length=st.integers(0, 200),
+    chunk_bytes=st.integers(1, 100),
+    dtype=st.sampled_from(["float32", "float64"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_divisor_gives_the_sum_divided_afterwards_bit_for_bit(
+    world: int, length: int, chunk_bytes: int, dtype: str, seed: int
+) -> None:
+    xs = inputs(world, length, dtype, seed)
+    sums = allreduce_all(xs, chunk_bytes)
+    means = allreduce_all(xs, chunk_bytes, divisor=world)
+    assert_identical_on_all_ranks(means)
+    expected = (sums[0] / np.dtype(dtype).type(world)).astype(dtype)
+    assert means[0].tobytes() == expected.tobytes()
+
+
+def test_a_divisor_below_one_is_refused() -> None:
+    (peer,) = local_peers(1)
+    with pytest.raises(ValueError, match="divisor must be >= 1, got 0"):
+        ring.allreduce(peer, np.ones(3), divisor=0)
+
+
+def test_flatten_into_given_buffers_reuses_them() -> None:
+    tensors = model()
+    plan = BucketPlan.for_arrays(tensors, bucket_bytes=3000)
+    out = plan.empty()
+    got = plan.flatten(tensors, out=out)
+    assert all(g is o for g, o in zip(got, out, strict=True))
+    back = plan.unflatten(got)
+    for name, tensor in tensors.items():
+        np.testing.assert_array_equal(back[name], tensor)
+    with pytest.raises(InvalidRequestError, match="bucket 0"):
+        plan.flatten(tensors, out=[out[0][:-1], *out[1:]])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "bfloat16"])
+def test_a_source_is_summed_out_of_place_bit_for_bit_and_left_unchanged(
+    world: int, dtype: str
+) -> None:
+    bf16 = dtype == "bfloat16"
+    xs = inputs(world, 103, "float32" if bf16 else dtype, world)
+    if bf16:
+        xs = [codec.float32_to_bfloat16(x) for x in xs]
+    kept = [x.copy() for x in xs]
+    in_place = allreduce_all(xs, 16, bfloat16=bf16, divisor=world)
+
+    def body(peer: LocalPeer) -> np.ndarray:
+        out = np.full_like(xs[peer.rank], 7)  # garbage: every element must be written
+        return ring.allreduce(
+            peer,
+            out,
+            timeout=TIMEOUT,
+            chunk_bytes=16,
+            bfloat16=bf16,
+            divisor=world,
+            source=xs[peer.rank],
+        )
+
+    out_of_place = run_local(world, body, copy=False)
+    assert_identical_on_all_ranks(out_of_place)
+    assert out_of_place[0].tobytes() == in_place[0].tobytes()
+    for x, k in zip(xs, kept, strict=True):
+        assert x.tobytes() == k.tobytes()
+
+
+def test_a_source_of_another_size_is_refused() -> None:
+    (peer,) = local_peers(1)
+    with pytest.raises(ValueError, match="must match"):
+        ring.allreduce(peer, np.ones(3), source=np.ones(4))
+
+
+def test_flatten_with_sources_views_a_lone_tensor_instead_of_copying() -> None:
+    tensors = {
+        "big": np.arange(1000, dtype=np.float32).reshape(10, 100),
+        "a": np.ones(3, np.float32),
+    }
+    plan = BucketPlan.for_arrays(tensors, bucket_bytes=1000)
+    got = plan.flatten(tensors, out=plan.empty(), sources=True)
+    lone = [g for g in got if g.size == 1000]
+    assert len(lone) == 1 and np.shares_memory(lone[0], tensors["big"])
+    np.testing.assert_array_equal(plan.unflatten(plan.flatten(tensors))["big"], tensors["big"])

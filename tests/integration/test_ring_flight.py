@@ -1,4 +1,5 @@
-"""The ring over real gRPC peers on loopback: sums, broadcast, buckets, and failing peers."""
+"""The ring over real Flight peers on loopback: messages, sums, broadcast, buckets, and failing
+peers."""
 
 from __future__ import annotations
 
@@ -15,16 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
+import pyarrow.flight as flight
 import pytest
 
-from pswire.channel import insecure_channel
+from pswire import flightwire
 from pswire.codec import bfloat16_to_float32, float32_to_bfloat16
 from pswire.errors import InvalidRequestError, PSError, UnavailableError, WaitTimeoutError
-from pswire.proto import ring_pb2, ring_pb2_grpc
-from pswire.write import tensor_to_proto
-from psworker.ring import transport as ringwire
+from pswire.proto import ring_pb2
+from psworker.ring import flight_transport as ringwire
 from psworker.ring.buckets import BucketPlan
 from psworker.ring.peer import Tag
 from psworker.ring.ring import Ring, RingServer
@@ -87,7 +87,7 @@ def cluster(world: int, timeout: float = 20.0) -> Iterator[list[Ring]]:
             ring.close(grace=0.2)
 
 
-# -- the hand-coded wire ----------------------------------------------------------------------
+# -- the messages ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -96,56 +96,56 @@ def cluster(world: int, timeout: float = 20.0) -> Iterator[list[Ring]]:
         np.arange(7, dtype=np.float32),
         np.linspace(-1, 1, 5),
         np.arange(3, dtype=np.float16),
-        np.array([0x3F80, 0x7FC0], dtype=np.uint16),  # bfloat16 bits: travel viewed as bytes
+        np.array([0x3F80, 0x7FC0], dtype=np.uint16),  # bfloat16 bits
+        np.arange(5, dtype=np.uint8),  # broadcast bytes
         np.zeros(0, dtype=np.float32),
     ],
 )
-def test_data_chunks_read_back_and_match_protobuf(array: np.ndarray) -> None:
-    tag = Tag(step=3, segment=2, chunk=300)  # 300: a two-byte varint
-    data = ringwire.encode_data(1 << 40, 5, tag, array)
-    got = ringwire.parse(data)
+def test_data_chunks_read_back_as_views_of_the_batch(array: np.ndarray) -> None:
+    tag = Tag(step=3, segment=2, chunk=300)
+    header = ringwire.encode_header(
+        ringwire.DATA, 1 << 40, 5, tag, ringwire.dtype_code(array.dtype)
+    )
+    batch = flightwire.as_batch(array)
+    got = ringwire.parse(header, batch)
     assert got.key == (1 << 40, 3, 2, 300) and got.sender == 5 and got.abort is None
     assert got.array is not None and got.array.dtype == array.dtype
     np.testing.assert_array_equal(got.array, array)
-    # The generated code reads the same bytes the same way (and the old sender's are read).
-    message = ring_pb2.RingChunk.FromString(data)
-    assert (message.op, message.sender, message.step, message.segment, message.index) == (
-        1 << 40,
-        5,
-        3,
-        2,
-        300,
-    )
-    assert message.view_dtype == ("uint16" if array.dtype == np.uint16 else "")
-    assert message.tensor.data == array.tobytes()
-    again = ringwire.parse(message.SerializeToString())
-    assert again.array is not None
-    np.testing.assert_array_equal(again.array, array)
+    if array.size:  # no copy: the array views the batch's buffer
+        assert np.shares_memory(got.array, array)
 
 
-def test_abort_chunks_read_back() -> None:
+def test_abort_messages_read_back() -> None:
     abort = ring_pb2.RingAbort(status="UNAVAILABLE", message="gone", hops=2, origin=1)
-    got = ringwire.parse(ringwire.encode_abort(4, 1, abort))
+    header = ringwire.encode_header(ringwire.ABORT, 4, 1) + abort.SerializeToString()
+    got = ringwire.parse(header, None)
     assert got.key == (4, 0, 0, 0) and got.sender == 1 and got.array is None
     assert got.abort == abort
 
 
+def _header(kind: int = 0, code: int = 1) -> bytes:
+    return ringwire.encode_header(kind, 0, 0, Tag(0, 0, 0), code)
+
+
 @pytest.mark.parametrize(
-    ("data", "match"),
+    ("header", "batch", "match"),
     [
-        (b"\x08", "unreadable ring chunk"),  # a varint cut short
-        (
-            ring_pb2.RingChunk(
-                tensor=tensor_to_proto("ring", np.zeros((2, 2), np.float32))
-            ).SerializeToString(),
-            "one whole 1-D array",
-        ),
-        (ring_pb2.RingChunk(tensor={"dtype": "complex64"}).SerializeToString(), "unsupported"),
+        (b"\x00\x01", None, "unreadable ring chunk"),  # a header cut short
+        (_header(kind=9), None, "unknown kind 9"),
+        (_header(code=99), flightwire.as_batch(np.zeros(4, np.uint8)), "unknown dtype 99"),
+        (_header(code=1), flightwire.as_batch(np.zeros(6, np.uint8)), "not whole float32"),
+        (_header(code=1), None, "expected a record batch"),
+        (_header(kind=1) + b"\x0a\x05ab", None, "unreadable ring abort"),
     ],
 )
-def test_malformed_chunks_are_refused(data: bytes, match: str) -> None:
+def test_malformed_messages_are_refused(header: bytes, batch: Any, match: str) -> None:
     with pytest.raises(InvalidRequestError, match=match):
-        ringwire.parse(data)
+        ringwire.parse(header, batch)
+
+
+def test_a_dtype_a_chunk_cannot_carry_is_refused() -> None:
+    with pytest.raises(InvalidRequestError, match="complex64"):
+        ringwire.dtype_code(np.dtype(np.complex64))
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -313,16 +313,15 @@ def test_unreachable_neighbour_fails_the_rendezvous() -> None:
 
 
 @pytest.mark.parametrize(
-    ("chunk", "match"),
+    ("header", "match"),
     [
-        (ring_pb2.RingChunk(op=0, sender=0, view_dtype="object"), "only uint8 data"),
-        (ring_pb2.RingChunk(op=0, sender=2), "same list of addresses"),
+        (ringwire.encode_header(ringwire.DATA, 0, 0, Tag(0, 0, 0), 99), "unknown dtype 99"),
+        (ringwire.encode_header(ringwire.DATA, 0, 2, Tag(0, 0, 0), 4), "same list of addresses"),
     ],
 )
 def test_malformed_chunk_is_refused_and_fails_the_receiver_at_once(
-    chunk: ring_pb2.RingChunk, match: str
+    header: bytes, match: str
 ) -> None:
-    chunk.tensor.CopyFrom(tensor_to_proto("ring", np.zeros(4, np.uint8)))
     with cluster(2) as rings:
         # Rank 1 waits for rank 0, and an impostor stream arrives instead.
         outcome: list[Outcome] = []
@@ -330,13 +329,17 @@ def test_malformed_chunk_is_refused_and_fails_the_receiver_at_once(
             target=lambda: outcome.extend(on_ranks(lambda r: rings[r].allreduce(np.ones(8)), [1]))
         )
         waiting.start()
-        with insecure_channel(rings[1].address) as channel:
-            stub = ring_pb2_grpc.RingPeerStub(channel)
-            with pytest.raises(grpc.RpcError) as refused:
-                stub.Send(iter([chunk]), timeout=5)
+        client = flight.FlightClient(f"grpc+tcp://{rings[1].address}")
+        descriptor = flight.FlightDescriptor.for_command(ringwire.COMMAND)
+        writer, _ = client.do_put(descriptor, flightwire.SCHEMA)
+        with pytest.raises(flight.FlightError) as refused:
+            writer.write_with_metadata(flightwire.as_batch(np.zeros(4, np.uint8)), header)
+            writer.done_writing()
+            writer.close()
+        client.close()
         waiting.join(10)
-    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert match in refused.value.details()
+    error = flightwire.from_flight_error(refused.value)
+    assert isinstance(error, InvalidRequestError) and match in str(error)
     (o,) = outcome
     assert isinstance(o.error, InvalidRequestError) and match in str(o.error)
     assert o.seconds < 5  # failed by the bad chunk, not by the 20 s timeout
@@ -360,13 +363,15 @@ import numpy as np
 from psworker.ring import ring as ring_peer
 
 rank, timeout, die_after_sends = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+how = getattr(signal, sys.argv[4])
 server = ring_peer.RingServer("127.0.0.1:0")
 print(server.address, flush=True)
 addresses = json.loads(sys.stdin.readline())
 ring = ring_peer.Ring(rank, addresses, timeout=timeout, server=server, chunk_bytes=4096)
 print(float(ring.allreduce(np.full(1000, rank + 1.0, np.float32))[0]), flush=True)
 if die_after_sends > 0:
-    # Scheduled fault: SIGKILL in the middle of the next collective, once some chunks are out.
+    # Scheduled fault: SIGKILL (or SIGSTOP) in the middle of the next collective, once some
+    # chunks are out.
     send = ring_peer._OpPeer.send_to_right
     sent = [0]
     def send_then_die(self, tag, array):
@@ -374,7 +379,7 @@ if die_after_sends > 0:
         sent[0] += 1
         if sent[0] == die_after_sends:
             time.sleep(0.5)  # the stream carries them meanwhile
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), how)
     ring_peer._OpPeer.send_to_right = send_then_die
     ring.allreduce(np.ones(100_000, np.float32))
 sys.stdin.readline()
@@ -382,13 +387,15 @@ sys.stdin.readline()
 
 
 @contextlib.contextmanager
-def ring_with_child(die_after_sends: int) -> Iterator[tuple[list[Ring], subprocess.Popen[str]]]:
+def ring_with_child(
+    die_after_sends: int, how: str = "SIGKILL"
+) -> Iterator[tuple[list[Ring], subprocess.Popen[str]]]:
     """Ranks 0 and 2 in this process, rank 1 a child process; one all-reduce done."""
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     )
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, "1", str(FAIL_TIMEOUT), str(die_after_sends)],
+        [sys.executable, "-c", CHILD, "1", str(FAIL_TIMEOUT), str(die_after_sends), how],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -455,3 +462,44 @@ def test_peer_killed_mid_collective_is_detected_at_once() -> None:
     assert receiver.seconds < FAIL_TIMEOUT + MARGIN
     if isinstance(receiver.error, UnavailableError):
         assert "disconnected" in str(receiver.error)
+
+
+def test_peer_frozen_mid_collective_is_named_within_the_timeout_and_close_does_not_hang() -> None:
+    with ring_with_child(die_after_sends=3, how="SIGSTOP") as (rings, _child):
+        outcomes = on_ranks(lambda r: rings[r].allreduce(np.ones(100_000, np.float32)), [0, 2])
+        for o in outcomes:
+            # Rank 2 waits for the frozen rank in vain; rank 0 waits behind rank 2 (or its
+            # stream to the frozen rank stops taking data): both name rank 1, within the bound.
+            assert isinstance(o.error, WaitTimeoutError | UnavailableError), o.error
+            assert_names(o.error, rings[0], 1)
+            assert o.seconds < FAIL_TIMEOUT + MARGIN
+        t0 = time.monotonic()
+        for ring in (rings[0], rings[2]):
+            ring.close(grace=0.2)
+        assert time.monotonic() - t0 < 10  # a write blocked on the frozen rank does not hang it
+
+
+def test_a_root_two_collectives_ahead_is_held_until_its_neighbour_catches_up() -> None:
+    # A broadcast's root receives nothing, so it can finish collectives 0 and 1 (its right
+    # neighbour filed them) and send collective 2 before that neighbour started collective 0.
+    with cluster(2) as rings:
+        sent = [np.full(10, i + 1.0) for i in range(3)]
+        root: list[Outcome] = []
+        ahead = threading.Thread(
+            target=lambda: root.extend(
+                on_ranks(lambda r: [rings[0].broadcast(a, root=0) for a in sent], [0])
+            )
+        )
+        ahead.start()
+        deadline = time.monotonic() + 20
+        mailbox = rings[1]._server.mailbox
+        while len(mailbox) < 2 and mailbox.failure is None:  # 0 and 1 filed, 2 on its way
+            assert time.monotonic() < deadline, "the root's first two broadcasts never arrived"
+            time.sleep(0.01)
+        assert mailbox.failure is None, mailbox.failure.detail  # collective 2 was not refused
+        got = [rings[1].broadcast(np.zeros(10), root=0) for _ in sent]
+        ahead.join(30)
+    (o,) = root
+    assert o.error is None, o.error
+    for g, a in zip(got, sent, strict=True):
+        np.testing.assert_array_equal(g, a)
