@@ -1,4 +1,9 @@
-"""One shard as a worker sees it: retries (warning while unreachable), restarts, push replay."""
+"""One shard as a worker sees it: retries (warning while unreachable), restarts, push replay.
+
+Tensors travel through a transport (psworker/transport.py): the shard's Arrow Flight data
+port when its registration names one, else the control port's grpcio calls. The link keeps
+what does not depend on the transport: retries, re-registration, replay, incarnations, the
+job's identity."""
 
 from __future__ import annotations
 
@@ -8,13 +13,11 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import numpy as np
 
-from pswire import stepmsg
-from pswire.codec import ChunkAssembler
 from pswire.errors import (
     ClientClosedError,
     PSError,
@@ -24,13 +27,15 @@ from pswire.errors import (
 )
 from pswire.optspec import StepOptions
 from pswire.proto import ps_pb2
-from pswire.push import push_header, push_stream
 from pswire.rpc_errors import from_rpc_error
 from pswire.security import ClientSecurity
 from pswire.stubs import ParameterServerStub
 from pswire.tables import RowSparse
 from psworker.session import JobIdentity, LinkConfig
-from psworker.stepstream import StepStream, step_timeout_ms
+from psworker.transport import GrpcTransport, Reply, Transport, TransportFailure
+
+if TYPE_CHECKING:
+    from psworker.transport_flight import FlightTransport
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -93,13 +98,59 @@ class ShardLink:
         self.recoveries = 0
         self._rng = random.Random(config.worker_id * 7919 + index)
         self._closed = threading.Event()
-        # Small fused steps travel on one open call (see StepStream).
-        self.steps = StepStream(self.stub, self.where("PushPullStream"))
+        # Steps travel on one open call (see StepStream, FlightLink) of the transport chosen.
+        self.grpc = GrpcTransport(
+            self.stub,
+            self.worker_id,
+            self.timeout,
+            self.chunk_bytes,
+            config.session,
+            self.where("PushPullStream"),
+        )
+        self.flight: FlightTransport | None = None  # the shard's data port, once registered
+        self.data_port = 0
+        self._stepping: Transport = self.grpc  # the transport of the step last sent
+
+    @property
+    def steps(self) -> Transport:
+        """The transport carrying the step last sent (``when_ended`` of its call)."""
+        return self._stepping
+
+    def transport(self, nbytes: int = 0) -> Transport:
+        """The transport for a call moving about ``nbytes`` tensor bytes each way: the data
+        port where the shard has one (and this worker uses it), else grpcio."""
+        if self.flight is not None and nbytes >= self.config.grpc_below_bytes:
+            return self.flight
+        return self.grpc
 
     def close(self) -> None:
-        """Ends the step stream, and any retrying call (it raises ClientClosedError)."""
+        """Ends the open calls, and any retrying call (it raises ClientClosedError)."""
         self._closed.set()
-        self.steps.close()
+        self.grpc.close()
+        if self.flight is not None:
+            self.flight.close()
+
+    def _dial_data(self, port: int) -> None:
+        """Uses the shard's data port ``port`` (0: none) on the host this link reached."""
+        if port == self.data_port and (self.flight is not None or not port):
+            return
+        if self.flight is not None:
+            self.flight.close()
+            self.flight = None
+        self.data_port = port
+        if not port or self.config.data_plane == "grpc":
+            return
+        from psworker.transport_flight import FlightTransport  # pyarrow: only when used
+
+        host = self.address.rpartition(":")[0] or self.address
+        self.flight = FlightTransport(
+            self.index,
+            f"{host}:{port}",
+            self.worker_id,
+            self.timeout,
+            self.security,
+            self.config.session,
+        )
 
     def where(self, rpc: str) -> str:
         return f"{rpc} on shard {self.index} ({self.address})"
@@ -160,6 +211,8 @@ class ShardLink:
         what the likely cause is."""
         code = exc.code() if hasattr(exc, "code") else None
         details = (exc.details() if hasattr(exc, "details") else "") or ""
+        if isinstance(exc, TransportFailure) and code != grpc.StatusCode.UNAVAILABLE:
+            return exc.error  # the shard's (or the data port's) own error
         if code == grpc.StatusCode.UNAVAILABLE:
             hint = self.security.diagnose(self.address, details)
             return UnavailableError(
@@ -184,16 +237,12 @@ class ShardLink:
             PSError: the call failed (after retries through UNAVAILABLE).
         """
 
-        def run(stub: ParameterServerStub) -> dict[str, np.ndarray]:
+        def run(_: ParameterServerStub) -> dict[str, np.ndarray]:
             request.incarnation = self.incarnation or ""  # per attempt: a retry after a restart
-            assembler = ChunkAssembler(into=into)
             self.pull_skipped = False
-            for reply in stub.Pull(request, timeout=self.timeout):
-                if reply.skipped:  # one last message, without a chunk
-                    self.pull_skipped = True
-                    continue
-                assembler.add(reply.chunk)
-            return assembler.finish()
+            nbytes = sum(a.nbytes for a in into.values()) if into else 0
+            arrays, self.pull_skipped = self.transport(nbytes).pull(request, into)
+            return arrays
 
         return self.call("Pull", run)
 
@@ -203,26 +252,16 @@ class ShardLink:
         pieces: Mapping[str, np.ndarray | RowSparse],
         options: StepOptions | None = None,
     ) -> ps_pb2.PushResponse:
-        """A streamed Push of this shard's pieces of one step (kept for replay first).
+        """A Push of this shard's pieces of one step (kept for replay first).
 
         Raises:
             PSError: the call failed (after retries through UNAVAILABLE).
         """
         self.note_push(step, pieces, options)
+        nbytes = _nbytes(pieces)
         reply = self.call(
             "Push",
-            lambda stub: stub.Push(
-                push_stream(
-                    self.worker_id,
-                    step,
-                    pieces,
-                    self.chunk_bytes,
-                    self.incarnation,
-                    self.config.session,
-                    options,
-                ),
-                timeout=self.timeout,
-            ),
+            lambda _: self.transport(nbytes).push(step, pieces, self.incarnation or "", options),
         )
         self.note_reply(reply)
         return reply
@@ -233,9 +272,9 @@ class ShardLink:
         pieces: Mapping[str, np.ndarray | RowSparse],
         into: Mapping[str, np.ndarray] | None = None,
         options: StepOptions | None = None,
-    ) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
-        """One step as one message each way on the open step stream: the push, then the
-        weights for the step after it (decoded into ``into``'s arrays where given).
+    ) -> Reply:
+        """One step on the call kept open: the push, then the weights for the step after it
+        (decoded into ``into``'s arrays where given).
 
         Raises:
             PSError: the call failed (after retries through UNAVAILABLE).
@@ -249,7 +288,7 @@ class ShardLink:
         into: Mapping[str, np.ndarray] | None = None,
         options: StepOptions | None = None,
         rows: Sequence[ps_pb2.RowQuery] = (),
-    ) -> Callable[[], tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]]:
+    ) -> Callable[[], Reply]:
         """``push_pull`` in two halves: sends the step now and returns the call that waits for
         its reply, so a worker sends every shard its step before it waits for any (one thread,
         no hand-offs). If the first try fails, the returned call retries as ``push_pull``.
@@ -258,28 +297,23 @@ class ShardLink:
             PSError: as ``push_pull``.
         """
         self.note_push(step, pieces, options)
+        nbytes = max(_nbytes(pieces), sum(a.nbytes for a in into.values()) if into else 0)
 
-        def request() -> ps_pb2.PushPullRequest | bytes:
-            # Built per attempt: a retry after a restart carries the new incarnation.
-            header = push_header(
-                self.worker_id, step, self.incarnation, options, self.config.session
-            )
-            return stepmsg.request(header, pieces, rows, step_timeout_ms(self.timeout))
+        def send() -> Transport:
+            # Chosen and built per attempt: a retry after a restart may find another data
+            # port, and carries the new incarnation.
+            transport = self._stepping = self.transport(nbytes)
+            transport.send_step(step, pieces, into, self.incarnation or "", options, rows)
+            return transport
 
-        def decoded(reply: Any) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
-            assembler = ChunkAssembler(into=into)
-            for chunk in reply.chunks:
-                assembler.add(chunk)
-            return reply.push, assembler.finish()
+        def run(_: ParameterServerStub) -> Reply:
+            return send().receive_step()
 
-        def run(_: ParameterServerStub) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
-            return decoded(self.steps.step(request(), self.timeout))
-
-        def finish() -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
+        def finish() -> Reply:
             result = None
             if sent is not None:
                 try:
-                    result = decoded(self.steps.receive(sent, self.timeout))
+                    result = sent.receive_step()
                 except grpc.RpcError as exc:
                     if exc.code() not in _RECOVERABLE:
                         raise self._failure(exc, "PushPull", 0.0, 1) from None
@@ -288,11 +322,10 @@ class ShardLink:
             self.note_reply(result[0])
             return result
 
-        sent: ps_pb2.PushPullRequest | bytes | None = None
+        sent: Transport | None = None
         with contextlib.suppress(grpc.RpcError):  # unsent: ``finish`` takes the retrying path
             if not self._closed.is_set():
-                self.steps.send(first := request(), self.timeout)
-                sent = first
+                sent = send()
         return finish
 
     def push_then_pull(
@@ -303,7 +336,10 @@ class ShardLink:
         pull: ps_pb2.PullRequest,
         into: Mapping[str, np.ndarray],
     ) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
-        """A streamed push, then ``pull``, at least at the step the push's reply says is next."""
+        """A streamed push, then ``pull``, at least at the step the push's reply says is next;
+        on the data port, one exchange carrying both (it holds no message limit)."""
+        if self.flight is not None:
+            return self.start_push_pull(step, pieces, into, options, pull.rows)()
         pushed = self.push(step, pieces, options)
         pull.step = max(pull.step, int(pushed.next_step))
         arrays = self.pull(pull, into)
@@ -337,6 +373,7 @@ class ShardLink:
         self.identity.check(reply.job_id, f"shard {self.index} ({self.address})")
         self.checkpointing = reply.checkpointing
         self.durable = reply.durable_step
+        self._dial_data(reply.data_port)
         return reply
 
     def leave(self) -> None:
@@ -453,20 +490,17 @@ class ShardLink:
             len(steps),
         )
         for step in steps:
-            self.stub.Push(
-                push_stream(
-                    self.worker_id,
-                    step,
-                    self.log[step],
-                    self.chunk_bytes,
-                    reply.incarnation,
-                    self.config.session,
-                    self.logged_options.get(step),
-                ),
-                timeout=self.timeout,
+            pushed = self.log[step]
+            self.transport(_nbytes(pushed)).push(
+                step, pushed, reply.incarnation, self.logged_options.get(step)
             )
         self.incarnation = reply.incarnation
         self.recoveries += 1
+
+
+def _nbytes(pieces: Mapping[str, np.ndarray | RowSparse]) -> int:
+    """The tensor bytes of a push (a RowSparse's: its ids and rows)."""
+    return sum(v.nbytes for v in pieces.values())
 
 
 def shard_status(

@@ -23,6 +23,10 @@ log = logging.getLogger(__name__)
 # restarts: at most this many bytes per shard (or four pushes, if more); when full it asks the
 # shard to checkpoint, then forgets what the checkpoint holds.
 DEFAULT_REPLAY_BYTES = 64 << 20
+DATA_PLANES = ("auto", "grpc")
+# Steps smaller than this each way travel on grpcio's step stream, larger ones on Flight: where
+# each measured faster (bench/NOTES.md entry 19).
+GRPC_BELOW_BYTES = 0
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,16 @@ class LinkConfig:
     chunk_bytes: int
     session: str = ""  # this client process's id (one process per worker id)
     replay_bytes: int = DEFAULT_REPLAY_BYTES
+    # How tensors travel (psworker/transport.py): "auto" uses a shard's Flight data port when
+    # its registration names one, "grpc" never does (the control port's grpcio calls).
+    data_plane: str = "auto"
+    # Calls moving fewer tensor bytes than this each way stay on grpcio even where a data port
+    # exists (0: none do; see GRPC_BELOW_BYTES).
+    grpc_below_bytes: int = GRPC_BELOW_BYTES
+
+    def __post_init__(self) -> None:
+        if self.data_plane not in DATA_PLANES:
+            raise ValueError(f"data_plane must be one of {DATA_PLANES}, got {self.data_plane!r}")
 
 
 class JobIdentity:

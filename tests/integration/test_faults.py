@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 import pytest
-from faults import FaultPlan
+from faults import FaultPlan, flight_faults
 from workers import run_workers
 
 import psworker
@@ -45,6 +45,7 @@ def sync_run(
                 **client_options,
             ) as client:
                 client.init(init_values(), SGD(lr=0.1, momentum=0.9))
+                flight_faults(client, (plans or {}).get(i, ()))  # the same faults on Flight
                 for step in range(steps):
                     if fused:
                         client.push_pull(grad_for(i, step))
