@@ -27,7 +27,12 @@ from psserver.servicer import DEADLINE_MARGIN_S, push_response, row_query
 from psserver.shard import Shard
 from pswire import flightwire as fw
 from pswire.codec import ChunkAssembler
-from pswire.errors import CallCancelledError, InvalidRequestError, UnauthenticatedError
+from pswire.errors import (
+    CallCancelledError,
+    InvalidRequestError,
+    UnauthenticatedError,
+    UnavailableError,
+)
 from pswire.proto import ps_pb2
 from pswire.push import assembled_grads, header_options
 from pswire.security import TOKEN_HEADER, TOKEN_SCHEME, ServerSecurity, check_token
@@ -85,6 +90,7 @@ class FlightShardService(flight.FlightServerBase):
         # The same limits as the control port's (bytes arriving at once, step streams per
         # worker): one Admission for both front ends.
         self.admission = admission or Admission(threads=DEFAULT_THREADS)
+        self.stopping = threading.Event()  # set by ``RunningFlightService.stop``
 
     def do_exchange(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
         op = descriptor.command
@@ -103,6 +109,8 @@ class FlightShardService(flight.FlightServerBase):
                         return  # the worker closed the exchange: done
                     if context.is_cancelled():
                         raise CallCancelledError(f"{op.decode()}: the worker cancelled the call")
+                    if self.stopping.is_set():  # an exchange kept open outlives the stop
+                        raise UnavailableError(f"{op.decode()}: the shard is stopping")
                     step(first, reader, writer, held)
         except Exception as exc:
             raise fw.to_flight_error(exc, f"DoExchange {op!r}") from None
@@ -221,6 +229,7 @@ class RunningFlightService:
         across steps lasts until the worker closes it: past ``grace`` the shutdown goes on in
         the background (the process's exit ends it) instead of blocking the caller.
         """
+        self.service.stopping.set()
         done = threading.Thread(target=self.service.shutdown, name="ps-flight-stop", daemon=True)
         done.start()
         done.join(grace)

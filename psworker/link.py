@@ -150,6 +150,7 @@ class ShardLink:
             self.timeout,
             self.security,
             self.config.session,
+            self.where("PushPullStream"),
         )
 
     def where(self, rpc: str) -> str:
@@ -182,6 +183,13 @@ class ShardLink:
                     raise ClientClosedError(f"{self.where(rpc)}: the client was closed") from None
                 if code not in _RECOVERABLE or now >= deadline:
                     raise self._failure(exc, rpc, now - start, attempt + 1) from None
+                if isinstance(exc, TransportFailure) and not attempt:
+                    # The data port failed: re-register at once (a restarted shard serves
+                    # another data port; its control port says which), warning only if that
+                    # fails too, as for the control port.
+                    log.info("%s: %s; retry 1 in 0.00s", self.where(rpc), code.name)
+                    attempt += 1
+                    continue
                 pause = min(backoff(attempt, self._rng), max(0.0, deadline - now))
                 if code == grpc.StatusCode.UNAVAILABLE and now >= warn_at:
                     warn_at, warned = now + WARN_EVERY_S, True
@@ -211,8 +219,6 @@ class ShardLink:
         what the likely cause is."""
         code = exc.code() if hasattr(exc, "code") else None
         details = (exc.details() if hasattr(exc, "details") else "") or ""
-        if isinstance(exc, TransportFailure) and code != grpc.StatusCode.UNAVAILABLE:
-            return exc.error  # the shard's (or the data port's) own error
         if code == grpc.StatusCode.UNAVAILABLE:
             hint = self.security.diagnose(self.address, details)
             return UnavailableError(
@@ -339,7 +345,9 @@ class ShardLink:
         """A streamed push, then ``pull``, at least at the step the push's reply says is next;
         on the data port, one exchange carrying both (it holds no message limit)."""
         if self.flight is not None:
-            return self.start_push_pull(step, pieces, into, options, pull.rows)()
+            pushed, arrays = self.start_push_pull(step, pieces, into, options, pull.rows)()
+            pull.step = max(pull.step, int(pushed.next_step))  # the step it read, as below
+            return pushed, arrays
         pushed = self.push(step, pieces, options)
         pull.step = max(pull.step, int(pushed.next_step))
         arrays = self.pull(pull, into)

@@ -20,7 +20,7 @@ import numpy as np
 
 from pswire import stepmsg
 from pswire.codec import ChunkAssembler
-from pswire.errors import PSError
+from pswire.errors import ERROR_CLASS_KEY, PSError
 from pswire.optspec import StepOptions
 from pswire.proto import ps_pb2
 from pswire.push import push_header, push_stream
@@ -34,18 +34,23 @@ Pieces = Mapping[str, np.ndarray | RowSparse]
 
 class TransportFailure(grpc.RpcError):
     """Raised by a transport that does not speak grpcio (Flight) for any failure: the
-    ``PSError`` it stands for, with that error's status as ``code()``, so ``ShardLink``
-    retries and reports it as it does a grpcio call's."""
+    ``PSError`` it stands for, read as a failed grpcio call reads (``code()``, ``details()``:
+    the shard's message, ``trailing_metadata()``: the error's class), so ``ShardLink``
+    retries and reports it exactly as it does a grpcio call's."""
 
-    def __init__(self, error: PSError) -> None:
+    def __init__(self, error: PSError, details: str | None = None) -> None:
         super().__init__(str(error))
         self.error = error
+        self._details = str(error) if details is None else details
 
     def code(self) -> grpc.StatusCode:
-        return self.error.code
+        return self.error.code  # type: ignore[no-any-return]
 
     def details(self) -> str:
-        return str(self.error)
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((ERROR_CLASS_KEY, type(self.error).__name__),)
 
 
 class Transport(Protocol):
@@ -56,6 +61,11 @@ class Transport(Protocol):
     """
 
     name: str  # "grpc" or "flight": logs and ``psctl status``
+
+    @property
+    def open_call(self) -> object | None:
+        """The call kept open across steps (None: none open now)."""
+        ...
 
     def push(
         self, step: int, pieces: Pieces, incarnation: str, options: StepOptions | None
@@ -117,6 +127,10 @@ class GrpcTransport:
         self.session = session
         self.steps = StepStream(stub, where)
         self._sent: tuple[Any, Mapping[str, np.ndarray] | None] | None = None
+
+    @property
+    def open_call(self) -> object | None:
+        return self.steps._call
 
     def push(
         self, step: int, pieces: Pieces, incarnation: str, options: StepOptions | None

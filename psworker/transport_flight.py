@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from pswire.errors import PSError
+from pswire.errors import PSError, WaitTimeoutError
 from pswire.optspec import StepOptions
 from pswire.proto import ps_pb2
 from pswire.security import ClientSecurity
@@ -22,11 +22,19 @@ from psworker.transport import Pieces, Reply, TransportFailure
 
 
 @contextmanager
-def _failures() -> Iterator[None]:
+def _failures(link: FlightLink, op: str, stream: str = "") -> Iterator[None]:
+    """Any PSError of ``link``'s ``op`` as a TransportFailure whose details are the shard's
+    message alone (``ShardLink`` names the call and the shard itself); a step whose reply
+    never came (the watchdog's) as the WaitTimeoutError the grpcio step stream raises, named
+    after ``stream``."""
     try:
         yield
     except PSError as exc:
-        raise TransportFailure(exc) from None
+        message, prefix = str(exc), link.where(op) + ": "
+        bare = message.removeprefix(prefix)
+        if stream and isinstance(exc, WaitTimeoutError) and bare.startswith("no reply within"):
+            raise WaitTimeoutError(f"{stream}: {bare}") from None
+        raise TransportFailure(exc, bare) from None
 
 
 class FlightTransport:
@@ -42,20 +50,26 @@ class FlightTransport:
         timeout: float,
         security: ClientSecurity,
         session: str,
+        where: str = "",
     ) -> None:
         self.address = address
+        self.where = where  # how the link names the step stream in errors
         self.link = FlightLink(index, address, worker_id, timeout, security, session=session)
+
+    @property
+    def open_call(self) -> object | None:
+        return self.link._open
 
     def push(
         self, step: int, pieces: Pieces, incarnation: str, options: StepOptions | None
     ) -> ps_pb2.PushResponse:
-        with _failures():
+        with _failures(self.link, "push"):
             return self.link.push(step, pieces, incarnation, options)
 
     def pull(
         self, request: ps_pb2.PullRequest, into: Mapping[str, np.ndarray] | None
     ) -> tuple[dict[str, np.ndarray], bool]:
-        with _failures():
+        with _failures(self.link, "pull"):
             return self.link.pull_step(request, into)
 
     def send_step(
@@ -67,11 +81,11 @@ class FlightTransport:
         options: StepOptions | None,
         rows: Sequence[ps_pb2.RowQuery],
     ) -> None:
-        with _failures():
+        with _failures(self.link, "push_pull", self.where):
             self.link.send_step(step, pieces, into, incarnation, options, rows)
 
     def receive_step(self) -> Reply:
-        with _failures():
+        with _failures(self.link, "push_pull", self.where):
             return self.link.receive_step()
 
     def when_ended(self, fn: Callable[[], None]) -> None:

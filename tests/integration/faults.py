@@ -196,9 +196,10 @@ class FaultyTransport:
     def _action(self, rpc: str) -> str | None:
         for plan in self._plans:
             if plan.rpc == rpc and plan._should_fire("/" + rpc):
-                if plan.action == "delay":
+                if plan.action == "delay" and rpc != "PushPullStream":
                     time.sleep(plan.delay_s)
                     return None
+                self._delay = plan.delay_s
                 return plan.action
         return None
 
@@ -236,6 +237,8 @@ class FaultyTransport:
 
     def receive_step(self):
         action, self._step_action = self._step_action, None
+        if action == "delay":  # the reply is late: the step's deadline runs meanwhile
+            time.sleep(self._delay)
         reply = self.inner.receive_step()
         if action == "lose_reply":
             raise self._unavailable("lose_reply of a step")
@@ -252,9 +255,19 @@ class FaultyTransport:
 
 
 def flight_faults(client, plans: Iterable[FaultPlan]) -> None:
-    """Applies ``plans`` to the data port of each of ``client``'s links that has one (call it
-    after ``init``: the links learn their data ports when they register)."""
+    """Applies ``plans`` to the data port of each of ``client``'s links, now (after ``init``:
+    the links learn their data ports when they register) and whenever a link dials a new
+    one (after a shard's restart)."""
     plans = list(plans)
+    if not plans:
+        return
     for link in client.links:
-        if link.flight is not None and plans:
-            link.flight = FaultyTransport(link.flight, plans)
+        dial = link._dial_data
+
+        def dialled(port: int, link=link, dial=dial) -> None:
+            dial(port)
+            if link.flight is not None and not isinstance(link.flight, FaultyTransport):
+                link.flight = FaultyTransport(link.flight, plans)
+
+        link._dial_data = dialled
+        dialled(link.data_port)
