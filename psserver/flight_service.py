@@ -14,15 +14,18 @@ import contextlib
 import hmac
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pyarrow.flight as flight
 
 from psserver.admission import DEFAULT_THREADS, Admission
+from psserver.metrics import ShardMetrics
 from psserver.servicer import DEADLINE_MARGIN_S, push_response, row_query
 from psserver.shard import Shard
 from pswire import flightwire as fw
@@ -30,6 +33,7 @@ from pswire.codec import ChunkAssembler
 from pswire.errors import (
     CallCancelledError,
     InvalidRequestError,
+    PSError,
     UnauthenticatedError,
     UnavailableError,
 )
@@ -39,6 +43,8 @@ from pswire.security import TOKEN_HEADER, TOKEN_SCHEME, ServerSecurity, check_to
 
 log = logging.getLogger(__name__)
 DEFAULT_PIECE_BYTES = fw.PIECE_BYTES
+# Each data command's step, in metrics, as the grpcio call doing the same.
+RPC_OF = {fw.PUSH_PULL: "PushPull", fw.PUSH: "Push", fw.PULL: "Pull"}
 
 
 class TokenMiddlewareFactory(flight.ServerMiddlewareFactory):
@@ -82,9 +88,11 @@ class FlightShardService(flight.FlightServerBase):
         location: str,
         piece_bytes: int = DEFAULT_PIECE_BYTES,
         admission: Admission | None = None,
+        metrics: ShardMetrics | None = None,
         **options: Any,
     ) -> None:
         super().__init__(location, **options)
+        self.metrics = metrics  # each step timed and counted as the grpcio call of its kind
         self.shard = shard
         self.piece_bytes = piece_bytes
         # The same limits as the control port's (bytes arriving at once, step streams per
@@ -111,9 +119,26 @@ class FlightShardService(flight.FlightServerBase):
                         raise CallCancelledError(f"{op.decode()}: the worker cancelled the call")
                     if self.stopping.is_set():  # an exchange kept open outlives the stop
                         raise UnavailableError(f"{op.decode()}: the shard is stopping")
-                    step(first, reader, writer, held)
+                    self._timed(op, step, first, reader, writer, held)
         except Exception as exc:
             raise fw.to_flight_error(exc, f"DoExchange {op!r}") from None
+
+    def _timed(self, op: bytes, step: Any, *args: Any) -> None:
+        """Runs one step, timed and counted under its grpcio call's name (``RPC_OF``)."""
+        if self.metrics is None:
+            step(*args)
+            return
+        start, code = time.perf_counter(), grpc.StatusCode.OK
+        try:
+            step(*args)
+        except PSError as exc:
+            code = exc.code
+            raise
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            raise
+        finally:
+            self.metrics.observe_rpc(RPC_OF[op], code, time.perf_counter() - start)
 
     def _ops(self) -> dict[bytes, Any]:
         return {fw.PUSH_PULL: self._push_pull, fw.PUSH: self._push, fw.PULL: self._pull}
@@ -263,6 +288,7 @@ def start_flight_service(
     security: ServerSecurity | None = None,
     piece_bytes: int = DEFAULT_PIECE_BYTES,
     admission: Admission | None = None,
+    metrics: ShardMetrics | None = None,
 ) -> RunningFlightService:
     """Starts the data port for ``shard`` on ``host:port`` (0: a free port), serving at once.
 
@@ -287,6 +313,6 @@ def start_flight_service(
     if security.token:
         options["middleware"] = {"token": TokenMiddlewareFactory(security.token)}
     service = FlightShardService(
-        shard, f"{scheme}://{host}:{port}", piece_bytes, admission, **options
+        shard, f"{scheme}://{host}:{port}", piece_bytes, admission, metrics, **options
     )
     return RunningFlightService(service, host, service.port)

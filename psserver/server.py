@@ -158,7 +158,9 @@ def start_server(
     data: RunningFlightService | None = None
     if data_port is not None:
         try:
-            data = start_flight_service(shard, host, data_port, security, admission=admission)
+            data = start_flight_service(
+                shard, host, data_port, security, admission=admission, metrics=metrics
+            )
         except Exception as exc:
             server.stop(0)
             raise RuntimeError(
