@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                         link.flight = None
                 outs = [{"w": np.empty(size, np.float32)} for _ in clients]
                 steps = {
-                    name: (lambda c=c, o=o: c.push_pull(grads, out=o))
+                    name: (lambda c=c, o=o, g=grads: c.push_pull(g, out=o))
                     for name, c, o in zip(("flight", "grpc"), clients, outs, strict=True)
                 }
                 times = interleave(steps, args.rounds, warmup=3)
