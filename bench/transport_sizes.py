@@ -29,11 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--shards", type=int, default=1)
+    parser.add_argument("--sizes", type=int, nargs="*", default=SIZES, help="parameters")
     args = parser.parse_args(argv)
     print(f"push_pull, async, {args.shards} shard(s), median of {args.rounds} interleaved rounds")
     print(f"{'params':>10} {'bytes':>10} {'flight ms':>10} {'grpc ms':>10} {'grpc/flight':>12}")
     with tempfile.TemporaryDirectory() as tmp:
-        for size in SIZES:
+        for size in args.sizes:
             model = {"w": np.zeros(size, np.float32)}
             grads = {"w": np.full(size, 1e-6, np.float32)}
             with contextlib.ExitStack() as stack:
@@ -53,8 +54,12 @@ def main(argv: list[str] | None = None) -> int:
                         link.flight.close()
                         link.flight = None
                 outs = [{"w": np.empty(size, np.float32)} for _ in clients]
+
+                def step(c: psworker.Client, o: dict[str, np.ndarray], g: dict) -> None:
+                    c.push_pull(g, out=o)  # None: interleave times the call itself
+
                 steps = {
-                    name: (lambda c=c, o=o, g=grads: c.push_pull(g, out=o))
+                    name: (lambda c=c, o=o, g=grads: step(c, o, g))
                     for name, c, o in zip(("flight", "grpc"), clients, outs, strict=True)
                 }
                 times = interleave(steps, args.rounds, warmup=3)

@@ -110,6 +110,7 @@ class ShardLink:
         self.flight: FlightTransport | None = None  # the shard's data port, once registered
         self.data_port = 0
         self._stepping: Transport = self.grpc  # the transport of the step last sent
+        self._reply_bytes = 0  # the tensor bytes of the last reply: what the next may carry
 
     @property
     def steps(self) -> Transport:
@@ -117,11 +118,16 @@ class ShardLink:
         return self._stepping
 
     def transport(self, nbytes: int = 0) -> Transport:
-        """The transport for a call moving about ``nbytes`` tensor bytes each way: the data
-        port where the shard has one (and this worker uses it), else grpcio."""
-        if self.flight is not None and nbytes >= self.config.grpc_below_bytes:
+        """The transport for a call moving about ``nbytes`` tensor bytes one way (or as many
+        as the last reply brought back, if more): the data port where the shard has one, this
+        worker uses it and the call is not under ``grpc_below_bytes``; else grpcio."""
+        size = max(nbytes, self._reply_bytes)
+        if self.flight is not None and size >= self.config.grpc_below_bytes:
             return self.flight
         return self.grpc
+
+    def _replied(self, arrays: Mapping[str, np.ndarray]) -> None:
+        self._reply_bytes = sum(a.nbytes for a in arrays.values())
 
     def close(self) -> None:
         """Ends the open calls, and any retrying call (it raises ClientClosedError)."""
@@ -248,6 +254,7 @@ class ShardLink:
             self.pull_skipped = False
             nbytes = sum(a.nbytes for a in into.values()) if into else 0
             arrays, self.pull_skipped = self.transport(nbytes).pull(request, into)
+            self._replied(arrays)
             return arrays
 
         return self.call("Pull", run)
@@ -326,6 +333,7 @@ class ShardLink:
             if result is None:  # not sent, or unreachable: the retrying path starts over
                 result = self.call("PushPull", run)
             self.note_reply(result[0])
+            self._replied(result[1])
             return result
 
         sent: Transport | None = None

@@ -31,6 +31,13 @@ pytestmark = pytest.mark.timeout(60)
 MODEL = {"w": np.arange(12, dtype=np.float32).reshape(4, 3), "b": np.ones(3, np.float32)}
 GRAD = {"w": np.ones((4, 3), np.float32), "b": np.full(3, 2.0, np.float32)}
 TOKEN = "data-plane_t0ken.for.tests"
+SGD = psworker.SGD(lr=0.5)
+
+
+@pytest.fixture(autouse=True)
+def flight_for_every_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These small steps on the data port too (by default they would travel on grpcio)."""
+    monkeypatch.setenv("PS_GRPC_BELOW_BYTES", "0")
 
 
 @pytest.fixture
@@ -80,6 +87,31 @@ def test_the_data_port_is_in_registration_and_status(servers) -> None:
         assert link.data_port == server.data_port > 0
         assert link.flight is not None and link.flight.address.endswith(f":{server.data_port}")
         assert c.status()[0].data_port == server.data_port
+
+
+def test_steps_under_the_size_rule_travel_on_grpcio_and_larger_ones_on_flight(
+    servers, monkeypatch
+) -> None:
+    monkeypatch.setenv("PS_GRPC_BELOW_BYTES", "1024")
+    server = servers()
+    with psworker.connect([server.address], worker_id=0, num_workers=1) as c:
+        c.init({"small": np.zeros(16, np.float32), "big": np.zeros(512, np.float32)}, SGD)
+        c.push_pull({"small": np.ones(16, np.float32)})  # 64 bytes out; what comes back?
+        assert c.links[0].steps.name == "grpc"
+        c.push_pull({"small": np.ones(16, np.float32)})  # the last reply was 2,112 bytes
+        assert c.links[0].steps.name == "flight"
+        out = {"small": np.zeros(16, np.float32), "big": np.zeros(512, np.float32)}
+        c.push({"small": np.ones(16, np.float32)})
+        c.push_pull({"small": np.ones(16, np.float32)}, out=out)
+        assert c.links[0].steps.name == "flight"
+    monkeypatch.setenv("PS_GRPC_BELOW_BYTES", "4096")
+    with psworker.connect([server.address], worker_id=0, num_workers=1) as c:
+        c.init({"small": np.zeros(16, np.float32), "big": np.zeros(512, np.float32)}, SGD)
+        c.push_pull({"small": np.ones(16, np.float32)})
+        assert c.links[0].steps.name == "grpc"
+    monkeypatch.setenv("PS_GRPC_BELOW_BYTES", "lots")
+    with pytest.raises(ValueError, match="PS_GRPC_BELOW_BYTES must be a whole number"):
+        psworker.connect([server.address], worker_id=0, num_workers=1)
 
 
 def test_psserver_data_port_flag_and_variable(monkeypatch) -> None:

@@ -14,6 +14,8 @@ from psserver.records import Limits
 from pswire.optim import SGD
 
 SHAPES = {"w": (6, 4), "b": (4,)}
+# Every test here runs on both transports (conftest.py's ``data_plane``).
+pytestmark = pytest.mark.usefixtures("data_plane")
 
 
 def init_values() -> dict[str, np.ndarray]:
