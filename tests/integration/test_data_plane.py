@@ -293,3 +293,42 @@ def test_a_worker_holds_at_most_its_step_streams_on_the_data_port(servers) -> No
         assert isinstance(err, PSError) and err.code.name == "RESOURCE_EXHAUSTED"
         assert state(server) == before
         c.push_pull(GRAD)
+
+
+def test_mutual_tls_and_the_token_guard_the_data_port_from_the_same_settings(
+    servers, tmp_path
+) -> None:
+    from psctl.certs import write_certs
+    from pswire.security import ServerSecurity
+
+    certs = write_certs(tmp_path, ["127.0.0.1", "localhost"])
+    security = ServerSecurity(
+        cert=certs.server_cert, key=certs.server_key, ca=certs.ca, token=TOKEN
+    )
+    server = servers(security=security)
+    tls = {"tls_ca": certs.ca, "tls_cert": certs.client_cert, "tls_key": certs.client_key}
+    with psworker.connect([server.address], worker_id=0, num_workers=1, token=TOKEN, **tls) as c:
+        c.init(MODEL, psworker.SGD(lr=0.5))
+        c.push_pull(GRAD)
+        assert c.links[0].steps.name == "flight"
+        before = state(server)
+        # TLS but no client certificate: the handshake fails before any call.
+        client = flight.FlightClient(
+            f"grpc+tls://127.0.0.1:{server.data_port}", tls_root_certs=certs.ca.read_bytes()
+        )
+        try:
+            with pytest.raises(flight.FlightUnavailableError):
+                writer, reader = client.do_exchange(
+                    flight.FlightDescriptor.for_command(fw.PUSH_PULL),
+                    options=flight.FlightCallOptions(
+                        timeout=5, headers=[(b"authorization", f"Bearer {TOKEN}".encode())]
+                    ),
+                )
+                writer.begin(fw.SCHEMA)
+                writer.write_metadata(good_header(1))
+                reader.read_chunk()
+        finally:
+            client.close()
+        # Plain TCP to a TLS port: refused too.
+        assert send_raw(server.data_port, fw.PUSH_PULL, [(good_header(1), [bytes(12)])])
+        assert state(server) == before
