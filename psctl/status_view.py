@@ -109,6 +109,7 @@ def _shard_data(index: int, address: str, health: str, status: Status) -> dict[s
         error=None,
         initialized=status.initialized,
         incarnation=status.incarnation,
+        data_port=status.data_port or None,  # the Arrow Flight port for tensors; None: none
         mode=job.mode if job else None,
         staleness=job.staleness if job else None,  # the ssp bound the job declared
         num_workers=job.num_workers if job else None,
@@ -235,6 +236,18 @@ def render_json(
     return json.dumps(to_data(addresses, statuses, health), indent=2)
 
 
+def _data_ports(shards: Sequence[dict[str, Any]]) -> str:
+    """The line naming each shard's Flight data port (tensor bytes), or that it has none."""
+    ports = [
+        f"shard {s['shard']} :{s['data_port']}"
+        if s.get("data_port")
+        else f"shard {s['shard']} none"
+        for s in shards
+        if not s.get("error")
+    ]
+    return "data ports (Arrow Flight, tensor bytes; none: on the gRPC port): " + ", ".join(ports)
+
+
 def render_table(
     addresses: Sequence[str], statuses: Sequence[Status], health: Sequence[str] | None = None
 ) -> str:
@@ -271,6 +284,7 @@ def render_table(
     headers = ["SHARD", "ADDRESS", "HEALTH", "MODE", "CLOCK", "VARS", "BYTES", "LIVE"]
     headers += ["STALENESS", "PUSHES/DUP", "LATE", "LAST CHECKPOINT"]
     lines = _table(headers, rows)
+    lines += [_data_ports(shards)] if any(not s.get("error") for s in shards) else []
     lines += [
         f"shard {s['shard']} ({s['address']}): {s['error']}" for s in shards if s.get("error")
     ]

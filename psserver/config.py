@@ -56,6 +56,8 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"  # /metrics has no token: exposing it is a choice
     stream_idle_s: float = DEFAULT_STREAM_IDLE_S
     max_inflight_bytes: int = 0
+    # The Arrow Flight data port for tensor bytes (docs/flight.md): 0 any free port, None off.
+    data_port: int | None = 0
 
     def __post_init__(self) -> None:
         problems = []
@@ -99,6 +101,10 @@ class ServerConfig:
                 "fresh sets aside the checkpoints of a checkpoint-dir; without one every start "
                 "is fresh"
             )
+        if self.data_port is not None and not 0 <= self.data_port <= 65535:
+            problems.append(f"data-port must be in [0, 65535] or off, got {self.data_port}")
+        if self.data_port and self.data_port == self.port:
+            problems.append(f"data-port must differ from port, both are {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             problems.append(f"metrics-port must be in [0, 65535], got {self.metrics_port}")
         if self.log_format not in LOG_FORMATS:
@@ -134,6 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
         env="PS_PORT",
         type=int,
         help="port to bind; 0 picks a free one; unset: this task's port in --cluster, else 0",
+    )
+    cli.add(
+        parser,
+        "--data-port",
+        env="PS_DATA_PORT",
+        type=data_port,
+        default=0,
+        help="the Arrow Flight data port carrying tensor bytes (workers learn it when they "
+        "register); 0 picks a free one; 'off': none (tensors travel on --port's grpcio calls)",
     )
     cli.add(
         parser,
@@ -393,6 +408,7 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
             shard_name=shard_name,
             metrics_host=args.metrics_host,
             stream_idle_s=args.stream_idle_timeout,
+            data_port=args.data_port,
             max_inflight_bytes=(
                 physical_memory() // 4
                 if args.max_inflight_bytes is None
@@ -401,6 +417,17 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         )
     except ValueError as exc:
         parser.error(str(exc))
+
+
+def data_port(text: str) -> int | None:
+    """``--data-port``'s value: a port number, or None for 'off'.
+
+    Raises:
+        ValueError: neither (argparse reports it as a bad value).
+    """
+    if text.strip().lower() == "off":
+        return None
+    return int(text)
 
 
 def physical_memory() -> int:

@@ -10,28 +10,40 @@ transport. TLS, mutual TLS and the token are Flight's own options and a server m
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pyarrow.flight as flight
 
-from psserver.records import PushResult
-from psserver.servicer import DEADLINE_MARGIN_S
+from psserver.admission import DEFAULT_THREADS, Admission
+from psserver.metrics import ShardMetrics
+from psserver.servicer import DEADLINE_MARGIN_S, push_response, row_query
 from psserver.shard import Shard
 from pswire import flightwire as fw
-from pswire.codec import ChunkAssembler, assembled_grads
-from pswire.errors import CallCancelledError, InvalidRequestError, UnauthenticatedError
+from pswire.codec import ChunkAssembler, assembled_grads, header_options
+from pswire.errors import (
+    CallCancelledError,
+    InvalidRequestError,
+    PSError,
+    UnauthenticatedError,
+    UnavailableError,
+)
 from pswire.proto import ps_pb2
 from pswire.security import TOKEN_HEADER, TOKEN_SCHEME, ServerSecurity, check_token
 
 log = logging.getLogger(__name__)
 DEFAULT_PIECE_BYTES = fw.PIECE_BYTES
+# Each data command's step, in metrics, as the grpcio call doing the same.
+RPC_OF = {fw.PUSH_PULL: "PushPull", fw.PUSH: "Push", fw.PULL: "Pull"}
 
 
 class TokenMiddlewareFactory(flight.ServerMiddlewareFactory):
@@ -59,6 +71,12 @@ class TokenMiddlewareFactory(flight.ServerMiddlewareFactory):
         return None
 
 
+class _Exchange(contextlib.ExitStack):
+    """One DoExchange call's hold on the shard's limits: the worker whose step stream it is."""
+
+    worker: int | None = None
+
+
 class FlightShardService(flight.FlightServerBase):
     """Thin adapter from Flight DoExchange onto one ``Shard``: per step, decode the request
     and its batches, make one call into the shard, encode the reply's batches."""
@@ -68,11 +86,18 @@ class FlightShardService(flight.FlightServerBase):
         shard: Shard,
         location: str,
         piece_bytes: int = DEFAULT_PIECE_BYTES,
+        admission: Admission | None = None,
+        metrics: ShardMetrics | None = None,
         **options: Any,
     ) -> None:
         super().__init__(location, **options)
+        self.metrics = metrics  # each step timed and counted as the grpcio call of its kind
         self.shard = shard
         self.piece_bytes = piece_bytes
+        # The same limits as the control port's (bytes arriving at once, step streams per
+        # worker): one Admission for both front ends.
+        self.admission = admission or Admission(threads=DEFAULT_THREADS)
+        self.stopping = threading.Event()  # set by ``RunningFlightService.stop``
 
     def do_exchange(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
         op = descriptor.command
@@ -83,45 +108,75 @@ class FlightShardService(flight.FlightServerBase):
                     f"unknown data command {op!r}; expected one of {list(fw.COMMANDS)}"
                 )
             writer.begin(fw.SCHEMA)
-            while True:
-                try:
-                    first = reader.read_chunk()
-                except StopIteration:
-                    return  # the worker closed the exchange: done
-                if context.is_cancelled():
-                    raise CallCancelledError(f"{op.decode()}: the worker cancelled the call")
-                step(first, reader, writer)
+            with _Exchange() as held:
+                while True:
+                    try:
+                        first = reader.read_chunk()
+                    except StopIteration:
+                        return  # the worker closed the exchange: done
+                    if context.is_cancelled():
+                        raise CallCancelledError(f"{op.decode()}: the worker cancelled the call")
+                    if self.stopping.is_set():  # an exchange kept open outlives the stop
+                        raise UnavailableError(f"{op.decode()}: the shard is stopping")
+                    self._timed(op, step, first, reader, writer, held)
         except Exception as exc:
             raise fw.to_flight_error(exc, f"DoExchange {op!r}") from None
+
+    def _timed(self, op: bytes, step: Any, *args: Any) -> None:
+        """Runs one step, timed and counted under its grpcio call's name (``RPC_OF``)."""
+        if self.metrics is None:
+            step(*args)
+            return
+        start, code = time.perf_counter(), grpc.StatusCode.OK
+        try:
+            step(*args)
+        except PSError as exc:
+            code = exc.code
+            raise
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            raise
+        finally:
+            self.metrics.observe_rpc(RPC_OF[op], code, time.perf_counter() - start)
 
     def _ops(self) -> dict[bytes, Any]:
         return {fw.PUSH_PULL: self._push_pull, fw.PUSH: self._push, fw.PULL: self._pull}
 
     def _read_push(self, first: Any, reader: Any, where: str) -> tuple[Any, dict[str, Any]]:
-        """(the request, its gradients), every tensor checked against the manifest and the
-        shard's byte limit before its bytes are read."""
+        """(the request, its gradients), every tensor checked against the manifest, the
+        shard's byte limit and the bytes arriving at once (``--max-inflight-bytes``, held
+        until the step is applied) before its bytes are read."""
         request = fw.parse(ps_pb2.PushPullRequest, first.app_metadata, where)
         limit = self.shard.limits.max_request_bytes
         fw.check_manifest(request.chunks, limit, where)
-        assembler = ChunkAssembler(limit)
-        fw.read_step(reader, first.data, request.chunks, assembler, where)
-        return request, assembled_grads(assembler)
+        with self.admission.inflight() as reserve:
+            assembler = ChunkAssembler(limit, reserve=reserve)
+            fw.read_step(reader, first.data, request.chunks, assembler, where)
+            return request, assembled_grads(assembler)
 
-    def _push_pull(self, first: Any, reader: Any, writer: Any) -> None:
+    def _push_pull(self, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
         request, grads = self._read_push(first, reader, "push_pull")
         h = request.header
+        if held.worker is None:  # the exchange's first step: it holds one of the worker's
+            held.enter_context(self.admission.step_stream(h.worker_id))  # step streams
+            held.worker = h.worker_id
+        rows = row_query(request)
+        gathered = frozenset(table for table, _ in rows)  # copies made for this reply
         result, snapshot, clock = self.shard.push_pull(
             h.worker_id,
             h.step,
             grads,
-            encode=_snapshot,
+            encode=lambda arrays, _: _snapshot(arrays, gathered),
             timeout=fw.request_timeout(request.timeout_ms, DEADLINE_MARGIN_S),
             incarnation=h.incarnation,
             take=True,  # the arrays were decoded for this call alone
+            session=h.session,
+            options=header_options(h),
+            rows=rows,
         )
-        self._reply(writer, _push_response(result, self.shard.incarnation), snapshot, clock)
+        self._reply(writer, push_response(result, self.shard.incarnation), snapshot, clock)
 
-    def _push(self, first: Any, reader: Any, writer: Any) -> None:
+    def _push(self, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
         request, grads = self._read_push(first, reader, "push")
         h = request.header
         result = self.shard.push(
@@ -131,26 +186,31 @@ class FlightShardService(flight.FlightServerBase):
             timeout=fw.request_timeout(request.timeout_ms, DEADLINE_MARGIN_S),
             incarnation=h.incarnation,
             take=True,
+            session=h.session,
+            options=header_options(h),
         )
-        self._reply(writer, _push_response(result, self.shard.incarnation), {}, result.clock)
+        self._reply(writer, push_response(result, self.shard.incarnation), {}, result.clock)
 
-    def _pull(self, first: Any, reader: Any, writer: Any) -> None:
+    def _pull(self, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
         if first.data is not None:
             raise InvalidRequestError("pull: a pull request carries no tensor bytes")
         request = fw.parse(ps_pb2.PullRequest, first.app_metadata, "pull")
-        rows = [(q.table, _row_ids(q)) for q in request.rows]
+        rows = row_query(request)
+        gathered = frozenset(table for table, _ in rows)
         snapshot, clock = self.shard.pull(
             request.worker_id,
             request.step,
             list(request.names),
-            # A pull's deadline is the call's (FlightCallOptions.timeout), not sent in the
-            # request: bounded here by the shard's own longest wait.
-            timeout=None,
-            encode=_snapshot,
+            # The worker sends its deadline (0: the shard's own longest wait bounds it).
+            timeout=fw.request_timeout(request.timeout_ms, DEADLINE_MARGIN_S),
+            encode=lambda arrays, _: _snapshot(arrays, gathered),
             rows=rows,
             incarnation=request.incarnation,
         )
-        self._reply(writer, None, snapshot, clock)
+        skipped = request.worker_id >= 0 and self.shard.step_skipped(request.step - 1)
+        # A pull's reply carries no push; ``push.skipped``: the step before it was skipped.
+        pushed = ps_pb2.PushResponse(skipped=True) if skipped else None
+        self._reply(writer, pushed, snapshot, clock)
 
     def _reply(
         self,
@@ -166,35 +226,11 @@ class FlightShardService(flight.FlightServerBase):
         fw.write_step(writer, reply.SerializeToString(), list(raws.values()), self.piece_bytes)
 
 
-def _snapshot(arrays: Mapping[str, np.ndarray], clock: int) -> dict[str, np.ndarray]:
+def _snapshot(arrays: Mapping[str, np.ndarray], owned: frozenset[str]) -> dict[str, np.ndarray]:
     """Copies of the variables, taken under the shard's lock: the consistent snapshot a reply
-    sends after the lock is released (one copy, as the grpcio path's encode)."""
-    return {k: np.array(a, copy=True) for k, a in arrays.items()}
-
-
-def _row_ids(query: ps_pb2.RowQuery) -> np.ndarray:
-    """A row query's int64 ids, decoded without a copy.
-
-    Raises:
-        InvalidRequestError: not a whole number of int64s.
-    """
-    if len(query.ids) % 8:
-        raise InvalidRequestError(
-            f"table '{query.table}': row ids are {len(query.ids)} bytes, not a whole number "
-            "of int64s"
-        )
-    return np.frombuffer(query.ids, dtype="<i8")
-
-
-def _push_response(result: PushResult, incarnation: str) -> ps_pb2.PushResponse:
-    return ps_pb2.PushResponse(
-        applied=result.applied,
-        reason=result.reason,
-        clock=result.clock,
-        incarnation=incarnation,
-        durable_step=result.durable_step,
-        next_step=result.next_step,
-    )
+    sends after the lock is released (one copy, as the grpcio encode); table rows gathered for
+    this reply (``owned``) are copies already."""
+    return {k: a if k in owned else np.array(a, copy=True) for k, a in arrays.items()}
 
 
 @dataclass
@@ -217,6 +253,7 @@ class RunningFlightService:
         across steps lasts until the worker closes it: past ``grace`` the shutdown goes on in
         the background (the process's exit ends it) instead of blocking the caller.
         """
+        self.service.stopping.set()
         done = threading.Thread(target=self.service.shutdown, name="ps-flight-stop", daemon=True)
         done.start()
         done.join(grace)
@@ -249,6 +286,8 @@ def start_flight_service(
     port: int = 0,
     security: ServerSecurity | None = None,
     piece_bytes: int = DEFAULT_PIECE_BYTES,
+    admission: Admission | None = None,
+    metrics: ShardMetrics | None = None,
 ) -> RunningFlightService:
     """Starts the data port for ``shard`` on ``host:port`` (0: a free port), serving at once.
 
@@ -272,5 +311,7 @@ def start_flight_service(
             options["root_certificates"] = _pem(security.ca, "TLS CA certificate")
     if security.token:
         options["middleware"] = {"token": TokenMiddlewareFactory(security.token)}
-    service = FlightShardService(shard, f"{scheme}://{host}:{port}", piece_bytes, **options)
+    service = FlightShardService(
+        shard, f"{scheme}://{host}:{port}", piece_bytes, admission, metrics, **options
+    )
     return RunningFlightService(service, host, service.port)

@@ -75,6 +75,7 @@ def serve(config: ServerConfig, stop: threading.Event) -> int:
             metrics=metrics,
             stream_idle_s=config.stream_idle_s,
             max_inflight_bytes=config.max_inflight_bytes,
+            data_port=config.data_port,
         )
     except (RuntimeError, ValueError) as exc:
         log.error("psserver could not start on %s:%d: %s", config.host, config.port, exc)
@@ -90,10 +91,13 @@ def serve(config: ServerConfig, stop: threading.Event) -> int:
         log.info("metrics at http://%s:%d/metrics", config.metrics_host, exporter.port)
     try:
         log.info(
-            "psserver listening on %s:%d (%s)",
+            "psserver listening on %s:%d (%s); %s",
             config.host,
             server.port,
             config.security.describe(),
+            f"Flight data port {server.data_port}"
+            if server.data_port
+            else "no data port: tensors travel on the gRPC port",
         )
         if not config.host_given:
             log.info(host_note(config))

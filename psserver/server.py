@@ -17,6 +17,7 @@ from psserver.admission import (
     DEFAULT_THREADS,
     Admission,
 )
+from psserver.flight_service import RunningFlightService, start_flight_service
 from psserver.metrics import RpcMetricsInterceptor, ShardMetrics
 from psserver.parsing import tolerant
 from psserver.servicer import ParameterServerServicer
@@ -60,6 +61,12 @@ class RunningServer:
     host: str = "127.0.0.1"
     admission: Admission | None = None
     ticker: _ExpiryTicker | None = None
+    data: RunningFlightService | None = None  # the Flight data port (None: off)
+
+    @property
+    def data_port(self) -> int:
+        """The Flight data port's number (0: none)."""
+        return self.data.port if self.data is not None else 0
 
     @property
     def address(self) -> str:
@@ -72,7 +79,10 @@ class RunningServer:
         stopping), then calls in flight get ``grace`` seconds."""
         self.health.enter_graceful_shutdown()
         self.shard.close()
-        self.server.stop(grace).wait(grace + 1.0)
+        stopped = self.server.stop(grace)
+        if self.data is not None:
+            self.data.stop(grace)  # gives up after grace: an exchange kept open ends at exit
+        stopped.wait(grace + 1.0)
         for part in (self.ticker, self.admission):
             if part is not None:
                 part.stop()
@@ -89,6 +99,7 @@ def start_server(
     stream_idle_s: float = DEFAULT_STREAM_IDLE_S,
     streams_per_worker: int = DEFAULT_STREAMS_PER_WORKER,
     max_inflight_bytes: int = 0,
+    data_port: int | None = 0,
 ) -> RunningServer:
     """Starts a shard server bound to ``host:port`` (0 picks a free port) and returns it.
 
@@ -101,10 +112,14 @@ def start_server(
     host). A request stream idle, or a reply left untaken, for ``stream_idle_s`` is cancelled;
     a worker holds at most ``streams_per_worker`` open step streams; requests arriving at once
     declare at most ``max_inflight_bytes`` (0: no bound beyond each one's limit).
+    ``data_port``: the Arrow Flight data port for tensor bytes on the same host (0: a free
+    port; None: none, tensors then travel on this port's grpcio calls), with the same
+    security and limits; workers learn it from RegisterWorker.
 
     Raises:
         RuntimeError: the address could not be bound.
         ValueError: a TLS file cannot be read.
+        OSError: the data port could not be bound.
     """
     shard = shard or Shard()
     # SO_REUSEPORT off: a second shard on a taken port must fail, not split the traffic.
@@ -140,6 +155,18 @@ def start_server(
         bound = server.add_insecure_port(address)
     if bound == 0:
         raise RuntimeError(f"could not bind {host}:{port}")
+    data: RunningFlightService | None = None
+    if data_port is not None:
+        try:
+            data = start_flight_service(
+                shard, host, data_port, security, admission=admission, metrics=metrics
+            )
+        except Exception as exc:
+            server.stop(0)
+            raise RuntimeError(
+                f"could not start the data port on {host}:{data_port}: {exc}"
+            ) from None
+        servicer.data_port = data.port
     if metrics is not None and not metrics.name:
         # Set before the first call, so every sample carries it; a wildcard bind is named by
         # the machine, as "0.0.0.0" would not tell two shards apart.
@@ -151,4 +178,4 @@ def start_server(
     ticker.start()
     for name in ("", SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, bound, shard, health_servicer, host, admission, ticker)
+    return RunningServer(server, bound, shard, health_servicer, host, admission, ticker, data)

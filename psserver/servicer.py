@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 DEADLINE_MARGIN_S = 0.25
 
 
-def _row_query(
+def row_query(
     request: ps_pb2.PullRequest | ps_pb2.PushPullRequest | read.StepRequest,
 ) -> list[tuple[str, np.ndarray]]:
     """(table, ids) pairs of a pull (or a PushPull's read); ids decoded without a copy.
@@ -56,6 +56,21 @@ def _row_query(
         ids = np.frombuffer(q.ids, dtype="<i8")
         rows.append((q.table, ids if ids.flags.aligned else ids.copy()))
     return rows
+
+
+def push_response(result: PushResult, incarnation: str) -> ps_pb2.PushResponse:
+    """A push's result as both front ends (this servicer, the Flight data port) answer it."""
+    return ps_pb2.PushResponse(
+        applied=result.applied,
+        reason=result.reason,
+        clock=result.clock,
+        incarnation=incarnation,
+        durable_step=result.durable_step,
+        next_step=result.next_step,
+        absent_workers=result.absent,
+        job_id=result.job_id,
+        skipped=result.skipped,
+    )
 
 
 def _timeout(context: grpc.ServicerContext) -> float | None:
@@ -118,6 +133,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.chunk_bytes = chunk_bytes
         self.save_checkpoint = checkpoint
         self.admission = admission or Admission(threads=DEFAULT_THREADS)
+        self.data_port = 0  # the shard's Flight data port, told to workers (0: none)
         self._shared_pull: Callable[[], _Reply | None] = _none  # see _encode_pull
 
     @rpc_errors
@@ -131,6 +147,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             checkpointing=self.shard.checkpointing,
             job_id=reg.job_id,
             heartbeat_timeout_s=self.shard.limits.heartbeat_timeout_s,
+            data_port=self.data_port,
         )
 
     @rpc_errors
@@ -229,7 +246,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @rpc_errors
     def Pull(self, request, context):
-        rows = _row_query(request)
+        rows = row_query(request)
         with _ending(context, self.shard) as cancelled:
             messages, _ = self.shard.pull(
                 request.worker_id,
@@ -297,7 +314,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         cancelled: threading.Event,
     ) -> bytes | ps_pb2.PushPullResponse:
         header = request.header
-        rows = _row_query(request)
+        rows = row_query(request)
         gathered = frozenset(table for table, _ in rows)  # copies made for this reply
 
         def encode(arrays: Mapping[str, np.ndarray], clock: int) -> write.ReplyTensors:
@@ -319,17 +336,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return write.reply(self._push_response(result), tensors, clock)
 
     def _push_response(self, result: PushResult) -> ps_pb2.PushResponse:
-        return ps_pb2.PushResponse(
-            applied=result.applied,
-            reason=result.reason,
-            clock=result.clock,
-            incarnation=self.shard.incarnation,
-            durable_step=result.durable_step,
-            next_step=result.next_step,
-            absent_workers=result.absent,
-            job_id=result.job_id,
-            skipped=result.skipped,
-        )
+        return push_response(result, self.shard.incarnation)
 
     @rpc_errors
     def PullState(self, request, context):
@@ -376,6 +383,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             joins=st.membership_counts.get("joined", 0) + st.membership_counts.get("rejoined", 0),
             leaves=st.membership_counts.get("left", 0),
             drops=st.membership_counts.get("dropped", 0) + st.membership_counts.get("replaced", 0),
+            data_port=self.data_port,
         )
         for event, ago in st.history:
             reply.history.add(

@@ -7,7 +7,9 @@ steps share one ``DoExchange`` kept open across steps; each step carries its own
 which the shard honours and a watchdog enforces here (the call is cancelled when a reply is
 late). Any error ends the exchange; the next step opens another. Errors are the ``PSError``
 the shard raised (same class, same status); retries, re-registration and replay stay with the
-link that owns this transport.
+``ShardLink`` above (psworker/transport_flight.py adapts this to its transport interface).
+A step goes in two halves (``send_step``, ``receive_step``), so a worker sends every shard its
+step before it waits for any.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +26,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from pscore.optspec import StepOptions
 from pscore.tables import RowSparse
 from pswire import flightwire as fw
 from pswire.codec import ChunkAssembler
 from pswire.errors import PSError, UnavailableError, WaitTimeoutError
 from pswire.proto import ps_pb2
 from pswire.security import TOKEN_HEADER, TOKEN_SCHEME, ClientSecurity
+from pswire.write import push_header
+from psworker.stepstream import step_timeout_ms
 
-# A request's timeout_ms is a uint32: about 49 days at most.
-MAX_STEP_S = (2**32 - 1) / 1000
 _FAILURES = (flight.FlightError, pa.ArrowException, OSError)
 
 
@@ -46,12 +50,14 @@ class FlightLink:
         timeout: float,
         security: ClientSecurity | None = None,
         piece_bytes: int = fw.PIECE_BYTES,
+        session: str = "",
     ) -> None:
         self.index = index
         self.address = address
         self.worker_id = worker_id
         self.timeout = timeout
         self.piece_bytes = piece_bytes
+        self.session = session
         security = security or ClientSecurity()
         kwargs: dict[str, Any] = {}
         scheme = "grpc+tcp"
@@ -69,6 +75,10 @@ class FlightLink:
         self._lock = threading.Lock()
         self._open: tuple[Any, Any] | None = None  # the push_pull exchange kept open
         self._watchdog = _Watchdog()
+        # The step sent and not yet answered: (where its reply goes, the deadline fired).
+        self._pending: tuple[Mapping[str, np.ndarray] | None, threading.Event] | None = None
+        self._early: Future[Any] | None = None  # its reply, read on a thread (``when_ended``)
+        self._reading: ThreadPoolExecutor | None = None
 
     def where(self, op: str) -> str:
         return f"{op} on shard {self.index} ({self.address}, Flight)"
@@ -79,22 +89,46 @@ class FlightLink:
         pieces: Mapping[str, np.ndarray | RowSparse],
         into: Mapping[str, np.ndarray] | None = None,
         incarnation: str = "",
+        options: StepOptions | None = None,
+        rows: Sequence[ps_pb2.RowQuery] = (),
     ) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
-        """This shard's pieces of one step, then the weights for the step after it, on the
-        exchange kept open (decoded into ``into``'s arrays where given).
+        """This shard's pieces of one step (with ``options``; and ``rows`` of tables read
+        after it), then the weights for the step after it, on the exchange kept open (decoded
+        into ``into``'s arrays where given).
 
         Raises:
             PSError: the shard refused the step (its class and status), the shard was
                 unreachable (UnavailableError), or no reply came within ``timeout``
                 (WaitTimeoutError).
         """
+        self.send_step(step, pieces, into, incarnation, options, rows)
+        return self.receive_step()
+
+    def send_step(
+        self,
+        step: int,
+        pieces: Mapping[str, np.ndarray | RowSparse],
+        into: Mapping[str, np.ndarray] | None = None,
+        incarnation: str = "",
+        options: StepOptions | None = None,
+        rows: Sequence[ps_pb2.RowQuery] = (),
+    ) -> None:
+        """``push_pull``'s first half: sends the step. The exchange is this step's until
+        ``receive_step`` (which must follow unless this raised) returns or raises.
+
+        Raises:
+            PSError: as ``push_pull`` (the exchange is then closed).
+        """
         where = self.where("push_pull")
-        request = self._request(step, pieces, incarnation)
-        with self._lock:
+        request = self._request(step, pieces, incarnation, options)
+        request.rows.extend(rows)
+        self._lock.acquire()
+        expired = threading.Event()
+        self._pending = (into, expired)
+        try:
             if self._open is None:
                 self._open = self._exchange(fw.PUSH_PULL, None, where)
             writer, reader = self._open
-            expired = threading.Event()
 
             def expire() -> None:
                 expired.set()
@@ -102,22 +136,68 @@ class FlightLink:
                     reader.cancel()
 
             self._watchdog.arm(time.monotonic() + self.timeout, expire)
-            try:
-                self._send(writer, request, pieces)
-                reply, arrays = _read_reply(reader, into, where)
-            except BaseException as exc:
-                self._close_open()
-                if expired.is_set():
-                    raise WaitTimeoutError(
-                        f"{where}: no reply within {self.timeout:.1f}s"
-                    ) from None
-                raise _error(exc, where) from None
-            finally:
-                self._watchdog.disarm()
+            self._send(writer, request, pieces)
+        except BaseException as exc:
+            self._pending = None
+            self._lock.release()
+            raise self._failure(exc, expired, where) from None
+
+    def when_ended(self, fn: Callable[[], None]) -> None:
+        """Runs ``fn()`` if the step just sent fails before ``receive_step`` is called: its
+        reply is read on a thread of its own meanwhile (so a restarted shard is recovered
+        while the caller waits for another shard's reply). At most once."""
+        if self._pending is None:
+            fn()  # no step in flight (its send failed): nothing to wait for
+            return
+        if self._early is None:
+            if self._reading is None:
+                self._reading = ThreadPoolExecutor(1, thread_name_prefix="ps-flight-reply")
+            self._early = self._reading.submit(self._read_pending)
+        self._early.add_done_callback(lambda f: fn() if f.exception() is not None else None)
+
+    def receive_step(self) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
+        """``push_pull``'s second half: the reply to the step ``send_step`` sent.
+
+        Raises:
+            PSError: as ``push_pull``.
+        """
+        try:
+            early, self._early = self._early, None
+            if early is not None:
+                return early.result()  # type: ignore[no-any-return]
+            return self._read_pending()
+        finally:
+            self._pending = None
+            self._lock.release()
+
+    def _read_pending(self) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
+        where = self.where("push_pull")
+        assert self._pending is not None
+        into, expired = self._pending
+        try:
+            if self._open is None:
+                raise UnavailableError(f"{where}: the exchange closed before the reply")
+            reply, arrays = _read_reply(self._open[1], into, where)
+        except BaseException as exc:
+            raise self._failure(exc, expired, where) from None
+        finally:
+            self._watchdog.disarm()
         return reply.push, arrays
 
+    def _failure(self, exc: BaseException, expired: threading.Event, where: str) -> BaseException:
+        """The error a failed step raises; the exchange is closed (the next step opens one)."""
+        self._watchdog.disarm()
+        self._close_open()
+        if expired.is_set():
+            return WaitTimeoutError(f"{where}: no reply within {self.timeout:.1f}s")
+        return _error(exc, where)
+
     def push(
-        self, step: int, pieces: Mapping[str, np.ndarray | RowSparse], incarnation: str = ""
+        self,
+        step: int,
+        pieces: Mapping[str, np.ndarray | RowSparse],
+        incarnation: str = "",
+        options: StepOptions | None = None,
     ) -> ps_pb2.PushResponse:
         """A push of this shard's pieces of one step, on a call of its own.
 
@@ -125,7 +205,7 @@ class FlightLink:
             PSError: as ``push_pull``.
         """
         where = self.where("push")
-        request = self._request(step, pieces, incarnation)
+        request = self._request(step, pieces, incarnation, options)
 
         def run(writer: Any, reader: Any) -> ps_pb2.PushResponse:
             self._send(writer, request, pieces)
@@ -142,31 +222,47 @@ class FlightLink:
         Raises:
             PSError: as ``push_pull``.
         """
+        return self.pull_step(request, into)[0]
+
+    def pull_step(
+        self, request: ps_pb2.PullRequest, into: Mapping[str, np.ndarray] | None = None
+    ) -> tuple[dict[str, np.ndarray], bool]:
+        """``pull``, and whether the shard says the step before it was skipped (sync).
+
+        Raises:
+            PSError: as ``push_pull``.
+        """
         where = self.where("pull")
+        request.timeout_ms = step_timeout_ms(self.timeout)
 
-        def run(writer: Any, reader: Any) -> dict[str, np.ndarray]:
+        def run(writer: Any, reader: Any) -> tuple[dict[str, np.ndarray], bool]:
             writer.write_metadata(request.SerializeToString())
-            _, arrays = _read_reply(reader, into, where)
-            return arrays
+            reply, arrays = _read_reply(reader, into, where)
+            return arrays, reply.push.skipped
 
-        return self._one_call(fw.PULL, run, where)
+        return self._one_call(fw.PULL, run, where)  # type: ignore[no-any-return]
 
     def close(self) -> None:
         """Ends the open exchange and the connection."""
         with self._lock:
             self._close_open()
             self._watchdog.stop()
+            if self._reading is not None:
+                self._reading.shutdown(wait=False)
             with contextlib.suppress(*_FAILURES):
                 self._client.close()
 
     # -- internals ------------------------------------------------------------------------------
 
     def _request(
-        self, step: int, pieces: Mapping[str, np.ndarray | RowSparse], incarnation: str
+        self,
+        step: int,
+        pieces: Mapping[str, np.ndarray | RowSparse],
+        incarnation: str,
+        options: StepOptions | None = None,
     ) -> ps_pb2.PushPullRequest:
-        header = ps_pb2.PushHeader(worker_id=self.worker_id, step=step, incarnation=incarnation)
-        timeout_ms = max(1, round(min(self.timeout, MAX_STEP_S) * 1000))
-        return ps_pb2.PushPullRequest(header=header, timeout_ms=timeout_ms)
+        header = push_header(self.worker_id, step, incarnation, options, self.session)
+        return ps_pb2.PushPullRequest(header=header, timeout_ms=step_timeout_ms(self.timeout))
 
     def _send(
         self,

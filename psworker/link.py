@@ -1,4 +1,9 @@
-"""One shard as a worker sees it: retries (warning while unreachable), restarts, push replay."""
+"""One shard as a worker sees it: retries (warning while unreachable), restarts, push replay.
+
+Tensors travel through a transport (psworker/transport.py): the shard's Arrow Flight data
+port when its registration names one, else the control port's grpcio calls. The link keeps
+what does not depend on the transport: retries, re-registration, replay, incarnations, the
+job's identity."""
 
 from __future__ import annotations
 
@@ -8,15 +13,13 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import numpy as np
 
 from pscore.optspec import StepOptions
 from pscore.tables import RowSparse
-from pswire import write
-from pswire.codec import ChunkAssembler
 from pswire.errors import (
     ClientClosedError,
     PSError,
@@ -28,9 +31,11 @@ from pswire.proto import ps_pb2
 from pswire.rpc_errors import from_rpc_error
 from pswire.security import ClientSecurity
 from pswire.stubs import ParameterServerStub
-from pswire.write import push_header, push_stream
 from psworker.session import JobIdentity, LinkConfig
-from psworker.stepstream import StepStream, step_timeout_ms
+from psworker.transport import GrpcTransport, Reply, Transport, TransportFailure
+
+if TYPE_CHECKING:
+    from psworker.transport_flight import FlightTransport
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -93,13 +98,66 @@ class ShardLink:
         self.recoveries = 0
         self._rng = random.Random(config.worker_id * 7919 + index)
         self._closed = threading.Event()
-        # Small fused steps travel on one open call (see StepStream).
-        self.steps = StepStream(self.stub, self.where("PushPullStream"))
+        # Steps travel on one open call (see StepStream, FlightLink) of the transport chosen.
+        self.grpc = GrpcTransport(
+            self.stub,
+            self.worker_id,
+            self.timeout,
+            self.chunk_bytes,
+            config.session,
+            self.where("PushPullStream"),
+        )
+        self.flight: FlightTransport | None = None  # the shard's data port, once registered
+        self.data_port = 0
+        self._stepping: Transport = self.grpc  # the transport of the step last sent
+        self._reply_bytes = 0  # the tensor bytes of the last reply: what the next may carry
+
+    @property
+    def steps(self) -> Transport:
+        """The transport carrying the step last sent (``when_ended`` of its call)."""
+        return self._stepping
+
+    def transport(self, nbytes: int = 0) -> Transport:
+        """The transport for a call moving about ``nbytes`` tensor bytes one way (or as many
+        as the last reply brought back, if more): the data port where the shard has one, this
+        worker uses it and the call is not under ``grpc_below_bytes``; else grpcio."""
+        size = max(nbytes, self._reply_bytes)
+        if self.flight is not None and size >= self.config.grpc_below_bytes:
+            return self.flight
+        return self.grpc
+
+    def _replied(self, arrays: Mapping[str, np.ndarray]) -> None:
+        self._reply_bytes = sum(a.nbytes for a in arrays.values())
 
     def close(self) -> None:
-        """Ends the step stream, and any retrying call (it raises ClientClosedError)."""
+        """Ends the open calls, and any retrying call (it raises ClientClosedError)."""
         self._closed.set()
-        self.steps.close()
+        self.grpc.close()
+        if self.flight is not None:
+            self.flight.close()
+
+    def _dial_data(self, port: int) -> None:
+        """Uses the shard's data port ``port`` (0: none) on the host this link reached."""
+        if port == self.data_port and (self.flight is not None or not port):
+            return
+        if self.flight is not None:
+            self.flight.close()
+            self.flight = None
+        self.data_port = port
+        if not port or self.config.data_plane == "grpc":
+            return
+        from psworker.transport_flight import FlightTransport  # pyarrow: only when used
+
+        host = self.address.rpartition(":")[0] or self.address
+        self.flight = FlightTransport(
+            self.index,
+            f"{host}:{port}",
+            self.worker_id,
+            self.timeout,
+            self.security,
+            self.config.session,
+            self.where("PushPullStream"),
+        )
 
     def where(self, rpc: str) -> str:
         return f"{rpc} on shard {self.index} ({self.address})"
@@ -131,6 +189,13 @@ class ShardLink:
                     raise ClientClosedError(f"{self.where(rpc)}: the client was closed") from None
                 if code not in _RECOVERABLE or now >= deadline:
                     raise self._failure(exc, rpc, now - start, attempt + 1) from None
+                if isinstance(exc, TransportFailure) and not attempt:
+                    # The data port failed: re-register at once (a restarted shard serves
+                    # another data port; its control port says which), warning only if that
+                    # fails too, as for the control port.
+                    log.info("%s: %s; retry 1 in 0.00s", self.where(rpc), code.name)
+                    attempt += 1
+                    continue
                 pause = min(backoff(attempt, self._rng), max(0.0, deadline - now))
                 if code == grpc.StatusCode.UNAVAILABLE and now >= warn_at:
                     warn_at, warned = now + WARN_EVERY_S, True
@@ -184,16 +249,13 @@ class ShardLink:
             PSError: the call failed (after retries through UNAVAILABLE).
         """
 
-        def run(stub: ParameterServerStub) -> dict[str, np.ndarray]:
+        def run(_: ParameterServerStub) -> dict[str, np.ndarray]:
             request.incarnation = self.incarnation or ""  # per attempt: a retry after a restart
-            assembler = ChunkAssembler(into=into)
             self.pull_skipped = False
-            for reply in stub.Pull(request, timeout=self.timeout):
-                if reply.skipped:  # one last message, without a chunk
-                    self.pull_skipped = True
-                    continue
-                assembler.add(reply.chunk)
-            return assembler.finish()
+            nbytes = sum(a.nbytes for a in into.values()) if into else 0
+            arrays, self.pull_skipped = self.transport(nbytes).pull(request, into)
+            self._replied(arrays)
+            return arrays
 
         return self.call("Pull", run)
 
@@ -203,26 +265,16 @@ class ShardLink:
         pieces: Mapping[str, np.ndarray | RowSparse],
         options: StepOptions | None = None,
     ) -> ps_pb2.PushResponse:
-        """A streamed Push of this shard's pieces of one step (kept for replay first).
+        """A Push of this shard's pieces of one step (kept for replay first).
 
         Raises:
             PSError: the call failed (after retries through UNAVAILABLE).
         """
         self.note_push(step, pieces, options)
+        nbytes = _nbytes(pieces)
         reply = self.call(
             "Push",
-            lambda stub: stub.Push(
-                push_stream(
-                    self.worker_id,
-                    step,
-                    pieces,
-                    self.chunk_bytes,
-                    self.incarnation,
-                    self.config.session,
-                    options,
-                ),
-                timeout=self.timeout,
-            ),
+            lambda _: self.transport(nbytes).push(step, pieces, self.incarnation or "", options),
         )
         self.note_reply(reply)
         return reply
@@ -233,9 +285,9 @@ class ShardLink:
         pieces: Mapping[str, np.ndarray | RowSparse],
         into: Mapping[str, np.ndarray] | None = None,
         options: StepOptions | None = None,
-    ) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
-        """One step as one message each way on the open step stream: the push, then the
-        weights for the step after it (decoded into ``into``'s arrays where given).
+    ) -> Reply:
+        """One step on the call kept open: the push, then the weights for the step after it
+        (decoded into ``into``'s arrays where given).
 
         Raises:
             PSError: the call failed (after retries through UNAVAILABLE).
@@ -249,7 +301,7 @@ class ShardLink:
         into: Mapping[str, np.ndarray] | None = None,
         options: StepOptions | None = None,
         rows: Sequence[ps_pb2.RowQuery] = (),
-    ) -> Callable[[], tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]]:
+    ) -> Callable[[], Reply]:
         """``push_pull`` in two halves: sends the step now and returns the call that waits for
         its reply, so a worker sends every shard its step before it waits for any (one thread,
         no hand-offs). If the first try fails, the returned call retries as ``push_pull``.
@@ -258,41 +310,36 @@ class ShardLink:
             PSError: as ``push_pull``.
         """
         self.note_push(step, pieces, options)
+        nbytes = max(_nbytes(pieces), sum(a.nbytes for a in into.values()) if into else 0)
 
-        def request() -> ps_pb2.PushPullRequest | bytes:
-            # Built per attempt: a retry after a restart carries the new incarnation.
-            header = push_header(
-                self.worker_id, step, self.incarnation, options, self.config.session
-            )
-            return write.request(header, pieces, rows, step_timeout_ms(self.timeout))
+        def send() -> Transport:
+            # Chosen and built per attempt: a retry after a restart may find another data
+            # port, and carries the new incarnation.
+            transport = self._stepping = self.transport(nbytes)
+            transport.send_step(step, pieces, into, self.incarnation or "", options, rows)
+            return transport
 
-        def decoded(reply: Any) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
-            assembler = ChunkAssembler(into=into)
-            for chunk in reply.chunks:
-                assembler.add(chunk)
-            return reply.push, assembler.finish()
+        def run(_: ParameterServerStub) -> Reply:
+            return send().receive_step()
 
-        def run(_: ParameterServerStub) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
-            return decoded(self.steps.step(request(), self.timeout))
-
-        def finish() -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
+        def finish() -> Reply:
             result = None
             if sent is not None:
                 try:
-                    result = decoded(self.steps.receive(sent, self.timeout))
+                    result = sent.receive_step()
                 except grpc.RpcError as exc:
                     if exc.code() not in _RECOVERABLE:
                         raise self._failure(exc, "PushPull", 0.0, 1) from None
             if result is None:  # not sent, or unreachable: the retrying path starts over
                 result = self.call("PushPull", run)
             self.note_reply(result[0])
+            self._replied(result[1])
             return result
 
-        sent: ps_pb2.PushPullRequest | bytes | None = None
+        sent: Transport | None = None
         with contextlib.suppress(grpc.RpcError):  # unsent: ``finish`` takes the retrying path
             if not self._closed.is_set():
-                self.steps.send(first := request(), self.timeout)
-                sent = first
+                sent = send()
         return finish
 
     def push_then_pull(
@@ -303,7 +350,12 @@ class ShardLink:
         pull: ps_pb2.PullRequest,
         into: Mapping[str, np.ndarray],
     ) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
-        """A streamed push, then ``pull``, at least at the step the push's reply says is next."""
+        """A streamed push, then ``pull``, at least at the step the push's reply says is next;
+        on the data port, one exchange carrying both (it holds no message limit)."""
+        if self.flight is not None:
+            pushed, arrays = self.start_push_pull(step, pieces, into, options, pull.rows)()
+            pull.step = max(pull.step, int(pushed.next_step))  # the step it read, as below
+            return pushed, arrays
         pushed = self.push(step, pieces, options)
         pull.step = max(pull.step, int(pushed.next_step))
         arrays = self.pull(pull, into)
@@ -337,6 +389,7 @@ class ShardLink:
         self.identity.check(reply.job_id, f"shard {self.index} ({self.address})")
         self.checkpointing = reply.checkpointing
         self.durable = reply.durable_step
+        self._dial_data(reply.data_port)
         return reply
 
     def leave(self) -> None:
@@ -453,20 +506,17 @@ class ShardLink:
             len(steps),
         )
         for step in steps:
-            self.stub.Push(
-                push_stream(
-                    self.worker_id,
-                    step,
-                    self.log[step],
-                    self.chunk_bytes,
-                    reply.incarnation,
-                    self.config.session,
-                    self.logged_options.get(step),
-                ),
-                timeout=self.timeout,
+            pushed = self.log[step]
+            self.transport(_nbytes(pushed)).push(
+                step, pushed, reply.incarnation, self.logged_options.get(step)
             )
         self.incarnation = reply.incarnation
         self.recoveries += 1
+
+
+def _nbytes(pieces: Mapping[str, np.ndarray | RowSparse]) -> int:
+    """The tensor bytes of a push (a RowSparse's: its ids and rows)."""
+    return sum(v.nbytes for v in pieces.values())
 
 
 def shard_status(

@@ -6,10 +6,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
@@ -23,6 +24,26 @@ log = logging.getLogger(__name__)
 # restarts: at most this many bytes per shard (or four pushes, if more); when full it asks the
 # shard to checkpoint, then forgets what the checkpoint holds.
 DEFAULT_REPLAY_BYTES = 64 << 20
+DATA_PLANES = ("auto", "grpc")
+# Calls moving fewer tensor bytes than this each way travel on grpcio, larger ones on the Flight
+# data port: where each measured faster (`python -m bench.transport_sizes`, one shard, loaded
+# 2-core machine: grpcio 3-11% faster from 4 KB to 128 KB, Flight 2-6% faster from 256 KB to
+# 16 MB). ``$PS_GRPC_BELOW_BYTES`` overrides it (0: Flight for every size).
+GRPC_BELOW_BYTES = 256 << 10
+
+
+def grpc_below_bytes() -> int:
+    """``$PS_GRPC_BELOW_BYTES`` if set, else ``GRPC_BELOW_BYTES``.
+
+    Raises:
+        ValueError: not a whole number >= 0.
+    """
+    text = os.environ.get("PS_GRPC_BELOW_BYTES", "").strip()
+    if not text:
+        return GRPC_BELOW_BYTES
+    if not text.isdigit():
+        raise ValueError(f"PS_GRPC_BELOW_BYTES must be a whole number >= 0, got {text!r}")
+    return int(text)
 
 
 @dataclass(frozen=True)
@@ -36,6 +57,16 @@ class LinkConfig:
     chunk_bytes: int
     session: str = ""  # this client process's id (one process per worker id)
     replay_bytes: int = DEFAULT_REPLAY_BYTES
+    # How tensors travel (psworker/transport.py): "auto" uses a shard's Flight data port when
+    # its registration names one, "grpc" never does (the control port's grpcio calls).
+    data_plane: str = "auto"
+    # Calls moving fewer tensor bytes than this each way stay on grpcio even where a data port
+    # exists (0: none do; see GRPC_BELOW_BYTES).
+    grpc_below_bytes: int = field(default_factory=grpc_below_bytes)
+
+    def __post_init__(self) -> None:
+        if self.data_plane not in DATA_PLANES:
+            raise ValueError(f"data_plane must be one of {DATA_PLANES}, got {self.data_plane!r}")
 
 
 class JobIdentity:

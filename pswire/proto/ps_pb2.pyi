@@ -379,6 +379,7 @@ class RegisterWorkerResponse(_message.Message):
     CHECKPOINTING_FIELD_NUMBER: _builtins.int
     JOB_ID_FIELD_NUMBER: _builtins.int
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    DATA_PORT_FIELD_NUMBER: _builtins.int
     clock: _builtins.int
     """the step this worker (re)joins at on this shard"""
     initialized: _builtins.bool
@@ -393,6 +394,10 @@ class RegisterWorkerResponse(_message.Message):
     """the job this shard holds ("" before its first init)"""
     heartbeat_timeout_s: _builtins.float
     """The shard drops a worker silent this long (0: never); a worker heartbeats well within it."""
+    data_port: _builtins.int
+    """The shard's Arrow Flight data port (tensor bytes, docs/flight.md) on the host this call
+    reached; 0: none (the worker moves tensors over this port's grpcio calls).
+    """
     def __init__(
         self,
         *,
@@ -403,10 +408,11 @@ class RegisterWorkerResponse(_message.Message):
         checkpointing: _builtins.bool = ...,
         job_id: _builtins.str = ...,
         heartbeat_timeout_s: _builtins.float = ...,
+        data_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpointing", b"checkpointing", "clock", b"clock", "durable_step", b"durable_step", "heartbeat_timeout_s", b"heartbeat_timeout_s", "incarnation", b"incarnation", "initialized", b"initialized", "job_id", b"job_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpointing", b"checkpointing", "clock", b"clock", "data_port", b"data_port", "durable_step", b"durable_step", "heartbeat_timeout_s", b"heartbeat_timeout_s", "incarnation", b"incarnation", "initialized", b"initialized", "job_id", b"job_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -582,11 +588,16 @@ class PullRequest(_message.Message):
     NAMES_FIELD_NUMBER: _builtins.int
     ROWS_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.int
     step: _builtins.int
     """steps this worker has finished; the consistency rule gates on it"""
     incarnation: _builtins.str
     """as PushHeader.incarnation"""
+    timeout_ms: _builtins.int
+    """On the Flight data port, where the call's deadline is not visible to the shard: this
+    pull's own (0: the shard's longest wait). The grpcio Pull uses the call's deadline.
+    """
     @_builtins.property
     def names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """empty: every variable on the shard (not tables), unless"""
@@ -603,10 +614,11 @@ class PullRequest(_message.Message):
         names: _abc.Iterable[_builtins.str] | None = ...,
         rows: _abc.Iterable[Global___RowQuery] | None = ...,
         incarnation: _builtins.str = ...,
+        timeout_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "names", b"names", "rows", b"rows", "step", b"step", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "names", b"names", "rows", b"rows", "step", b"step", "timeout_ms", b"timeout_ms", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1031,6 +1043,7 @@ class StatusResponse(_message.Message):
     JOINS_FIELD_NUMBER: _builtins.int
     LEAVES_FIELD_NUMBER: _builtins.int
     DROPS_FIELD_NUMBER: _builtins.int
+    DATA_PORT_FIELD_NUMBER: _builtins.int
     initialized: _builtins.bool
     clock: _builtins.int
     """sync: rounds applied; otherwise total pushes applied"""
@@ -1051,6 +1064,8 @@ class StatusResponse(_message.Message):
     """clean leaves (the worker closed its client)"""
     drops: _builtins.int
     """members dropped for silence, or replaced by a new process"""
+    data_port: _builtins.int
+    """the Arrow Flight data port (tensor bytes) on this host; 0: none"""
     @_builtins.property
     def job(self) -> Global___JobSpec: ...
     @_builtins.property
@@ -1096,10 +1111,11 @@ class StatusResponse(_message.Message):
         joins: _builtins.int = ...,
         leaves: _builtins.int = ...,
         drops: _builtins.int = ...,
+        data_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_age_s", b"checkpoint_age_s", "checkpoint_step", b"checkpoint_step", "clock", b"clock", "drops", b"drops", "failure", b"failure", "history", b"history", "incarnation", b"incarnation", "initialized", b"initialized", "job", b"job", "joins", b"joins", "leaves", b"leaves", "left_workers", b"left_workers", "live_workers", b"live_workers", "pending_workers", b"pending_workers", "pushes_applied", b"pushes_applied", "pushes_duplicate", b"pushes_duplicate", "pushes_late", b"pushes_late", "tables", b"tables", "total_bytes", b"total_bytes", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_age_s", b"checkpoint_age_s", "checkpoint_step", b"checkpoint_step", "clock", b"clock", "data_port", b"data_port", "drops", b"drops", "failure", b"failure", "history", b"history", "incarnation", b"incarnation", "initialized", b"initialized", "job", b"job", "joins", b"joins", "leaves", b"leaves", "left_workers", b"left_workers", "live_workers", b"live_workers", "pending_workers", b"pending_workers", "pushes_applied", b"pushes_applied", "pushes_duplicate", b"pushes_duplicate", "pushes_late", b"pushes_late", "tables", b"tables", "total_bytes", b"total_bytes", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -10,8 +10,19 @@ from faults import FaultPlan
 from link_cluster import Cluster
 
 
+@pytest.fixture(params=["flight", "grpc-small"])
+def data_plane(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test twice: tensors of every size on the Flight data port, and with the default
+    size rule (these tests' small steps then travel on grpcio)."""
+    if request.param == "flight":
+        monkeypatch.setenv("PS_GRPC_BELOW_BYTES", "0")
+    else:
+        monkeypatch.delenv("PS_GRPC_BELOW_BYTES", raising=False)
+    return str(request.param)
+
+
 @pytest.fixture
-def cluster() -> Iterator[type[Cluster]]:
+def cluster(data_plane: str) -> Iterator[type[Cluster]]:
     made: list[Cluster] = []
 
     class Made(Cluster):

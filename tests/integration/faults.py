@@ -178,3 +178,96 @@ class _FaultyReplies:
 
     def cancel(self) -> bool:
         return self._call.cancel()
+
+
+class FaultyTransport:
+    """A shard link's data-port transport (psworker/transport.py) with ``plans`` applied, as
+    ``FaultPlan`` applies them to grpcio calls: ``Push`` and ``Pull`` count calls,
+    ``PushPullStream`` counts steps (the data port's push_pull exchange). A hit call's fault
+    reaches the link as UNAVAILABLE, as a broken connection would."""
+
+    def __init__(self, inner, plans: Iterable[FaultPlan]) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.address = getattr(inner, "address", "")
+        self._plans = list(plans)
+        self._step_action: str | None = None
+
+    def _action(self, rpc: str) -> str | None:
+        for plan in self._plans:
+            if plan.rpc == rpc and plan._should_fire("/" + rpc):
+                if plan.action == "delay" and rpc != "PushPullStream":
+                    time.sleep(plan.delay_s)
+                    return None
+                self._delay = plan.delay_s
+                return plan.action
+        return None
+
+    @staticmethod
+    def _unavailable(what: str):
+        from pswire.errors import UnavailableError
+        from psworker.transport import TransportFailure
+
+        return TransportFailure(UnavailableError(f"injected {what}"))
+
+    def _run(self, rpc: str, call):
+        action = self._action(rpc)
+        if action == "drop":
+            raise self._unavailable(f"drop of {rpc}")
+        reply = call()
+        if action == "lose_reply":
+            raise self._unavailable(f"lose_reply of {rpc}")
+        if action == "duplicate":
+            reply = call()
+        return reply
+
+    def push(self, step, pieces, incarnation, options):
+        return self._run("Push", lambda: self.inner.push(step, pieces, incarnation, options))
+
+    def pull(self, request, into):
+        return self._run("Pull", lambda: self.inner.pull(request, into))
+
+    def send_step(self, step, pieces, into, incarnation, options, rows):
+        action = self._action("PushPullStream")
+        if action == "drop":
+            raise self._unavailable("drop of a step")
+        self._step_action = action
+        self._again = (step, pieces, into, incarnation, options, rows)
+        self.inner.send_step(step, pieces, into, incarnation, options, rows)
+
+    def receive_step(self):
+        action, self._step_action = self._step_action, None
+        if action == "delay":  # the reply is late: the step's deadline runs meanwhile
+            time.sleep(self._delay)
+        reply = self.inner.receive_step()
+        if action == "lose_reply":
+            raise self._unavailable("lose_reply of a step")
+        if action == "duplicate":
+            self.inner.send_step(*self._again)
+            reply = self.inner.receive_step()
+        return reply
+
+    def when_ended(self, fn) -> None:
+        self.inner.when_ended(fn)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def flight_faults(client, plans: Iterable[FaultPlan]) -> None:
+    """Applies ``plans`` to the data port of each of ``client``'s links, now (after ``init``:
+    the links learn their data ports when they register) and whenever a link dials a new
+    one (after a shard's restart)."""
+    plans = list(plans)
+    if not plans:
+        return
+    for link in client.links:
+        dial = link._dial_data
+
+        def dialled(port: int, link=link, dial=dial) -> None:
+            dial(port)
+            if link.flight is not None and not isinstance(link.flight, FaultyTransport):
+                link.flight = FaultyTransport(link.flight, plans)
+
+        link._dial_data = dialled
+        dialled(link.data_port)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from faults import FaultPlan
+from faults import FaultPlan, flight_faults
 
 import psworker
 from pscore.optim import SGD
@@ -66,6 +66,7 @@ class Cluster:
         )
         self.client = psworker.PSClient(settings)
         self.client.init(values, SGD(lr=1.0))
+        flight_faults(self.client, plans)  # the same faults on the data port
         self.link: ShardLink = self.client.links[0]
         for plan in plans:  # count from here: the calls init made are not the test's
             plan.calls = plan.fired = 0

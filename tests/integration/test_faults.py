@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 import pytest
-from faults import FaultPlan
+from faults import FaultPlan, flight_faults
 from workers import run_workers
 
 import psworker
@@ -14,6 +14,8 @@ from pscore.optim import SGD
 from psserver.records import Limits
 
 SHAPES = {"w": (6, 4), "b": (4,)}
+# Every test here runs on both transports (conftest.py's ``data_plane``).
+pytestmark = pytest.mark.usefixtures("data_plane")
 
 
 def init_values() -> dict[str, np.ndarray]:
@@ -45,6 +47,7 @@ def sync_run(
                 **client_options,
             ) as client:
                 client.init(init_values(), SGD(lr=0.1, momentum=0.9))
+                flight_faults(client, (plans or {}).get(i, ()))  # the same faults on Flight
                 for step in range(steps):
                     if fused:
                         client.push_pull(grad_for(i, step))

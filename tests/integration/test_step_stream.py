@@ -31,9 +31,9 @@ def test_steps_share_one_call_and_a_bad_step_changes_nothing_then_the_next_works
     with psworker.connect([server.address], mode="async", timeout=10) as client:
         client.init(values(), SGD(lr=0.5))
         first = client.push_pull(ones())
-        call = client.links[0].steps._call
+        call = client.links[0].steps.open_call
         second = client.push_pull(ones())
-        assert client.links[0].steps._call is call, "the second step reused the open call"
+        assert client.links[0].steps.open_call is call, "the second step reused the open call"
         np.testing.assert_array_equal(second["w"], first["w"] - 0.5)
 
         bad = ones()
@@ -41,7 +41,7 @@ def test_steps_share_one_call_and_a_bad_step_changes_nothing_then_the_next_works
         # Refused by the client before anything is sent: the open call stays as it was.
         with pytest.raises(InvalidRequestError, match=r"'w'.*non-finite"):
             client.push_pull(bad)
-        assert client.links[0].steps._call is call
+        assert client.links[0].steps.open_call is call
         # The same step sent anyway (past the client's checks) is refused by the shard, and
         # the error ends the call.
         with pytest.raises(InvalidRequestError, match=r"'w'.*non-finite"):
@@ -50,7 +50,7 @@ def test_steps_share_one_call_and_a_bad_step_changes_nothing_then_the_next_works
         np.testing.assert_array_equal(client.pull()["w"], second["w"])
 
         third = client.push_pull(ones())  # on a new call: the error ended the last one
-        assert client.links[0].steps._call is not call
+        assert client.links[0].steps.open_call is not call
         np.testing.assert_array_equal(third["w"], second["w"] - 0.5)
 
 

@@ -108,3 +108,14 @@ def test_tables_show_their_ids_rows_bytes_and_evictions() -> None:
     assert lines[1].split()[5] == "1"
     data = to_data(ADDRESSES[:2], statuses)["shards"][1]["tables"]
     assert data[0]["ids"] == [500, 1000] and data[1]["evictions"] == 8
+
+
+def test_each_shards_data_port_is_shown_in_the_table_and_the_json() -> None:
+    with_port = reply({0: 1}, live=[0])
+    with_port.data_port = 7001
+    statuses: list[Status] = [with_port, reply({0: 1}, live=[0]), "no answer"]
+    text = render_table(ADDRESSES, statuses)
+    assert "data ports (Arrow Flight, tensor bytes; none: on the gRPC port): " in text
+    assert "shard 0 :7001, shard 1 none" in text
+    shards = json.loads(render_json(ADDRESSES, statuses))["shards"]
+    assert [s.get("data_port") for s in shards] == [7001, None, None]

@@ -1,0 +1,334 @@
+"""The transport seam switched on: a shard serves its Flight data port by default, workers learn
+it from RegisterWorker and move every tensor byte over it, falling back to grpcio where a shard
+has none; the data port keeps the control port's guarantees (token, limits, bad input refused
+with state unchanged), also against a raw pyarrow.flight client sending garbage."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pyarrow.flight as flight
+import pytest
+
+import psworker
+from pscore.tables import RowSparse, Table
+from psserver.config import parse_config
+from psserver.records import Limits
+from psserver.server import RunningServer, start_server
+from psserver.shard import Shard
+from pswire import flightwire as fw
+from pswire.errors import (
+    InvalidRequestError,
+    PSError,
+    ShardBusyError,
+    TooLargeError,
+)
+from pswire.proto import ps_pb2
+
+pytestmark = pytest.mark.timeout(60)
+MODEL = {"w": np.arange(12, dtype=np.float32).reshape(4, 3), "b": np.ones(3, np.float32)}
+GRAD = {"w": np.ones((4, 3), np.float32), "b": np.full(3, 2.0, np.float32)}
+TOKEN = "data-plane_t0ken.for.tests"
+SGD = psworker.SGD(lr=0.5)
+
+
+@pytest.fixture(autouse=True)
+def flight_for_every_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These small steps on the data port too (by default they would travel on grpcio)."""
+    monkeypatch.setenv("PS_GRPC_BELOW_BYTES", "0")
+
+
+@pytest.fixture
+def servers() -> Iterator[Callable[..., RunningServer]]:
+    started: list[RunningServer] = []
+
+    def make(**options: Any) -> RunningServer:
+        options.setdefault("shard", Shard(Limits(max_wait_s=5.0)))
+        server = start_server(**options)
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.stop(grace=0.5)
+
+
+def train(addresses: list[str], steps: int, mode: str = "async", **options: Any) -> tuple:
+    """(the weights after ``steps`` push_pulls, each link's transport name)."""
+    with psworker.connect(addresses, worker_id=0, num_workers=1, mode=mode, **options) as c:
+        c.init(MODEL, psworker.SGD(lr=0.5, momentum=0.9))
+        out = {}
+        for step in range(steps):
+            out = c.push_pull({k: v * (step + 1) for k, v in GRAD.items()})
+        names = [link.steps.name for link in c.links]
+        return {k: v.copy() for k, v in out.items()}, names
+
+
+def test_workers_train_over_the_data_port_and_match_grpcio_bit_for_bit(servers) -> None:
+    flight_servers = [servers(), servers()]
+    assert all(s.data_port for s in flight_servers)
+    grpc_servers = [servers(data_port=None), servers(data_port=None)]
+    assert not any(s.data_port for s in grpc_servers)
+    on_flight, names = train([s.address for s in flight_servers], 4, split_bytes=16)
+    assert names == ["flight", "flight"]
+    on_grpc, names = train([s.address for s in grpc_servers], 4, split_bytes=16)
+    assert names == ["grpc", "grpc"]  # no data port: the worker falls back to grpcio
+    for k in MODEL:
+        assert on_flight[k].tobytes() == on_grpc[k].tobytes()
+
+
+def test_the_data_port_is_in_registration_and_status(servers) -> None:
+    server = servers()
+    with psworker.connect([server.address], worker_id=0, num_workers=1) as c:
+        c.init(MODEL, psworker.SGD(lr=0.5))
+        link = c.links[0]
+        assert link.data_port == server.data_port > 0
+        assert link.flight is not None and link.flight.address.endswith(f":{server.data_port}")
+        assert c.status()[0].data_port == server.data_port
+
+
+def test_steps_under_the_size_rule_travel_on_grpcio_and_larger_ones_on_flight(
+    servers, monkeypatch
+) -> None:
+    monkeypatch.setenv("PS_GRPC_BELOW_BYTES", "1024")
+    server = servers()
+    with psworker.connect([server.address], worker_id=0, num_workers=1) as c:
+        c.init({"small": np.zeros(16, np.float32), "big": np.zeros(512, np.float32)}, SGD)
+        c.push_pull({"small": np.ones(16, np.float32)})  # 64 bytes out; what comes back?
+        assert c.links[0].steps.name == "grpc"
+        c.push_pull({"small": np.ones(16, np.float32)})  # the last reply was 2,112 bytes
+        assert c.links[0].steps.name == "flight"
+        out = {"small": np.zeros(16, np.float32), "big": np.zeros(512, np.float32)}
+        c.push({"small": np.ones(16, np.float32)})
+        c.push_pull({"small": np.ones(16, np.float32)}, out=out)
+        assert c.links[0].steps.name == "flight"
+    monkeypatch.setenv("PS_GRPC_BELOW_BYTES", "4096")
+    with psworker.connect([server.address], worker_id=0, num_workers=1) as c:
+        c.init({"small": np.zeros(16, np.float32), "big": np.zeros(512, np.float32)}, SGD)
+        c.push_pull({"small": np.ones(16, np.float32)})
+        assert c.links[0].steps.name == "grpc"
+    monkeypatch.setenv("PS_GRPC_BELOW_BYTES", "lots")
+    with pytest.raises(ValueError, match="PS_GRPC_BELOW_BYTES must be a whole number"):
+        psworker.connect([server.address], worker_id=0, num_workers=1)
+
+
+def test_psserver_data_port_flag_and_variable(monkeypatch) -> None:
+    assert parse_config([]).data_port == 0
+    assert parse_config(["--data-port", "off"]).data_port is None
+    assert parse_config(["--data-port", "7101", "--port", "7100"]).data_port == 7101
+    monkeypatch.setenv("PS_DATA_PORT", "OFF")
+    assert parse_config([]).data_port is None
+    monkeypatch.setenv("PS_DATA_PORT", "7100")
+    with pytest.raises(SystemExit):  # the same port twice: a usage error naming both
+        parse_config(["--port", "7100"])
+
+
+def test_push_pull_rows_and_pushes_of_tables_travel_on_the_data_port(servers) -> None:
+    server = servers()
+    with psworker.connect([server.address], worker_id=0, num_workers=1) as c:
+        c.init({}, psworker.SGD(lr=1.0), tables={"t": Table(16, 2, init="zeros")})
+        ids = np.array([3, 7], np.int64)
+        got = c.push_pull({"t": RowSparse(ids, np.ones((2, 2), np.float32))}, rows={"t": ids})
+        assert c.links[0].steps.name == "flight"
+        np.testing.assert_array_equal(got["t"], -np.ones((2, 2), np.float32))
+        c.push({"t": RowSparse(ids[:1], np.ones((1, 2), np.float32))})
+        np.testing.assert_array_equal(c.pull_rows("t", ids), [[-2, -2], [-1, -1]])
+
+
+def test_the_token_guards_the_data_port(servers) -> None:
+    from pswire.security import ServerSecurity
+
+    server = servers(security=ServerSecurity(token=TOKEN))
+    with psworker.connect([server.address], worker_id=0, num_workers=1, token=TOKEN) as c:
+        c.init(MODEL, psworker.SGD(lr=0.5))
+        c.push_pull(GRAD)
+        assert c.links[0].steps.name == "flight"
+    before = state(server)
+    client = flight.FlightClient(f"grpc+tcp://127.0.0.1:{server.data_port}")
+    try:
+        writer, reader = client.do_exchange(flight.FlightDescriptor.for_command(fw.PUSH_PULL))
+        with pytest.raises(flight.FlightUnauthenticatedError, match="requires a token"):
+            writer.begin(fw.SCHEMA)
+            writer.write_metadata(good_header(1))
+            reader.read_chunk()
+    finally:
+        client.close()
+    assert state(server) == before
+
+
+# -- a hostile client on the data port: clear status, nothing changed --------------------------
+
+
+def state(server: RunningServer) -> tuple:
+    st = server.shard.status()
+    values = {k: v.tobytes() for k, v in server.shard.snapshot().items()}
+    return values, st.clock, st.pushes_applied, st.pushes_duplicate
+
+
+def good_header(step: int, *entries: Any) -> bytes:
+    entries = entries or (ps_pb2.TensorChunk(name="b", dtype="float32", shape=[3], total_bytes=12),)
+    head = ps_pb2.PushHeader(worker_id=0, step=step)
+    return ps_pb2.PushPullRequest(header=head, chunks=entries).SerializeToString()
+
+
+def send_raw(port: int, command: bytes, steps: list[tuple[bytes | None, list[bytes]]]) -> Any:
+    """Sends hand-made messages on a raw Flight client: each (metadata, batches), the metadata
+    riding on the first batch (or alone); returns the error the shard answers (or None)."""
+    client = flight.FlightClient(f"grpc+tcp://127.0.0.1:{port}")
+    try:
+        writer, reader = client.do_exchange(flight.FlightDescriptor.for_command(command))
+        writer.begin(fw.SCHEMA)
+        for meta, batches in steps:
+            if not batches:
+                writer.write_metadata(meta)
+            for i, raw in enumerate(batches):
+                batch = fw.as_batch(np.frombuffer(raw, np.uint8))
+                if i == 0 and meta is not None:
+                    writer.write_with_metadata(batch, meta)
+                else:
+                    writer.write_batch(batch)
+        writer.done_writing()
+        reader.read_chunk()
+    except Exception as exc:
+        return fw.from_flight_error(exc)
+    finally:
+        client.close()
+    return None
+
+
+NAN = np.array([1.0, np.nan, 2.0], np.float32).tobytes()
+F64 = np.ones(3, np.float64).tobytes()
+GARBAGE = [
+    ("wrong descriptor", b"ps.delete_everything/1", [(good_header(1), [bytes(12)])], "unknown"),
+    ("header missing", fw.PUSH_PULL, [(None, [bytes(12)])], "expected a PushPullRequest"),
+    ("bytes short", fw.PUSH_PULL, [(good_header(1), [bytes(8)])], "after 8 of 12"),
+    ("bytes long", fw.PUSH_PULL, [(good_header(1), [bytes(16)])], "4 bytes left over"),
+    (
+        "wrong dtype",
+        fw.PUSH_PULL,
+        [
+            (
+                good_header(
+                    1, ps_pb2.TensorChunk(name="b", dtype="float64", shape=[3], total_bytes=24)
+                ),
+                [F64],
+            )
+        ],
+        "float64",
+    ),
+    ("NaN", fw.PUSH_PULL, [(good_header(1), [NAN])], "non-finite"),
+    (
+        "NaN in the last of two tensors",
+        fw.PUSH_PULL,
+        [
+            (
+                good_header(
+                    1,
+                    ps_pb2.TensorChunk(name="w", dtype="float32", shape=[4, 3], total_bytes=48),
+                    ps_pb2.TensorChunk(name="b", dtype="float32", shape=[3], total_bytes=12),
+                ),
+                [GRAD["w"].tobytes(), NAN],
+            )
+        ],
+        "non-finite",
+    ),
+    ("garbage header", fw.PUSH, [(b"\x08\xff\xff\xff\xff\xff", [bytes(12)])], "undecodable"),
+    ("pull with bytes", fw.PULL, [(ps_pb2.PullRequest().SerializeToString(), [bytes(4)])], "no"),
+]
+
+
+@pytest.mark.parametrize(
+    ("what", "command", "steps", "named"), GARBAGE, ids=[g[0] for g in GARBAGE]
+)
+def test_a_raw_flight_client_sending_garbage_gets_a_clear_status_and_changes_nothing(
+    servers, what, command, steps, named
+) -> None:
+    server = servers()
+    with psworker.connect([server.address], worker_id=0, num_workers=1) as c:
+        c.init(MODEL, psworker.SGD(lr=0.5))
+        c.push_pull(GRAD)
+        before = state(server)
+        err = send_raw(server.data_port, command, steps)
+        assert isinstance(err, InvalidRequestError), (what, err)
+        assert err.code.name == "INVALID_ARGUMENT"
+        assert named in str(err), (what, str(err))
+        assert state(server) == before
+        c.push_pull(GRAD)  # the shard still serves
+        assert server.shard.status().pushes_applied == before[2] + 1
+
+
+def test_the_byte_limits_hold_on_the_data_port(servers) -> None:
+    # --max-request-bytes: checked from the manifest, before a byte is read.
+    server = servers(shard=Shard(Limits(max_wait_s=5.0, max_request_bytes=40)))
+    with psworker.connect([server.address], worker_id=0, num_workers=1) as c:
+        c.init({"b": np.ones(3, np.float32)}, psworker.SGD(lr=0.5))
+        before = state(server)
+        big = ps_pb2.TensorChunk(name="b", dtype="float32", shape=[30], total_bytes=120)
+        err = send_raw(server.data_port, fw.PUSH_PULL, [(good_header(1, big), [bytes(120)])])
+        assert isinstance(err, TooLargeError) and "over the limit of 40" in str(err)
+        assert state(server) == before
+    # --max-inflight-bytes: bytes arriving at once across calls.
+    server = servers(max_inflight_bytes=12)  # Init's 12 bytes fit; a 16-byte step does not
+    with psworker.connect([server.address], worker_id=0, num_workers=1) as c:
+        c.init({"b": np.ones(3, np.float32)}, psworker.SGD(lr=0.5))
+        before = state(server)
+        extra = ps_pb2.TensorChunk(name="c", dtype="float32", shape=[1], total_bytes=4)
+        b = ps_pb2.TensorChunk(name="b", dtype="float32", shape=[3], total_bytes=12)
+        err = send_raw(server.data_port, fw.PUSH_PULL, [(good_header(1, b, extra), [bytes(16)])])
+        assert isinstance(err, ShardBusyError) and "--max-inflight-bytes" in str(err), err
+        assert err.code.name == "RESOURCE_EXHAUSTED"
+        assert state(server) == before
+
+
+def test_a_worker_holds_at_most_its_step_streams_on_the_data_port(servers) -> None:
+    server = servers(streams_per_worker=1)
+    with psworker.connect([server.address], worker_id=0, num_workers=1) as c:
+        c.init(MODEL, psworker.SGD(lr=0.5))
+        c.push_pull(GRAD)  # this worker's exchange, kept open
+        before = state(server)
+        err = send_raw(server.data_port, fw.PUSH_PULL, [(good_header(1), [bytes(12)])])
+        assert isinstance(err, TooLargeError) and "open step streams" in str(err), err
+        assert isinstance(err, PSError) and err.code.name == "RESOURCE_EXHAUSTED"
+        assert state(server) == before
+        c.push_pull(GRAD)
+
+
+def test_mutual_tls_and_the_token_guard_the_data_port_from_the_same_settings(
+    servers, tmp_path
+) -> None:
+    from psctl.certs import write_certs
+    from pswire.security import ServerSecurity
+
+    certs = write_certs(tmp_path, ["127.0.0.1", "localhost"])
+    security = ServerSecurity(
+        cert=certs.server_cert, key=certs.server_key, ca=certs.ca, token=TOKEN
+    )
+    server = servers(security=security)
+    tls = {"tls_ca": certs.ca, "tls_cert": certs.client_cert, "tls_key": certs.client_key}
+    with psworker.connect([server.address], worker_id=0, num_workers=1, token=TOKEN, **tls) as c:
+        c.init(MODEL, psworker.SGD(lr=0.5))
+        c.push_pull(GRAD)
+        assert c.links[0].steps.name == "flight"
+        before = state(server)
+        # TLS but no client certificate: the handshake fails before any call.
+        client = flight.FlightClient(
+            f"grpc+tls://127.0.0.1:{server.data_port}", tls_root_certs=certs.ca.read_bytes()
+        )
+        try:
+            with pytest.raises(flight.FlightUnavailableError):
+                writer, reader = client.do_exchange(
+                    flight.FlightDescriptor.for_command(fw.PUSH_PULL),
+                    options=flight.FlightCallOptions(
+                        timeout=5, headers=[(b"authorization", f"Bearer {TOKEN}".encode())]
+                    ),
+                )
+                writer.begin(fw.SCHEMA)
+                writer.write_metadata(good_header(1))
+                reader.read_chunk()
+        finally:
+            client.close()
+        # Plain TCP to a TLS port: refused too.
+        assert send_raw(server.data_port, fw.PUSH_PULL, [(good_header(1), [bytes(12)])])
+        assert state(server) == before
