@@ -32,6 +32,7 @@ SUITES = (
     "memory",
     "sparse",
     "flight",
+    "training",
 )
 
 
