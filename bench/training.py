@@ -60,7 +60,7 @@ class Sizes:
 
 
 FULL = Sizes(
-    lm_dim=512, lm_layers=8, seq=64, lm_batch=4, cnn_width=64, cnn_batch=16, warmup=1, steps=3
+    lm_dim=512, lm_layers=8, seq=64, lm_batch=4, cnn_width=64, cnn_batch=16, warmup=1, steps=2
 )
 QUICK = Sizes(
     lm_dim=128, lm_layers=2, seq=32, lm_batch=4, cnn_width=16, cnn_batch=8, warmup=1, steps=3
@@ -91,11 +91,9 @@ def build_model(kind: str, sizes: Sizes, seed: int = 0) -> Any:
                 )
                 self.norm = nn.LayerNorm(d)
                 self.head = nn.Linear(d, 256)
-                self.register_buffer(
-                    "mask",
-                    nn.Transformer.generate_square_subsequent_mask(sizes.seq),
-                    persistent=False,
-                )
+                # A plain attribute, not a buffer: buffers travel to the shards, which refuse
+                # the mask's -inf.
+                self.mask = nn.Transformer.generate_square_subsequent_mask(sizes.seq)
 
             def forward(self, x: torch.Tensor) -> torch.Tensor:
                 h = self.blocks(self.embed(x) + self.pos, mask=self.mask, is_causal=True)
@@ -187,6 +185,7 @@ def run_worker(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(1)  # 2 cores shared by every process of the run
+    landed: Any = lambda: None  # noqa: E731
     sizes = Sizes(**json.loads(args.sizes))
     model = build_model(args.model, sizes)
     n = sizes.lm_batch if args.model == "lm" else sizes.cnn_batch
@@ -253,15 +252,16 @@ def run_worker(args: argparse.Namespace) -> None:
             client = psworker.connect(
                 args.shards.split(","), worker_id=args.rank, num_workers=args.world, mode=mode
             )
-        opt = DistributedOptimizer(
+        dopt = DistributedOptimizer(
             model, client, torch.optim.SGD(model.parameters(), lr=LR), overlap=args.overlap
         )
 
         def step(t: int) -> None:
-            opt.zero_grad()
+            dopt.zero_grad()
             loss_of(args.model, model, *batch(args.model, sizes, args.rank, t)).backward()
-            opt.step()
+            dopt.step()
 
+        landed = dopt.synchronize  # overlap: the last step's weights are in the model
         closer = client.close
     for t in range(sizes.warmup):
         step(t)
@@ -270,8 +270,7 @@ def run_worker(args: argparse.Namespace) -> None:
         started = time.perf_counter()
         for t in range(sizes.steps):
             step(sizes.warmup + r * sizes.steps + t)
-        if mode not in ("ddp", "rpcps"):
-            opt.synchronize()  # the last step's weights landed
+        landed()
         windows.append(time.perf_counter() - started)
     Path(args.out).write_text(json.dumps({"elapsed": windows, "samples": n * sizes.steps}))
     closer()
@@ -547,6 +546,7 @@ def measure(
                         )
                     except RuntimeError as exc:
                         failures.append(f"{key}: {str(exc)[-400:]}")
+                        print(f"  FAILED {key}: {str(exc)[-2000:]}", flush=True)
                         continue
                     samples[key] = rates
                     shown = " ".join(f"{r:.2f}" for r in rates)
