@@ -35,6 +35,7 @@ SUITES = (
     "memory",
     "sparse",
     "flight",
+    "training",
 )
 
 

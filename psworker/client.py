@@ -516,3 +516,43 @@ class PSClient:
 
     def _fan_out(self, fn: Callable[[int], T]) -> list[T]:
         return self.shards.each(fn)
+
+    def start_shard_step(
+        self,
+        shard: int,
+        grads: Mapping[str, np.ndarray],
+        step: int,
+        out: Mapping[str, np.ndarray],
+        options: StepOptions | None = None,
+    ) -> Callable[[], bool]:
+        """One shard's part of ``push_pull(grads, step, out=out, options=options)``, for a
+        caller that starts each shard's step when its gradients are ready (overlap with
+        backward): sends ``shard`` its pieces of ``grads`` (dense; other shards' pieces are
+        ignored) now, and returns the call that waits for the reply, decodes the shard's
+        weights into ``out`` (arrays for every variable, e.g. the model's memory) and says
+        whether the step was skipped (a worker's GradScaler). Started and waited for once per
+        shard, this is one ``push_pull``: the step counter then is past ``step``. One shard's
+        steps are waited for in order.
+
+        Raises:
+            as ``push``; the returned call: as ``push_pull``.
+        """
+        shard_map = self._require_map()
+        piece = self._pieces(grads)[shard]
+        wanted = [v.name for v in shard_map.variables]
+        shard_map.check_out(out, wanted)
+        into = shard_map.destinations(wanted, out)
+        link = self.links[shard]
+        sent = sum(p.nbytes for p in piece.values())
+        if max(sent, shard_map.shard_bytes()[shard]) <= self.chunk_bytes:
+            finish = link.start_push_pull(step, piece, into, options)
+        else:  # Too big for one message each way: stream the push, then the pull.
+            pull = ps_pb2.PullRequest(worker_id=self.worker_id, step=step)
+            finish = partial(link.push_then_pull, step, piece, options, pull, into)
+
+        def done() -> bool:
+            reply, _ = finish()
+            self._pushed(step, [reply])
+            return bool(reply.skipped)
+
+        return done

@@ -17,6 +17,7 @@ from pscore.optspec import StepOptions
 from pscore.tables import RowSparse
 from pswire.errors import ConfigError
 from psworker.api import Client, Elastic
+from psworker.overlap import ShardOverlap, overlap_unsupported
 from psworker.reports import StepLog
 from psworker.torch_optim import (
     changed_values,
@@ -81,6 +82,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
     place for autograd. One model per client: two models with two optimizers (a GAN) are
     made together with ``for_models``.
 
+    ``overlap=True`` overlaps communication with computation (parameter-server modes, CPU
+    models): each shard's push starts from backward's hooks as soon as every gradient it holds
+    is ready, ``step()`` returns without waiting, and the next forward waits module by module
+    (forward pre-hooks) only for the weights that module needs, decoded into the parameters as
+    each shard's reply arrives. The math is the serial step's (bit-identical in ``sync``).
+    Overlap arms after one serial step showed that nothing touches the gradients between
+    ``backward()`` and ``step()``; a script that clips (``clip_grad_norm_``), uses a GradScaler
+    or a closure, or accumulates several ``backward()`` per step keeps the serial step, with a
+    warning. Read the weights through the model (its forward or ``state_dict()``, which wait),
+    or call ``synchronize()`` first: between ``step()`` and the next forward they may still be
+    landing.
+
     ``writer``: a TensorBoard ``torch.utils.tensorboard.SummaryWriter`` (or anything with
     ``add_scalar``) that gets each step's time, bytes sent and received and this worker's
     staleness, and what the script passes to ``report()`` (e.g. the loss). With
@@ -100,9 +113,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
         client: Client,
         optimizer: torch.optim.Optimizer | Optimizer,
         writer: Any = None,
+        overlap: bool = False,
     ) -> None:
         self._prepare(model, client, optimizer, prefix="", first_group=0, writer=writer)
+        if overlap:  # checked before anything is sent
+            targets = {**self._params, **self._buffers}
+            why = overlap_unsupported(client, targets, self._staging.receivers(targets))
+            if self._tables:
+                why = "embedding tables push row-sparse gradients at step()"
+            if why:
+                raise ConfigError(f"overlap=True is not supported here: {why}")
         _init_together(client, [self])
+        if overlap:
+            targets = {**self._params, **self._buffers}
+            self._overlap: ShardOverlap | None = ShardOverlap(
+                model,
+                client,  # type: ignore[arg-type]  # checked by overlap_unsupported
+                self._params,
+                self._buffers,
+                self._staging.receivers(targets),
+                self._staging.to_host,
+                self._changed_values,
+            )
 
     @classmethod
     def for_models(
@@ -228,6 +260,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._stepped: set[int] = set()  # parameters a backward reached since the last step
         self._together = 1  # how many models train through the client (for_models)
         self._stale_warned = False
+        self._overlap = None  # overlap=True: set by the constructor after init
 
     def _finish(self) -> None:
         """Makes this object the torch optimizer over the wrapped one's groups (after init)."""
@@ -275,6 +308,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._overlap is not None and self._overlap.armed:
+            return self._overlapped_step(loss, grad_scaler)
         values = self._changed_values()
         # A table untouched this step is left out: it counts as zero, like a None grad.
         rows = {n: g for n, t in self._tables.items() if (g := t.take_grads()) is not None}
@@ -314,8 +349,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._log.step(pushed_step, time.perf_counter() - started, sent, received)
         if grad_scaler is not None and self.client.last_skipped and not skip:
             _found_inf(grad_scaler, self)  # another worker skipped: back off as it does
+        if self._overlap is not None:
+            self._overlap.observe(grads, grad_scaler, closure)
         self._inner._opt_called = True  # type: ignore[attr-defined]  # for its schedulers
         return loss
+
+    def _overlapped_step(self, loss: Any, grad_scaler: Any) -> Any:
+        """``step()`` with overlap armed: the shards backward completed are on their way;
+        psworker/overlap.py sends the rest and the next forward lands them."""
+        assert self._overlap is not None
+        self._warn_stale({n: p.grad for n, p in self._params.items() if p.grad is not None})
+        self._overlap.step(grad_scaler)
+        self._inner._opt_called = True  # type: ignore[attr-defined]  # for its schedulers
+        return loss
+
+    def synchronize(self) -> None:
+        """Waits until the last ``step()``'s weights are in the model (only ``overlap=True``
+        leaves them landing after ``step()``; the next forward waits on its own).
+
+        Raises:
+            PSError: a shard's call failed.
+        """
+        if self._overlap is not None:
+            self._overlap.wait()
 
     def report(self, **values: Any) -> None:
         """Records the script's own figures at this step, e.g. ``opt.report(loss=loss)``
@@ -384,6 +440,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Raises:
             PSError: the shards did not answer.
         """
+        self.synchronize()
         slots = self.client.optimizer_state()
         state = self._inner.state
         try:
@@ -407,6 +464,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ModelMismatchError: this worker loaded another state than worker 0.
             PSError: the shards refused the state (nothing changed there).
         """
+        self.synchronize()
         if self._together > 1:
             raise ConfigError(
                 "load_state_dict of one of several models (for_models) is not supported yet: "
