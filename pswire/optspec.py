@@ -12,6 +12,7 @@ import numpy as np
 
 from pswire.errors import InvalidRequestError
 from pswire.optim import OPTIMIZERS, Optimizer
+from pswire.outer import OUTER_OPTIMIZERS
 
 
 def optimizer_from_spec(name: str, params: Mapping[str, float]) -> Optimizer:
@@ -20,10 +21,11 @@ def optimizer_from_spec(name: str, params: Mapping[str, float]) -> Optimizer:
     Raises:
         InvalidRequestError: unknown optimizer, unknown or invalid hyper-parameter.
     """
-    cls = OPTIMIZERS.get(name)
+    cls = OPTIMIZERS.get(name) or OUTER_OPTIMIZERS.get(name)
     if cls is None:
         raise InvalidRequestError(
-            f"unknown optimizer {name!r}; expected one of {sorted(OPTIMIZERS)}"
+            f"unknown optimizer {name!r}; expected one of {sorted(OPTIMIZERS)} or an outer "
+            f"optimizer {sorted(OUTER_OPTIMIZERS)}"
         )
     try:
         return cls(**_kwargs(cls, params))

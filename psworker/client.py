@@ -111,6 +111,9 @@ class PSClient(ClientState, TableReads):
         self.quorum = quorum
         self.min_workers = self.max_workers = 0  # an elastic job's bounds (ElasticPSClient)
         self.compression = compression
+        # What else the job's workers must agree on beyond the model (e.g. DiLoCo's local steps
+        # and inner optimizer, psworker/diloco.py): part of the model digest init declares.
+        self.variant = ""
         self._buffers: set[str] = set()
         self.tables: dict[str, TableLayout] = {}
         self.heartbeat_s = heartbeat_s
@@ -202,6 +205,7 @@ class PSClient(ClientState, TableReads):
         digest = shard_map.digest()
         if tables:  # a model without tables keeps the digest it always had
             digest = hashlib.sha256((digest + tables_digest(tables)).encode()).hexdigest()[:16]
+        digest += self.variant
         send_values = self.worker_id == 0
         pieces = shard_map.split(arrays)
         self._buffers = set(buffers)

@@ -12,9 +12,11 @@ from pswire.cli import env_default
 from pswire.cluster import ClusterSpec
 from pswire.errors import ConfigError
 from pswire.job import CLIENT_MODES
+from pswire.optim import Optimizer
 from pswire.security import ClientSecurity
 from psworker.api import Client
 from psworker.client import PSClient
+from psworker.diloco import PAPER_OUTER, DiLoCoClient, DiLoCoSettings
 from psworker.elastic import ElasticPSClient, parse_bounds
 from psworker.launchers import Identity, resolve_identity, shard_addresses
 from psworker.local import LocalClient
@@ -94,6 +96,9 @@ def connect(
     tls_cert: str | None = None,
     tls_key: str | None = None,
     token: str | None = None,
+    local_steps: int | None = None,
+    outer: Optimizer | None = None,
+    outer_sync: bool | None = None,
     **options: Any,
 ) -> Client:
     """Connects a worker to the job's shards, or returns an in-process or ring client.
@@ -126,6 +131,13 @@ def connect(
     (demanding its neighbour's, signed by the CA) and the token, and calls its neighbour with
     them.
 
+    ``mode="diloco"`` trains with local steps (DiLoCo, ``psworker/diloco.py``): the script's
+    optimizer runs in the worker for ``local_steps`` steps (``$PS_LOCAL_STEPS``, default 1)
+    between outer steps, where the shards apply ``outer`` (default ``SGD(lr=0.7,
+    momentum=0.9, nesterov=True)``) to the workers' pseudo-gradients: averaged over the live
+    workers when ``outer_sync`` (default), else each on arrival (delayed Nesterov). It returns
+    a ``DiLoCoClient``.
+
     ``job_id`` (``$PS_JOB_ID``) fixes the job's identity; ``replay_bytes``
     (``$PS_REPLAY_BYTES``) bounds the pushes kept for replay after a shard restart;
     ``stall_warning_s`` (``$PS_STALL_WARNING``, default 10) is how often a step that waits
@@ -142,6 +154,7 @@ def connect(
     if mode is not None and mode not in CLIENT_MODES:
         source = "mode" if given else "$PS_MODE"
         raise ConfigError(f"{source}={mode!r} is not a mode; expected one of {list(CLIENT_MODES)}")
+    diloco = _diloco_settings(mode, local_steps, outer, outer_sync)
     if "compression" not in options and os.environ.get("PS_COMPRESSION"):
         options["compression"] = os.environ["PS_COMPRESSION"]
     if mode == "local":
@@ -189,7 +202,7 @@ def connect(
         if name not in options and os.environ.get(env):
             options[name] = env_default(env, None, convert)
     common = dict(
-        mode=mode or "sync",
+        mode=diloco.shard_mode if diloco else mode or "sync",
         staleness=staleness,
         security=ClientSecurity.from_env(tls_ca, tls_cert, tls_key, token),
         **options,
@@ -201,7 +214,8 @@ def connect(
                 f"an elastic job of up to {bounds[1]} workers needs each worker's id: pass "
                 "worker_id=, or set $PS_WORKER_ID (or launch with torchrun, srun, TF_CONFIG)"
             )
-        return ElasticPSClient(shards, identity.worker_id or 0, *bounds, **common)
+        elastic_client = ElasticPSClient(shards, identity.worker_id or 0, *bounds, **common)
+        return DiLoCoClient(elastic_client, diloco) if diloco else elastic_client
     count = identity.num_workers
     if identity.worker_id is None and (count or 1) > 1:
         raise ConfigError(
@@ -210,7 +224,35 @@ def connect(
             "worker would have the second's pushes dropped as retries)"
         )
     _log_identity(identity)
-    return PSClient(shards, identity.worker_id or 0, count or 1, **common)
+    client = PSClient(shards, identity.worker_id or 0, count or 1, **common)
+    return DiLoCoClient(client, diloco) if diloco else client
+
+
+def _diloco_settings(
+    mode: str | None, local_steps: int | None, outer: Optimizer | None, outer_sync: bool | None
+) -> DiLoCoSettings | None:
+    """The local-step settings of ``mode="diloco"`` (``local_steps`` else
+    ``$PS_LOCAL_STEPS``); None in other modes.
+
+    Raises:
+        ConfigError: bad settings, or settings given for another mode.
+    """
+    if mode != "diloco":
+        given = [
+            n
+            for n, v in (("local_steps", local_steps), ("outer", outer), ("outer_sync", outer_sync))
+            if v is not None
+        ]
+        if given:
+            raise ConfigError(f"{', '.join(given)} apply to mode 'diloco' only; mode is {mode!r}")
+        return None
+    if local_steps is None:
+        local_steps = env_default("PS_LOCAL_STEPS", 1, int)
+    return DiLoCoSettings(
+        local_steps=local_steps,
+        outer=PAPER_OUTER if outer is None else outer,
+        outer_sync=True if outer_sync is None else outer_sync,
+    )
 
 
 def _elastic_bounds(elastic: bool | str | tuple[int, int] | None) -> tuple[int, int] | None:
