@@ -42,6 +42,10 @@ class DiLoCoOptimizer(DistributedOptimizer):
             optimizer or model).
     """
 
+    # GradScaler unscales the gradients and skips an inf/NaN step itself (as with any torch
+    # optimizer): no step of ours is taken then, and none is counted.
+    _step_supports_amp_scaling = False
+
     def __init__(
         self,
         model: torch.nn.Module,
