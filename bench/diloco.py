@@ -4,12 +4,12 @@
 LSTM on the builtins corpus four times, each on two fresh in-process shards with four worker
 processes: sync mode; DiLoCo with H = 25 (AdamW inside, Nesterov SGD lr 0.7 momentum 0.9 on the
 shards); DiLoCo with worker 3 slowed 2x; asynchronous DiLoCo (delayed Nesterov) with worker 3
-slowed 2x. Every run trains on the same number of samples: in the asynchronous run the slow
-worker takes fewer epochs and the fast ones more (3 + 3 x 7 = 4 x 6 epochs), which is what
-asynchrony is for. It prints validation perplexity (mean over the workers' final models),
-bytes sent and received (the sum of every worker's ``psworker/bytes_sent`` and
-``bytes_received``: what DistributedOptimizer reports per step) and wall-clock seconds, the
-ratios against sync, and plots perplexity against bytes sent.
+slowed 2x. Every run trains on the same number of samples (21 outer steps of 25 per worker by
+default): in the asynchronous run the slow worker takes half the steps of each fast one
+(300 + 3 x 600 = 4 x 525), which is what asynchrony is for. It prints validation perplexity
+(mean over the workers' final models), bytes sent and received (the sum of every worker's
+``psworker/bytes_sent`` and ``bytes_received``: what DistributedOptimizer reports per step)
+and wall-clock seconds, the ratios against sync, and plots perplexity against bytes sent.
 """
 
 from __future__ import annotations
@@ -35,21 +35,23 @@ TIMEOUT_S = 900
 
 @dataclass(frozen=True)
 class Run:
-    """One training job: its mode's flags and each worker's epochs and slowdown."""
+    """One training job: its mode's flags and each worker's steps and slowdown."""
 
     label: str
     flags: tuple[str, ...]
-    epochs: tuple[int, ...]
+    steps: tuple[int, ...]
     slow: dict[int, float] = field(default_factory=dict)
 
 
-def runs(epochs: int) -> list[Run]:
+def runs(steps: int) -> list[Run]:
+    """The four jobs, each ``WORKERS * steps`` batches in all."""
     diloco = ("--mode", "diloco", "--local-steps", str(H))
-    even = (epochs,) * WORKERS
-    # Equal samples: the slow worker takes about half the epochs of each fast one.
-    slow_share = max(1, round(WORKERS * epochs / (2 * WORKERS - 1)))
-    fast_share = (WORKERS * epochs - slow_share) // (WORKERS - 1)
-    skewed = (fast_share,) * (WORKERS - 1) + (WORKERS * epochs - (WORKERS - 1) * fast_share,)
+    even = (steps,) * WORKERS
+    # Equal samples: the slow worker takes half the steps of each fast one (8/7 and 4/7 of
+    # ``steps``, rounded to whole outer steps; the fast ones take what is left).
+    slow_share = max(H, round(4 * steps / (2 * WORKERS - 1) / H) * H)
+    fast_share = (WORKERS * steps - slow_share) // (WORKERS - 1)
+    skewed = (fast_share,) * (WORKERS - 1) + (WORKERS * steps - (WORKERS - 1) * fast_share,)
     return [
         Run("sync", ("--mode", "sync"), even),
         Run(f"diloco H={H}", diloco, even),
@@ -84,8 +86,8 @@ def train(run: Run) -> dict[int, list[dict]]:
                     *run.flags,
                     "--corpus",
                     "builtins",
-                    "--epochs",
-                    str(run.epochs[w]),
+                    "--steps",
+                    str(run.steps[w]),
                     "--slow",
                     str(run.slow.get(w, 1.0)),
                     "--json",
@@ -157,15 +159,15 @@ def plot(results: dict[str, dict[int, list[dict]]], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.diloco", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="1 epoch each (a smoke run)")
-    parser.add_argument("--epochs", type=int, default=6, help="each worker's, in the even runs")
+    parser.add_argument("--quick", action="store_true", help="3 outer steps (a smoke run)")
+    parser.add_argument("--steps", type=int, default=21 * H, help="each worker's, if even")
     parser.add_argument("--out", default="out", help="folder for diloco.json")
     parser.add_argument("--plot", default=None, help="where to draw the plot (default: --out)")
     args = parser.parse_args(argv)
-    epochs = 1 if args.quick else args.epochs
+    steps = 3 * H if args.quick else args.steps
     results: dict[str, dict[int, list[dict]]] = {}
-    for run in runs(epochs):
-        print(f"diloco bench: {run.label}, epochs {run.epochs}", flush=True)
+    for run in runs(steps):
+        print(f"diloco bench: {run.label}, steps {run.steps}", flush=True)
         results[run.label] = train(run)
     rows = {label: summary(figures) for label, figures in results.items()}
     base = rows["sync"]

@@ -43,6 +43,7 @@ parser.add_argument("--mode", default=None, help="the job's mode (default: $PS_M
 parser.add_argument("--local-steps", type=int, default=None, help="DiLoCo's H (--mode diloco)")
 parser.add_argument("--outer-async", action="store_true", help="DiLoCo: asynchronous outer steps")
 parser.add_argument("--epochs", type=int, default=8)
+parser.add_argument("--steps", type=int, default=None, help="stop after this many (this worker)")
 parser.add_argument("--slow", type=float, default=1.0, help="this worker's step takes x times")
 parser.add_argument(
     "--corpus",
@@ -52,9 +53,11 @@ parser.add_argument(
 )
 parser.add_argument("--json", action="store_true", help="a line of figures (JSON) per epoch")
 args = parser.parse_args()
-job = {"mode": args.mode}  # DiLoCo's settings beside the mode:
-if args.mode == "diloco":
-    job.update(local_steps=args.local_steps, outer_sync=not args.outer_async)
+job: dict = {"mode": args.mode}  # DiLoCo's settings beside the mode (or $PS_MODE):
+if args.local_steps is not None:
+    job["local_steps"] = args.local_steps
+if args.outer_async:
+    job["outer_sync"] = False
 
 torch.manual_seed(0)
 torch.set_num_threads(1)  # copies of this script share the machine's cores
@@ -103,15 +106,17 @@ class Totals:
         self.sums: dict[str, float] = {}
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
-        self.sums[tag] = self.sums.get(tag, 0.0) + float(value)
+        name = tag.rsplit("/", 1)[-1]  # e.g. bytes_sent
+        self.sums[name] = self.sums.get(name, 0.0) + float(value)
 
 
 totals = Totals()
 opt = DistributedOptimizer(model, connect(**job), opt, writer=totals)  # (distributed)
 batches = shard(loader, opt.client)  # (distributed)
-epochs = args.epochs
+epochs = args.epochs if args.steps is None else math.ceil(args.steps / len(batches))
 started = time.perf_counter()
-total, warmup = epochs * len(batches), 5
+total, warmup = args.steps or epochs * len(batches), 5
+taken = 0
 sched = torch.optim.lr_scheduler.SequentialLR(
     opt,
     [
@@ -125,6 +130,9 @@ loss_fn = nn.CrossEntropyLoss()
 
 for epoch in range(epochs):
     for x, y in batches:
+        if taken == total:
+            break
+        taken += 1
         began = time.perf_counter()
         x, y = x.to(device), y.to(device)
         opt.zero_grad()
@@ -152,9 +160,9 @@ for epoch in range(epochs):
         figures = {
             "epoch": epoch,
             "perplexity": math.exp(held),
-            "bytes_sent": totals.sums.get("psworker/bytes_sent", 0.0),
-            "bytes_received": totals.sums.get("psworker/bytes_received", 0.0),
+            "bytes_sent": totals.sums.get("bytes_sent", 0.0),
+            "bytes_received": totals.sums.get("bytes_received", 0.0),
             "seconds": time.perf_counter() - started,
-            "steps": len(batches) * (epoch + 1),
+            "steps": taken,
         }
         print("figures " + json.dumps(figures), flush=True)
