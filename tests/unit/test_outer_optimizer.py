@@ -1,15 +1,22 @@
 """DelayedNesterov (pswire/outer.py): N pushes are one Nesterov step on their mean; momentum
-moves only on every N-th push; its wire form and state round-trip through the registry."""
+moves only on every N-th push; its wire form round-trips through the registry and its state
+through a shard's checkpoint."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from psserver.checkpoint import Checkpointer
+from psserver.records import Limits
+from psserver.shard import Shard
 from pswire.errors import ConfigError, InvalidRequestError
+from pswire.job import Job, VarSpec
 from pswire.optim import SGD
 from pswire.optspec import optimizer_from_spec
 from pswire.outer import DelayedNesterov
+
+SPECS = (VarSpec("w", (2, 3), "float32"),)
 
 
 def grads(count: int, rounds: int, seed: int = 0) -> list[list[np.ndarray]]:
@@ -58,3 +65,36 @@ def test_wire_form_round_trips_and_bad_delay_is_refused():
         DelayedNesterov(delay=0)
     with pytest.raises(ConfigError, match="invalid momentum"):
         DelayedNesterov(momentum=1.0)
+
+
+def test_a_checkpoint_keeps_the_pending_sum_and_count_and_resumes_bit_identically(tmp_path):
+    """The outer optimizer's state (momentum, pending sum, push count) is in the shard's
+    checkpoint: a shard restored mid-way through a set of delayed pushes continues exactly."""
+    job = Job("async", 0, 2, DelayedNesterov(lr=0.7, momentum=0.9, delay=2), SPECS, "digest")
+    original = Shard(Limits(max_wait_s=5))
+    assert original.init(0, job, {"w": np.linspace(-1, 1, 6).astype(np.float32).reshape(2, 3)})
+    pushes = [(w, s) for s in range(3) for w in range(2)][:5]  # odd: a push is pending
+
+    def push(shard: Shard, worker: int, step: int) -> None:
+        g = np.random.default_rng(10 * step + worker).standard_normal((2, 3)).astype(np.float32)
+        assert shard.push(worker, step, {"w": g}, timeout=5).applied
+
+    for worker, step in pushes[:3]:
+        push(original, worker, step)
+    saved = original.export_state()
+    assert saved is not None
+    assert saved.slots["w"]["step"] == 3 and np.any(saved.slots["w"]["pending"])
+    Checkpointer(tmp_path).save(saved, incarnation=original.incarnation)
+    loaded = Checkpointer(tmp_path).load_latest()
+    assert loaded is not None
+    restored = Shard(Limits(max_wait_s=5))
+    restored.restore(loaded)
+    for worker, step in pushes[3:]:
+        push(original, worker, step)
+        push(restored, worker, step)
+    a, b = original.export_state(), restored.export_state()
+    assert a is not None and b is not None
+    np.testing.assert_array_equal(a.variables["w"], b.variables["w"])
+    for slot in ("momentum_buffer", "pending"):
+        np.testing.assert_array_equal(a.slots["w"][slot], b.slots["w"][slot])
+    assert a.slots["w"]["step"] == b.slots["w"]["step"] == 5
