@@ -22,8 +22,11 @@ OBSERVER = -1  # worker_id of a reader that is not one of the job's workers
 MODES = ("sync", "async", "ssp")
 # What an optimizer can train (integer and bool variables travel as buffers).
 TRAINABLE_DTYPES = ("float16", "float32", "float64")
-# Every mode a worker may train in: the shards' modes and the two without shards.
-CLIENT_MODES = (*MODES, "allreduce", "local")
+# Every mode a worker may train in: the shards' modes, the two without shards, and local steps
+# with an outer optimizer on the shards (DiLoCo: sync or async on the shards, psworker/diloco.py).
+CLIENT_MODES = (*MODES, "allreduce", "local", "diloco")
+# What separates the model's digest from a training variant's settings in ``Job.model_digest``.
+VARIANT_MARK = "|"
 
 
 def check_mode(mode: str, staleness: int = 0, quorum: int = 0) -> None:
@@ -334,11 +337,22 @@ class Job:
         """Human-readable list of what differs from ``other`` (the shard's job)."""
         placement = self.placement_difference(other)
         out = [placement] if placement else []
-        attrs = ("mode", "staleness", "num_workers", "model_digest", "quorum")
+        attrs = ("mode", "staleness", "num_workers", "quorum")
         for attr in (*attrs, "min_workers", "max_workers"):
             mine, theirs = getattr(self, attr), getattr(other, attr)
             if mine != theirs:
                 out.append(f"{attr}: shard has {theirs!r}, worker sent {mine!r}")
+        # The digest may end in the training variant (``|diloco(...)``, psworker/diloco.py):
+        # said apart from the model, with its settings, so the refused worker sees which.
+        mine_model, _, mine_variant = self.model_digest.partition(VARIANT_MARK)
+        theirs_model, _, theirs_variant = other.model_digest.partition(VARIANT_MARK)
+        if mine_model != theirs_model:
+            out.append(f"model_digest: shard has {theirs_model!r}, worker sent {mine_model!r}")
+        if mine_variant != theirs_variant:
+            out.append(
+                f"local steps (DiLoCo): shard has {theirs_variant or 'none'}, worker sent "
+                f"{mine_variant or 'none'}"
+            )
         if self.optimizers != other.optimizers:
             out.append(
                 f"optimizer (parameter groups): shard has {list(other.optimizers)}, worker sent "

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from pscore.optim import OPTIMIZERS, Optimizer
+from pscore.outer import OUTER_OPTIMIZERS
 from pswire.errors import InvalidRequestError
 
 
@@ -21,10 +22,11 @@ def optimizer_from_spec(name: str, params: Mapping[str, float]) -> Optimizer:
     Raises:
         InvalidRequestError: unknown optimizer, unknown or invalid hyper-parameter.
     """
-    cls = OPTIMIZERS.get(name)
+    cls = OPTIMIZERS.get(name) or OUTER_OPTIMIZERS.get(name)
     if cls is None:
         raise InvalidRequestError(
-            f"unknown optimizer {name!r}; expected one of {sorted(OPTIMIZERS)}"
+            f"unknown optimizer {name!r}; expected one of {sorted(OPTIMIZERS)} or an outer "
+            f"optimizer {sorted(OUTER_OPTIMIZERS)}"
         )
     try:
         return cls(**_kwargs(cls, params))

@@ -90,6 +90,9 @@ class PSClient:
         self.quorum = settings.quorum
         self.min_workers, self.max_workers = settings.min_workers, settings.max_workers
         self.compression = settings.compression
+        # What else the job's workers must agree on beyond the model (e.g. DiLoCo's local steps
+        # and inner optimizer, psworker/diloco.py): part of the model digest init declares.
+        self.variant = ""
         self._buffers: set[str] = set()
         self.heartbeat_s = settings.heartbeat_s
         self.security = settings.security
@@ -186,6 +189,7 @@ class PSClient:
         digest = shard_map.digest()
         if tables:  # a model without tables keeps the digest it always had
             digest = hashlib.sha256((digest + tables_digest(tables)).encode()).hexdigest()[:16]
+        digest += self.variant
         send_values = self.worker_id == 0
         pieces = shard_map.split(arrays)
         self._buffers = set(buffers)

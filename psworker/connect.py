@@ -7,12 +7,15 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from pscore.optim import Optimizer
 from pswire import envnames
+from pswire.cli import env_default
 from pswire.cluster import ClusterSpec
 from pswire.errors import ConfigError
 from pswire.security import ClientSecurity
 from psworker.api import Client
 from psworker.client import PSClient
+from psworker.diloco import PAPER_OUTER, DiLoCoClient, DiLoCoSettings
 from psworker.elastic import ElasticPSClient, parse_bounds
 from psworker.launchers import Identity, resolve_identity, shard_addresses
 from psworker.local import LocalClient
@@ -93,6 +96,9 @@ def connect(
     tls_cert: str | None = None,
     tls_key: str | None = None,
     token: str | None = None,
+    local_steps: int | None = None,
+    outer: Optimizer | None = None,
+    outer_sync: bool | None = None,
     **options: Any,
 ) -> Client:
     """Connects a worker to the job's shards, or returns an in-process or ring client.
@@ -125,6 +131,13 @@ def connect(
     (demanding its neighbour's, signed by the CA) and the token, and calls its neighbour with
     them.
 
+    ``mode="diloco"`` trains with local steps (DiLoCo, ``psworker/diloco.py``): the script's
+    optimizer runs in the worker for ``local_steps`` steps (``$PS_LOCAL_STEPS``, default 1)
+    between outer steps, where the shards apply ``outer`` (default ``SGD(lr=0.7,
+    momentum=0.9, nesterov=True)``) to the workers' pseudo-gradients: averaged over the live
+    workers when ``outer_sync`` (default), else each on arrival (delayed Nesterov). It returns
+    a ``DiLoCoClient``.
+
     In a parameter-server mode every other keyword (``timeout``, ``retry_s``,
     ``chunk_bytes``, ``quorum``, ``heartbeat_s``, ``compression``, ...) is a field of
     ``ClientSettings``, which ``ClientSettings.from_env`` builds from the arguments, then the
@@ -140,6 +153,7 @@ def connect(
     """
     envnames.warn_unknown(who="connect()")
     mode = resolve_mode(mode)
+    diloco = _diloco_settings(mode, local_steps, outer, outer_sync)
     if options.get("compression") is None and setting_from_env("compression") is not None:
         options["compression"] = setting_from_env("compression")  # the ring's too
     if mode == "local":
@@ -178,7 +192,9 @@ def connect(
     if not shards:
         raise ConfigError(f"{where} lists no parameter servers")
     secure = {"tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key, "token": token}
-    given = dict(mode=mode, staleness=staleness, **secure, **options)
+    given = dict(
+        mode=diloco.shard_mode if diloco else mode, staleness=staleness, **secure, **options
+    )
     bounds = _elastic_bounds(elastic)
     if bounds is not None:
         if identity.worker_id is None and bounds[1] > 1:
@@ -190,7 +206,8 @@ def connect(
         settings = ClientSettings.from_env(
             shards, identity.worker_id or 0, high, min_workers=low, max_workers=high, **given
         )
-        return ElasticPSClient(settings)
+        elastic_client = ElasticPSClient(settings)
+        return DiLoCoClient(elastic_client, diloco) if diloco else elastic_client
     count = identity.num_workers
     if identity.worker_id is None and (count or 1) > 1:
         raise ConfigError(
@@ -200,7 +217,35 @@ def connect(
         )
     settings = ClientSettings.from_env(shards, identity.worker_id or 0, count or 1, **given)
     _log_identity(identity)
-    return PSClient(settings)
+    client = PSClient(settings)
+    return DiLoCoClient(client, diloco) if diloco else client
+
+
+def _diloco_settings(
+    mode: str | None, local_steps: int | None, outer: Optimizer | None, outer_sync: bool | None
+) -> DiLoCoSettings | None:
+    """The local-step settings of ``mode="diloco"`` (``local_steps`` else
+    ``$PS_LOCAL_STEPS``); None in other modes.
+
+    Raises:
+        ConfigError: bad settings, or settings given for another mode.
+    """
+    if mode != "diloco":
+        given = [
+            n
+            for n, v in (("local_steps", local_steps), ("outer", outer), ("outer_sync", outer_sync))
+            if v is not None
+        ]
+        if given:
+            raise ConfigError(f"{', '.join(given)} apply to mode 'diloco' only; mode is {mode!r}")
+        return None
+    if local_steps is None:
+        local_steps = env_default("PS_LOCAL_STEPS", 1, int)
+    return DiLoCoSettings(
+        local_steps=local_steps,
+        outer=PAPER_OUTER if outer is None else outer,
+        outer_sync=True if outer_sync is None else outer_sync,
+    )
 
 
 def _elastic_bounds(elastic: bool | str | tuple[int, int] | None) -> tuple[int, int] | None:

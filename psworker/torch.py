@@ -107,6 +107,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True  # GradScaler.step hands itself to step() (see above)
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> DistributedOptimizer:
+        # mode="diloco": local steps with an outer step on the shards (psworker/torch_diloco.py).
+        client = args[1] if len(args) > 1 else kwargs.get("client")
+        if cls is DistributedOptimizer and getattr(client, "mode", None) == "diloco":
+            from psworker.torch_diloco import DiLoCoOptimizer
+
+            return super().__new__(DiLoCoOptimizer)
+        return super().__new__(cls)
+
     def __init__(
         self,
         model: torch.nn.Module,

@@ -14,7 +14,7 @@ EXAMPLE = REPO / "examples" / "train_lm.py"
 PSCTL = [sys.executable, "-m", "psctl.main"]
 MARKER = "# (distributed)"
 EPOCHS = 8
-LINE = r"epoch (\d+): loss \S+, corpus loss (\d+\.\d+) \(perplexity \S+\), lr (\d\.\d+)"
+LINE = r"epoch (\d+): loss \S+, corpus loss (\d+\.\d+) \(perplexity \S+\), lr (\d\.\d+)(?:, .*)?"
 
 
 def epochs(out: str, worker: int) -> list[tuple[int, float, float]]:

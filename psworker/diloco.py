@@ -1,0 +1,261 @@
+"""Local steps with an outer optimizer on the shards (DiLoCo, Douillard et al. 2023): the settings
+(``DiLoCoSettings``), the client a ``mode="diloco"`` job gets (``DiLoCoClient``) and the outer
+step (``OuterSteps``), in numpy; ``psworker/torch_diloco.py`` drives them from a torch model.
+
+Each worker takes ``local_steps`` (H) steps with its own (inner) optimizer on its own copy of
+the weights; then it pushes the pseudo-gradient, the job's weights at the last outer step minus
+its own now, and loads the job's new weights. The shards run the outer optimizer on it through
+an existing consistency rule, so they need not know the mode: with ``outer_sync`` (default) in
+``sync`` (each shard averages the pseudo-gradients of the outer step's live workers and applies
+the outer optimizer once: workers that join or leave do so between outer steps, and a shard's
+kill -9 recovers bit-identically as with gradients: a pseudo-gradient push is an ordinary push,
+kept for replay), else in ``async`` (each pseudo-gradient applied on arrival; an outer SGD with
+Nesterov momentum runs as ``DelayedNesterov`` with ``delay`` = the number of workers, so
+momentum moves once per full set of workers' updates). H, the inner optimizer's settings and
+the variant are part of the job: a worker that differs is refused, naming both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+import numpy as np
+
+from pscore.job import VARIANT_MARK
+from pscore.optim import SGD, Optimizer
+from pscore.optspec import StepOptions
+from pscore.outer import DelayedNesterov
+from pscore.tables import RowSparse, Table
+from pswire.errors import ConfigError
+from psworker.client import PSClient
+from psworker.outgoing import compress
+
+# The paper's outer optimizer: SGD with Nesterov momentum, lr 0.7, momentum 0.9.
+PAPER_OUTER = SGD(lr=0.7, momentum=0.9, nesterov=True)
+
+
+@dataclass(frozen=True)
+class DiLoCoSettings:
+    """How a ``mode="diloco"`` job trains.
+
+    ``local_steps``: H, the inner steps between outer steps (>= 1). ``outer``: the optimizer
+    the shards apply to the pseudo-gradients (any server-side optimizer; default the paper's
+    Nesterov SGD). ``outer_sync``: the shards average each outer step's pseudo-gradients of
+    every live worker before one outer update (``sync``); False applies each on arrival
+    (``async``: no barrier between slow and fast workers), with the delayed Nesterov rule for
+    an outer Nesterov SGD.
+    """
+
+    local_steps: int = 1
+    outer: Optimizer = field(default_factory=lambda: PAPER_OUTER)
+    outer_sync: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.local_steps, bool) or not isinstance(self.local_steps, int):
+            raise ConfigError(f"local_steps must be an int >= 1, got {self.local_steps!r}")
+        if self.local_steps < 1:
+            raise ConfigError(f"local_steps must be >= 1, got {self.local_steps}")
+        if not isinstance(self.outer, Optimizer):
+            raise ConfigError(
+                f"outer must be a server-side optimizer (psworker.SGD(...), ...), got "
+                f"{type(self.outer).__name__}"
+            )
+        if not isinstance(self.outer_sync, bool):
+            raise ConfigError(f"outer_sync must be True or False, got {self.outer_sync!r}")
+
+    @property
+    def shard_mode(self) -> str:
+        """The shards' consistency rule for the outer steps."""
+        return "sync" if self.outer_sync else "async"
+
+    def shard_optimizer(self, num_workers: int) -> Optimizer:
+        """The optimizer the shards run: ``outer``, or in async its delayed-Nesterov form."""
+        o = self.outer
+        if not self.outer_sync and isinstance(o, SGD) and o.nesterov:
+            if o.weight_decay:
+                raise ConfigError(
+                    "asynchronous DiLoCo runs an outer Nesterov SGD as DelayedNesterov, which "
+                    f"has no weight decay; got weight_decay={o.weight_decay}"
+                )
+            return DelayedNesterov(lr=o.lr, momentum=o.momentum, delay=num_workers)
+        return o
+
+    def variant(self, inner: str) -> str:
+        """What the job's workers must agree on beside the model (``inner``: the inner
+        optimizer described), appended to the model digest."""
+        return (
+            f"{VARIANT_MARK}diloco(local_steps={self.local_steps}, "
+            f"outer_sync={self.outer_sync}, inner={inner})"
+        )
+
+
+class DiLoCoClient:
+    """A worker's client in ``mode="diloco"``: the ``PSClient`` of the outer steps, counted in
+    inner steps.
+
+    ``step`` counts inner steps (``outer.step * local_steps`` after ``init``), so ``shard()``
+    and ``start_epoch`` see one step per batch; ``outer`` is the parameter-server client,
+    whose step is the outer step. ``bytes_sent``/``bytes_received`` total what outer steps
+    moved (pseudo-gradients as compressed on the wire, weights read back).
+    """
+
+    mode = "diloco"
+
+    def __init__(self, outer: PSClient, settings: DiLoCoSettings) -> None:
+        if outer.mode != settings.shard_mode:
+            raise ConfigError(
+                f"DiLoCo with outer_sync={settings.outer_sync} runs the shards in mode "
+                f"{settings.shard_mode!r}; the client given runs {outer.mode!r}"
+            )
+        self.outer = outer
+        self.settings = settings
+        self.worker_id = outer.worker_id
+        self.num_workers = outer.num_workers
+        self.step = outer.step * settings.local_steps
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    @property
+    def last_skipped(self) -> bool:
+        return self.outer.last_skipped
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.outer.close()
+
+    def declare(self, inner: str) -> None:
+        """Makes the inner optimizer (described) part of the job the next ``init`` declares."""
+        self.outer.variant = self.settings.variant(inner)
+
+    def init(
+        self,
+        variables: Mapping[str, np.ndarray],
+        optimizer: Optimizer | Sequence[Optimizer] | None = None,
+        buffers: Sequence[str] = (),
+        tables: Mapping[str, Table] | None = None,
+        groups: Mapping[str, int] | None = None,
+    ) -> None:
+        """``PSClient.init`` with the outer optimizer (``optimizer`` must be None or it):
+        worker 0's values become the job's first weights.
+
+        Raises:
+            ConfigError: embedding tables, or an optimizer other than the outer one.
+            PSError: as ``PSClient.init`` (ModelMismatchError names a differing H or inner
+                optimizer).
+        """
+        if tables:
+            raise ConfigError(
+                f"mode 'diloco' trains dense variables only; got embedding tables {sorted(tables)}"
+            )
+        outer = self.settings.shard_optimizer(self.num_workers)
+        if optimizer is not None and optimizer not in (outer, self.settings.outer):
+            raise ConfigError(
+                f"in mode 'diloco' the shards run the outer optimizer {self.settings.outer}; "
+                f"init got {optimizer} (the inner optimizer runs in the worker)"
+            )
+        self.outer.init(variables, outer, buffers=buffers)
+        self.step = self.outer.step * self.settings.local_steps
+
+    def pull(
+        self, names: Sequence[str] | None = None, out: Mapping[str, np.ndarray] | None = None
+    ) -> dict[str, np.ndarray]:
+        """The job's weights as of the last outer step."""
+        return self.outer.pull(names, out)
+
+    def pull_rows(self, table: str, ids: np.ndarray | Sequence[int]) -> np.ndarray:
+        raise ConfigError("mode 'diloco' has no embedding tables")
+
+    def push(
+        self,
+        grads: Mapping[str, np.ndarray | RowSparse],
+        step: int | None = None,
+        options: StepOptions | None = None,
+    ) -> bool:
+        """One outer step's pseudo-gradients (global minus local weights): see ``OuterSteps``."""
+        return self.outer.push(grads, step, options)
+
+    def push_pull(
+        self,
+        grads: Mapping[str, np.ndarray | RowSparse],
+        step: int | None = None,
+        out: Mapping[str, np.ndarray] | None = None,
+        options: StepOptions | None = None,
+        rows: Mapping[str, np.ndarray | Sequence[int]] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """One outer step's pseudo-gradients pushed, the new weights pulled."""
+        return self.outer.push_pull(grads, step, out, options, rows)
+
+    def optimizer_state(self) -> dict[str, dict[str, Any]]:
+        """The outer optimizer's slots on the shards."""
+        return self.outer.optimizer_state()
+
+    def load_state(
+        self,
+        values: Mapping[str, np.ndarray] | None,
+        slots: Mapping[str, Mapping[str, Any]],
+        digest: str,
+    ) -> None:
+        self.outer.load_state(values, slots, digest)
+
+    def status(self) -> Any:
+        """The shards' Status (``PSClient.status``)."""
+        return self.outer.status()
+
+
+class OuterSteps:
+    """Counts a worker's inner steps and takes the outer step every ``local_steps``-th.
+
+    Holds the job's weights as of the last outer step (``start``); ``outer_step(local)``
+    pushes ``start - local`` for the trained variables (buffers as they are: the shards keep
+    their mean in sync), pulls the new weights and makes them the new start.
+    """
+
+    def __init__(
+        self, client: DiLoCoClient, start: Mapping[str, np.ndarray], buffers: Sequence[str] = ()
+    ) -> None:
+        self.client = client
+        self.buffers = frozenset(buffers)
+        self.start = {n: np.array(a, copy=True) for n, a in start.items() if n not in self.buffers}
+        self.done = 0  # inner steps since the last outer step
+
+    def inner_step(self) -> bool:
+        """Counts one inner step; whether the outer step is due now."""
+        self.done += 1
+        self.client.step += 1
+        return self.done >= self.client.settings.local_steps
+
+    def outer_step(self, local: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Pushes the pseudo-gradients of ``local`` (every trained variable, and the buffers'
+        values), returns the job's new weights (which become the start).
+
+        Raises:
+            ConfigError: ``local`` lacks a trained variable.
+            PSError: the push or pull failed (as ``PSClient.push_pull``).
+        """
+        missing = sorted(set(self.start) - set(local))
+        if missing:
+            raise ConfigError(f"the outer step lacks the local weights of {missing}")
+        pushed: dict[str, np.ndarray | RowSparse] = {}
+        for name, value in local.items():
+            if name in self.buffers:
+                pushed[name] = value
+            else:
+                pushed[name] = self.start[name] - value
+        weights = self.client.push_pull(pushed)
+        self.done = 0
+        compression = self.client.outer.compression
+        self.client.bytes_sent += sum(
+            int(v.nbytes if n in self.buffers else compress(np.asarray(v), compression).nbytes)
+            for n, v in pushed.items()
+        )
+        self.client.bytes_received += sum(int(a.nbytes) for a in weights.values())
+        for name in self.start:
+            self.start[name] = np.array(weights[name], copy=True)
+        return weights

@@ -1,0 +1,162 @@
+"""PyTorch side of local-step training (DiLoCo): ``DiLoCoOptimizer``, what
+``DistributedOptimizer`` becomes over a ``DiLoCoClient`` (``psworker/diloco.py``).
+
+The script's torch optimizer is the inner optimizer: it steps the model's own weights here;
+every ``local_steps``-th step the outer step pushes the pseudo-gradients and loads the job's
+new weights. The inner optimizer's state (AdamW's moments) persists across outer steps, as in
+the paper.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from pscore.optim import Optimizer
+from pswire.errors import ConfigError
+from psworker.diloco import DiLoCoClient, OuterSteps
+from psworker.reports import StepLog
+from psworker.torch import BUFFER_PREFIX, DistributedOptimizer
+from psworker.torch_optim import torch_optimizer_for
+
+
+class DiLoCoOptimizer(DistributedOptimizer):
+    """Trains ``model`` with local steps: ``step()`` is one inner step of ``optimizer`` (any
+    torch optimizer, or a ``psworker.SGD``-style spec), and every ``local_steps``-th also the
+    outer step. Worker 0's weights start every worker.
+
+    ``param_groups`` and ``state`` are the inner optimizer's: schedulers and GradScaler work
+    on it as on any torch optimizer (a step GradScaler skips is not counted). ``state_dict``
+    is the inner optimizer's; the outer optimizer's state lives on the shards and in their
+    checkpoints. Buffers (BatchNorm statistics) travel at outer steps beside the
+    pseudo-gradients. ``writer``: as ``DistributedOptimizer``'s, per outer step.
+
+    Raises (constructor):
+        ValueError: an optimizer that is not a torch optimizer or spec, a parameter not in
+            the model, or embedding tables (nothing was sent).
+        PSError: the shards refuse the job (ModelMismatchError names a differing H, inner
+            optimizer or model).
+    """
+
+    # GradScaler unscales the gradients and skips an inf/NaN step itself (as with any torch
+    # optimizer): no step of ours is taken then, and none is counted.
+    _step_supports_amp_scaling = False
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        client: DiLoCoClient,
+        optimizer: torch.optim.Optimizer | Optimizer,
+        writer: Any = None,
+    ) -> None:
+        if isinstance(optimizer, Optimizer):
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            optimizer = torch_optimizer_for(optimizer, trainable)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"optimizer must be a torch.optim optimizer or a psworker spec, got "
+                f"{type(optimizer).__name__}"
+            )
+        self.model = model
+        self.client = client
+        self._diloco = client  # typed: the outer client and its byte counts
+        self._inner = optimizer
+        names = {id(p): n for n, p in model.named_parameters()}
+        self._params: dict[str, torch.nn.Parameter] = {}
+        self._tables = {}  # none in this mode (DiLoCoClient.init refuses them)
+        self._together = 1
+        for index, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                name = names.get(id(p))
+                if name is None:
+                    raise ConfigError(
+                        f"parameter group {index} of {type(optimizer).__name__} holds a tensor "
+                        f"of shape {tuple(p.shape)} that is not a parameter of the model"
+                    )
+                self._params[name] = p
+        self._buffers = {BUFFER_PREFIX + n: b for n, b in model.named_buffers() if b is not None}
+        self._log = StepLog(client, writer)
+        client.declare(describe(optimizer))
+        with torch.no_grad():
+            values = {n: _host(t) for n, t in {**self._params, **self._buffers}.items()}
+            client.init(values, buffers=list(self._buffers))
+            weights = client.pull()
+            self._load(weights)
+        self._steps = OuterSteps(client, weights, list(self._buffers))
+        # torch's Optimizer, not DistributedOptimizer's constructor (which pushes gradients).
+        torch.optim.Optimizer.__init__(
+            self, [{"params": g["params"]} for g in optimizer.param_groups], {}
+        )
+        self.param_groups = optimizer.param_groups
+        self.defaults = optimizer.defaults
+        self.state = optimizer.state
+
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], Any] | None = None, grad_scaler: Any = None
+    ) -> Any:
+        """One inner step; every ``local_steps``-th also the outer step (push the
+        pseudo-gradients, load the job's new weights: in sync mode once every live worker's
+        are applied).
+
+        Raises:
+            PSError: the outer step's push or pull failed.
+        """
+        loss = self._inner.step(closure)
+        if self._steps.inner_step():
+            started = time.perf_counter()
+            sent, received = self._diloco.bytes_sent, self._diloco.bytes_received
+            outer_step = self._diloco.outer.step
+            with torch.no_grad():
+                local = {n: _host(t) for n, t in {**self._params, **self._buffers}.items()}
+                self._load(self._steps.outer_step(local))
+            if self._log.active:
+                self._log.step(
+                    outer_step,
+                    time.perf_counter() - started,
+                    self._diloco.bytes_sent - sent,
+                    self._diloco.bytes_received - received,
+                )
+        return loss
+
+    def report(self, **values: Any) -> None:
+        """As ``DistributedOptimizer.report``."""
+        if self._log.active:
+            self._log.report(values)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state_dict (the outer state is in the shards' checkpoints)."""
+        return self._inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads the inner optimizer's state_dict."""
+        self._inner.load_state_dict(state_dict)
+        self.param_groups = self._inner.param_groups
+        self.state = self._inner.state
+
+    def _load(self, weights: dict[str, np.ndarray]) -> None:
+        for name, target in {**self._params, **self._buffers}.items():
+            array = np.require(weights[name], requirements="W")  # torch wants a writable one
+            target.copy_(torch.from_numpy(array).to(target.device))
+
+
+def describe(optimizer: torch.optim.Optimizer) -> str:
+    """The inner optimizer's class and each group's hyper-parameters (what every worker must
+    share), in a stable text form."""
+    groups = []
+    for group in optimizer.param_groups:
+        values = {k: v for k, v in sorted(group.items()) if k != "params"}
+        shown = ", ".join(f"{k}={v}" for k, v in values.items() if _plain(v))
+        groups.append(f"{{{shown}}}")
+    return f"{type(optimizer).__name__}[{', '.join(groups)}]"
+
+
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, bool | int | float | str | tuple)
+
+
+def _host(tensor: torch.Tensor) -> np.ndarray:
+    return np.array(tensor.detach().cpu().numpy(), copy=True)
