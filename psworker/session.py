@@ -6,11 +6,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import os
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -28,22 +27,9 @@ DATA_PLANES = ("auto", "grpc")
 # Calls moving fewer tensor bytes than this each way travel on grpcio, larger ones on the Flight
 # data port: where each measured faster (`python -m bench.transport_sizes`, one shard, loaded
 # 2-core machine: grpcio 3-11% faster from 4 KB to 128 KB, Flight 2-6% faster from 256 KB to
-# 16 MB). ``$PS_GRPC_BELOW_BYTES`` overrides it (0: Flight for every size).
+# 16 MB). The client setting ``grpc_below_bytes`` (``$PS_GRPC_BELOW_BYTES``) overrides it
+# (0: Flight for every size).
 GRPC_BELOW_BYTES = 256 << 10
-
-
-def grpc_below_bytes() -> int:
-    """``$PS_GRPC_BELOW_BYTES`` if set, else ``GRPC_BELOW_BYTES``.
-
-    Raises:
-        ValueError: not a whole number >= 0.
-    """
-    text = os.environ.get("PS_GRPC_BELOW_BYTES", "").strip()
-    if not text:
-        return GRPC_BELOW_BYTES
-    if not text.isdigit():
-        raise ValueError(f"PS_GRPC_BELOW_BYTES must be a whole number >= 0, got {text!r}")
-    return int(text)
 
 
 @dataclass(frozen=True)
@@ -62,7 +48,7 @@ class LinkConfig:
     data_plane: str = "auto"
     # Calls moving fewer tensor bytes than this each way stay on grpcio even where a data port
     # exists (0: none do; see GRPC_BELOW_BYTES).
-    grpc_below_bytes: int = field(default_factory=grpc_below_bytes)
+    grpc_below_bytes: int = GRPC_BELOW_BYTES
 
     def __post_init__(self) -> None:
         if self.data_plane not in DATA_PLANES:

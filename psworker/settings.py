@@ -24,7 +24,7 @@ from pswire.codec import COMPRESSIONS, DEFAULT_CHUNK_BYTES
 from pswire.errors import ConfigError
 from pswire.security import ClientSecurity
 from psworker.placement import DEFAULT_SPLIT_BYTES
-from psworker.session import DEFAULT_REPLAY_BYTES, LinkConfig
+from psworker.session import DATA_PLANES, DEFAULT_REPLAY_BYTES, GRPC_BELOW_BYTES, LinkConfig
 from psworker.stall import DEFAULT_STALL_WARNING_S
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -48,6 +48,7 @@ _CONVERT: dict[str, Any] = {
     "staleness": int,
     "replay_bytes": int,
     "stall_warning_s": float,
+    "grpc_below_bytes": int,
 }
 
 
@@ -135,6 +136,18 @@ class ClientSettings:
         "How often a step that waits for other workers logs who it waits for (0: never).",
         "PS_STALL_WARNING",
     )
+    data_plane: str = _setting(
+        "auto",
+        "How tensors travel: `auto` uses a shard's Flight data port when it serves one, `grpc` "
+        "never does (the control port's grpcio calls).",
+        "PS_DATA_PLANE",
+    )
+    grpc_below_bytes: int = _setting(
+        GRPC_BELOW_BYTES,
+        "Calls moving fewer tensor bytes than this each way stay on grpcio, where it measured "
+        "faster (0: Flight for every size).",
+        "PS_GRPC_BELOW_BYTES",
+    )
     min_workers: int = _setting(
         0, "An elastic job's fewest members (0: a job of fixed size).", source="`$PS_ELASTIC`"
     )
@@ -176,6 +189,10 @@ class ClientSettings:
             raise ConfigError(f"staleness must be >= 0, got {self.staleness}")
         if self.mode != "ssp":
             object.__setattr__(self, "staleness", 0)  # only ssp has a staleness bound
+        if self.data_plane not in DATA_PLANES:
+            raise ConfigError(f"data_plane must be one of {DATA_PLANES}, got {self.data_plane!r}")
+        if self.grpc_below_bytes < 0:
+            raise ConfigError(f"grpc_below_bytes must be >= 0, got {self.grpc_below_bytes}")
         for name in ("timeout", "chunk_bytes", "split_bytes"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -200,6 +217,8 @@ class ClientSettings:
             self.chunk_bytes,
             session,
             self.replay_bytes,
+            self.data_plane,
+            self.grpc_below_bytes,
         )
 
     @classmethod

@@ -20,6 +20,7 @@ from psserver.server import RunningServer, start_server
 from psserver.shard import Shard
 from pswire import flightwire as fw
 from pswire.errors import (
+    ConfigError,
     InvalidRequestError,
     PSError,
     ShardBusyError,
@@ -110,7 +111,7 @@ def test_steps_under_the_size_rule_travel_on_grpcio_and_larger_ones_on_flight(
         c.push_pull({"small": np.ones(16, np.float32)})
         assert c.links[0].steps.name == "grpc"
     monkeypatch.setenv("PS_GRPC_BELOW_BYTES", "lots")
-    with pytest.raises(ValueError, match="PS_GRPC_BELOW_BYTES must be a whole number"):
+    with pytest.raises(ConfigError, match="PS_GRPC_BELOW_BYTES"):
         psworker.connect([server.address], worker_id=0, num_workers=1)
 
 
