@@ -9,6 +9,8 @@ import pytest
 from faults import FaultPlan
 from link_cluster import Cluster
 
+from psworker.session import GRPC_BELOW_BYTES
+
 
 @pytest.fixture(params=["flight", "grpc-small"])
 def data_plane(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
@@ -27,7 +29,10 @@ def cluster(data_plane: str) -> Iterator[type[Cluster]]:
 
     class Made(Cluster):
         def __init__(self, *plans: FaultPlan, **options: Any) -> None:
-            super().__init__(*plans, **options)
+            below = 0 if data_plane == "flight" else GRPC_BELOW_BYTES
+            super().__init__(*plans, grpc_below_bytes=below, **options)
+            # The transport the steps of this test take (its small steps: grpcio by default).
+            assert self.link.transport().name == ("flight" if below == 0 else "grpc"), data_plane
             made.append(self)
 
     yield Made

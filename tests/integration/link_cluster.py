@@ -15,6 +15,7 @@ from psserver.server import RunningServer, start_server
 from psserver.shard import Shard
 from pswire.proto import ps_pb2
 from psworker.link import ShardLink
+from psworker.session import GRPC_BELOW_BYTES
 
 LIMITS = Limits(max_wait_s=5)
 
@@ -41,9 +42,11 @@ class Cluster:
         worker: int = 0,
         size: int = 2,
         limits: Limits = LIMITS,
+        grpc_below_bytes: int = GRPC_BELOW_BYTES,
         **server: Any,
     ) -> None:
-        """``size``: of the model's one variable ``w``; ``limits``: the shard's; ``server``:
+        """``size``: of the model's one variable ``w``; ``limits``: the shard's;
+        ``grpc_below_bytes``: the client's (0: every step on the Flight data port); ``server``:
         start_server's options (e.g. ``stream_idle_s``)."""
         self.server = served(Shard(limits), **server)
         self.port = int(self.server.address.rsplit(":", 1)[1])
@@ -63,6 +66,7 @@ class Cluster:
             retry_s=retry_s,
             heartbeat_s=0,
             interceptors=tuple(plans),
+            grpc_below_bytes=grpc_below_bytes,
         )
         self.client = psworker.PSClient(settings)
         self.client.init(values, SGD(lr=1.0))
