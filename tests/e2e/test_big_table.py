@@ -14,7 +14,11 @@ pytest.importorskip("torch")
 
 ROWS, DIM = (1 << 21) + (1 << 16), 256  # 2.06 GiB of float32 rows
 TABLE_BYTES = ROWS * DIM * 4
-CAP_BYTES = 1 << 30  # each worker's address space: half the table
+# Each worker's address space: three quarters of the table. Mapped libraries alone (torch,
+# grpcio, Arrow Flight) take ~0.8 GiB of it before any data, so 1 GiB left too little once the
+# data plane came in; the worker's memory proper is held to RSS_BYTES.
+CAP_BYTES = 3 << 29
+RSS_BYTES = 1 << 30
 STEPS = 40
 
 WORKER = """
@@ -63,7 +67,7 @@ json.dump({"losses": losses, "table_fits": table_fits, "peak_rss": peak_rss,
 """
 
 
-def test_a_2_gib_table_trains_from_workers_capped_at_1_gib(procs: Processes, tmp_path: Path):
+def test_a_2_gib_table_trains_from_workers_capped_below_its_size(procs: Processes, tmp_path: Path):
     shards = [procs.psserver() for _ in range(2)]
     addresses = ",".join(s.address for s in shards)
     script = tmp_path / "worker.py"
@@ -88,7 +92,7 @@ def test_a_2_gib_table_trains_from_workers_capped_at_1_gib(procs: Processes, tmp
         )
     for r in results:
         assert r["cap"] == CAP_BYTES and not r["table_fits"]
-        assert r["peak_rss"] < CAP_BYTES
+        assert r["peak_rss"] < RSS_BYTES
         # Trained: the loss fell far below its start (targets sin(...): mean square 0.5).
         first, last = sum(r["losses"][:5]) / 5, sum(r["losses"][-5:]) / 5
         assert last < 0.1 * first, r["losses"]

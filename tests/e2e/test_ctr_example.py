@@ -1,4 +1,4 @@
-"""examples/ctr.py under psctl local: a 2.25 GiB hashed table, workers capped at 1 GiB, AUC
+"""examples/ctr.py under psctl local: a 2.25 GiB hashed table, workers capped at 1.5 GiB, AUC
 within a few points of what the data's generator allows."""
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ pytest.importorskip("torch")
 
 EXAMPLE = REPO / "examples" / "ctr.py"
 PSCTL = [sys.executable, "-m", "psctl.main"]
-CAP_BYTES = 1 << 30
+# 1.5 GiB of address space: mapped libraries (torch, grpcio, Arrow Flight) take ~0.8 GiB of
+# it before any data; the table is 2.25 GiB.
+CAP_BYTES = 3 << 29
 TABLE_ROWS = 1 << 26  # x 9 float32: 2.25 GiB of rows, and as much of Adagrad state
 # The worker command: cap the address space, then run the example as a script.
 CAPPED = (
@@ -44,6 +46,6 @@ def test_ctr_example_reaches_the_generators_auc_with_a_table_no_worker_could_hol
     assert sorted(results) == [0, 1], out[-4000:]
     for got, best in results.values():
         assert best > 0.8 and got > best - 0.04, out[-4000:]  # within 4 AUC points
-    # The table lives on the shards, all 2**26 rows, while each worker had 1 GiB to live in.
+    # The table lives on the shards, all 2**26 rows, while each worker had 1.5 GiB to live in.
     held = re.search(r"shard 0: (\d+) rows, \S+ MiB, shard 1: (\d+) rows", out)
     assert held is not None and int(held[1]) + int(held[2]) == TABLE_ROWS, out[-4000:]
