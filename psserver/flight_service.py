@@ -15,10 +15,10 @@ import hmac
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
@@ -162,11 +162,11 @@ class FlightShardService(flight.FlightServerBase):
             held.worker = h.worker_id
         rows = row_query(request)
         gathered = frozenset(table for table, _ in rows)  # copies made for this reply
-        result, snapshot, clock = self.shard.push_pull(
+        result, held_reply, clock = self.shard.push_pull(
             h.worker_id,
             h.step,
             grads,
-            encode=lambda arrays, _: _snapshot(arrays, gathered),
+            encode=lambda arrays, _: self._held(h.worker_id, arrays, gathered),
             timeout=fw.request_timeout(request.timeout_ms, DEADLINE_MARGIN_S),
             incarnation=h.incarnation,
             take=True,  # the arrays were decoded for this call alone
@@ -174,7 +174,7 @@ class FlightShardService(flight.FlightServerBase):
             options=header_options(h),
             rows=rows,
         )
-        self._reply(writer, push_response(result, self.shard.incarnation), snapshot, clock)
+        self._reply(writer, push_response(result, self.shard.incarnation), held_reply, clock)
 
     def _push(self, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
         request, grads = self._read_push(first, reader, "push")
@@ -189,7 +189,9 @@ class FlightShardService(flight.FlightServerBase):
             session=h.session,
             options=header_options(h),
         )
-        self._reply(writer, push_response(result, self.shard.incarnation), {}, result.clock)
+        self._reply(
+            writer, push_response(result, self.shard.incarnation), _Held([], []), result.clock
+        )
 
     def _pull(self, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
         if first.data is not None:
@@ -197,40 +199,60 @@ class FlightShardService(flight.FlightServerBase):
         request = fw.parse(ps_pb2.PullRequest, first.app_metadata, "pull")
         rows = row_query(request)
         gathered = frozenset(table for table, _ in rows)
-        snapshot, clock = self.shard.pull(
+        held_reply, clock = self.shard.pull(
             request.worker_id,
             request.step,
             list(request.names),
             # The worker sends its deadline (0: the shard's own longest wait bounds it).
             timeout=fw.request_timeout(request.timeout_ms, DEADLINE_MARGIN_S),
-            encode=lambda arrays, _: _snapshot(arrays, gathered),
+            encode=lambda arrays, _: self._held(request.worker_id, arrays, gathered),
             rows=rows,
             incarnation=request.incarnation,
         )
         skipped = request.worker_id >= 0 and self.shard.step_skipped(request.step - 1)
         # A pull's reply carries no push; ``push.skipped``: the step before it was skipped.
         pushed = ps_pb2.PushResponse(skipped=True) if skipped else None
-        self._reply(writer, pushed, snapshot, clock)
+        self._reply(writer, pushed, held_reply, clock)
+
+    def _held(
+        self, worker_id: int, arrays: Mapping[str, np.ndarray], owned: frozenset[str]
+    ) -> _Held:
+        """A pull's ``encode`` (the shard's lock held): what the reply is written from.
+
+        Where the shard's rule keeps the values until this worker's next push (sync), the live
+        arrays and the shard's ``steady_reader``: each batch is copied under the lock as it is
+        written (a few batches at a time, not the whole model). Elsewhere (async, ssp: updates
+        run while the reply is written) copies of every variable, taken now, as the grpcio
+        encode. Table rows gathered for this reply (``owned``) are copies already.
+        """
+        read = self.shard.steady_reader(worker_id)
+        if read is None:
+            arrays = {k: a if k in owned else np.array(a, copy=True) for k, a in arrays.items()}
+        entries, raws = fw.encode_tensors(arrays)  # views of ``arrays``' bytes
+        return _Held(entries, list(raws.values()), read)
 
     def _reply(
         self,
         writer: Any,
         pushed: ps_pb2.PushResponse | None,
-        snapshot: Mapping[str, np.ndarray],
+        held: _Held,
         clock: int,
     ) -> None:
-        entries, raws = fw.encode_tensors(snapshot)
-        reply = ps_pb2.PushPullResponse(chunks=entries, clock=clock)
+        reply = ps_pb2.PushPullResponse(chunks=held.entries, clock=clock)
         if pushed is not None:
             reply.push.CopyFrom(pushed)
-        fw.write_step(writer, reply.SerializeToString(), list(raws.values()), self.piece_bytes)
+        header = reply.SerializeToString()
+        fw.write_step(writer, header, held.raws, self.piece_bytes, held.read)
 
 
-def _snapshot(arrays: Mapping[str, np.ndarray], owned: frozenset[str]) -> dict[str, np.ndarray]:
-    """Copies of the variables, taken under the shard's lock: the consistent snapshot a reply
-    sends after the lock is released (one copy, as the grpcio encode); table rows gathered for
-    this reply (``owned``) are copies already."""
-    return {k: a if k in owned else np.array(a, copy=True) for k, a in arrays.items()}
+class _Held(NamedTuple):
+    """A reply's manifest, its tensors' bytes and, when those view the shard's live arrays,
+    how a batch of them is copied (``Shard.steady_reader``); None: they are this reply's own
+    copies."""
+
+    entries: list[Any]
+    raws: list[np.ndarray]
+    read: Callable[[Callable[[], np.ndarray]], np.ndarray] | None = None
 
 
 @dataclass

@@ -230,6 +230,37 @@ class Shard:
                 snapshot = {k: a if k in gathered else a.copy() for k, a in arrays.items()}
                 return snapshot, clock
 
+    def steady_reader(self, worker_id: int) -> Callable[[Callable[[], Any]], Any] | None:
+        """Called from a pull's ``encode`` (lock held): a function that runs ``read`` (a copy
+        of a piece of the arrays ``encode`` was given) under the shard's lock, so a reply can
+        be copied a piece at a time as it is written instead of whole. None where updates run
+        while replies are written (async, ssp), or ``worker_id`` is ``OBSERVER`` (no push of
+        its own holds the values): ``encode`` copies whole, as before.
+
+        In sync a step's values stay until every member pushed the next step, so the pieces
+        are one step's values; should they change all the same (a round closed without the
+        reader after it left the membership, a state loaded), the function raises
+        ``UnavailableError`` rather than mix two steps in one reply (the worker retries).
+        """
+        if self._require_policy().name != "sync" or worker_id == OBSERVER:
+            return None
+        seen = self._version()
+
+        def read(copy: Callable[[], Any]) -> Any:
+            with self._cond:
+                if self._version() != seen:  # the same objects, the same update and load
+                    raise UnavailableError(
+                        f"the variables changed from update {seen[0]} to "
+                        f"{self._progress.updates} while a reply was written; retry the pull"
+                    )
+                return copy()
+
+        return read
+
+    def _version(self) -> tuple[int, Variables, str | None]:
+        """What changes whenever the variables' values do (lock held)."""
+        return self._progress.updates, self._state, self._optim.loaded
+
     def push(
         self,
         worker_id: int,

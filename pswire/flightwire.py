@@ -26,7 +26,7 @@ the class and the message, so the worker raises the very class the shard raised.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -159,21 +159,36 @@ def check_manifest(entries: Any, max_bytes: int | None, where: str) -> int:
 # -- a step's tensors, both ways ----------------------------------------------------------------
 
 
-def write_step(writer: Any, header: bytes, raws: Sequence[np.ndarray], piece_bytes: int) -> None:
+def write_step(
+    writer: Any,
+    header: bytes,
+    raws: Sequence[np.ndarray],
+    piece_bytes: int,
+    read: Callable[[Callable[[], np.ndarray]], np.ndarray] | None = None,
+) -> None:
     """Writes one step: ``header`` (a serialized request or reply) riding on the first record
     batch, the tensors' bytes (``encode_tensor``'s uint8 arrays) as one stream in order.
 
     A tensor of at least ``PACK_BYTES`` goes out in batches of at most ``piece_bytes`` over its
     own memory (no copy); runs of smaller tensors are packed into one batch (one small copy),
     so a small model's step is a single message. A step without bytes is the header alone.
+
+    ``read``: ``raws`` view memory that others change (a shard's live variables): each batch is
+    a copy ``read`` takes (under the shard's lock) just before it is written, so at most a few
+    batches are copies at a time, never the whole step. gRPC may still hold a batch after
+    ``write_batch`` returns, so a batch is never written from memory that changes.
     """
     piece = max(1, piece_bytes)
     pending: list[np.ndarray] = []  # small tensors waiting to be packed
     size = 0
     meta: bytes | None = header
 
-    def send(data: np.ndarray) -> None:
+    def send(parts: list[np.ndarray]) -> None:
         nonlocal meta
+        if read is not None:  # the copy taken under the shard's lock
+            data = read(lambda: np.concatenate(parts))
+        else:
+            data = parts[0] if len(parts) == 1 else np.concatenate(parts)
         if meta is None:
             writer.write_batch(as_batch(data))
         else:
@@ -183,7 +198,7 @@ def write_step(writer: Any, header: bytes, raws: Sequence[np.ndarray], piece_byt
     def flush() -> None:
         nonlocal pending, size
         if pending:
-            send(pending[0] if len(pending) == 1 else np.concatenate(pending))
+            send(pending)
         pending, size = [], 0
 
     for raw in raws:
@@ -197,7 +212,7 @@ def write_step(writer: Any, header: bytes, raws: Sequence[np.ndarray], piece_byt
             continue
         flush()
         for offset in range(0, raw.nbytes, piece):
-            send(raw[offset : offset + piece])
+            send([raw[offset : offset + piece]])
     flush()
     if meta is not None:
         writer.write_metadata(meta)
