@@ -15,7 +15,7 @@ import hmac
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -166,7 +166,7 @@ class FlightShardService(flight.FlightServerBase):
             h.worker_id,
             h.step,
             grads,
-            encode=lambda arrays, _: self._held(h.worker_id, arrays, gathered),
+            encode=lambda arrays, _: self._held(arrays, gathered),
             timeout=fw.request_timeout(request.timeout_ms, DEADLINE_MARGIN_S),
             incarnation=h.incarnation,
             take=True,  # the arrays were decoded for this call alone
@@ -205,7 +205,7 @@ class FlightShardService(flight.FlightServerBase):
             list(request.names),
             # The worker sends its deadline (0: the shard's own longest wait bounds it).
             timeout=fw.request_timeout(request.timeout_ms, DEADLINE_MARGIN_S),
-            encode=lambda arrays, _: self._held(request.worker_id, arrays, gathered),
+            encode=lambda arrays, _: self._held(arrays, gathered),
             rows=rows,
             incarnation=request.incarnation,
         )
@@ -214,22 +214,16 @@ class FlightShardService(flight.FlightServerBase):
         pushed = ps_pb2.PushResponse(skipped=True) if skipped else None
         self._reply(writer, pushed, held_reply, clock)
 
-    def _held(
-        self, worker_id: int, arrays: Mapping[str, np.ndarray], owned: frozenset[str]
-    ) -> _Held:
-        """A pull's ``encode`` (the shard's lock held): what the reply is written from.
-
-        Where the shard's rule keeps the values until this worker's next push (sync), the live
-        arrays and the shard's ``steady_reader``: each batch is copied under the lock as it is
-        written (a few batches at a time, not the whole model). Elsewhere (async, ssp: updates
-        run while the reply is written) copies of every variable, taken now, as the grpcio
-        encode. Table rows gathered for this reply (``owned``) are copies already.
+    def _held(self, arrays: Mapping[str, np.ndarray], owned: frozenset[str]) -> _Held:
+        """A pull's ``encode`` (the shard's lock held): what the reply is written from, with
+        no copy of the model. The variables are the live arrays, copied a batch at a time
+        under the shard's lock as they are written (``_LiveReply``); table rows gathered for
+        this reply (``owned``) are copies already.
         """
-        read = self.shard.steady_reader(worker_id)
-        if read is None:
-            arrays = {k: a if k in owned else np.array(a, copy=True) for k, a in arrays.items()}
-        entries, raws = fw.encode_tensors(arrays)  # views of ``arrays``' bytes
-        return _Held(entries, list(raws.values()), read)
+        entries, raws = fw.encode_tensors(arrays)  # views of the arrays' bytes
+        if set(arrays) <= owned:
+            return _Held(entries, list(raws.values()))
+        return _Held(entries, list(raws.values()), _LiveReply(self.shard, list(raws.values())))
 
     def _reply(
         self,
@@ -242,17 +236,46 @@ class FlightShardService(flight.FlightServerBase):
         if pushed is not None:
             reply.push.CopyFrom(pushed)
         header = reply.SerializeToString()
-        fw.write_step(writer, header, held.raws, self.piece_bytes, held.read)
+        if held.live is None:
+            fw.write_step(writer, header, held.raws, self.piece_bytes)
+            return
+        try:
+            fw.write_step(writer, header, held.raws, self.piece_bytes, held.live.read)
+        finally:
+            held.live.release()
+
+
+class _LiveReply:
+    """A reply's bytes while they view the shard's live arrays: each batch is copied under
+    the shard's lock as it is written; should the shard change the values first, ``detach``
+    (called by the shard, its lock held) copies every tensor not yet sent, and the rest of
+    the reply comes from those copies (``Shard.steady_reader``)."""
+
+    def __init__(self, shard: Shard, raws: list[np.ndarray]) -> None:
+        self.raws = raws
+        self.first_unsent = 0  # tensors before it are sent: a detach need not copy them
+        self._read, self.release = shard.steady_reader(self.detach)
+
+    def detach(self) -> None:
+        self.raws = [r if i < self.first_unsent else r.copy() for i, r in enumerate(self.raws)]
+
+    def read(self, spans: list[fw.Span]) -> np.ndarray:
+        """A new array holding ``spans`` of the reply's tensors."""
+
+        def copy() -> np.ndarray:
+            self.first_unsent = spans[0][0]
+            return np.concatenate([self.raws[i][start:end] for i, start, end in spans])
+
+        return self._read(copy)  # type: ignore[no-any-return]
 
 
 class _Held(NamedTuple):
     """A reply's manifest, its tensors' bytes and, when those view the shard's live arrays,
-    how a batch of them is copied (``Shard.steady_reader``); None: they are this reply's own
-    copies."""
+    how they are read (None: they are this reply's own)."""
 
     entries: list[Any]
     raws: list[np.ndarray]
-    read: Callable[[Callable[[], np.ndarray]], np.ndarray] | None = None
+    live: _LiveReply | None = None
 
 
 @dataclass

@@ -66,6 +66,7 @@ class Shard:
         self._ready = False  # initial values installed
         self._failure = ""  # a refused sync step: every later step fails with it
         self._closed = False
+        self._before_change: set[Callable[[], None]] = set()  # live replies (steady_reader)
         progress = Progress()
         self._compose(
             JobAgreement(),
@@ -230,36 +231,36 @@ class Shard:
                 snapshot = {k: a if k in gathered else a.copy() for k, a in arrays.items()}
                 return snapshot, clock
 
-    def steady_reader(self, worker_id: int) -> Callable[[Callable[[], Any]], Any] | None:
-        """Called from a pull's ``encode`` (lock held): a function that runs ``read`` (a copy
-        of a piece of the arrays ``encode`` was given) under the shard's lock, so a reply can
-        be copied a piece at a time as it is written instead of whole. None where updates run
-        while replies are written (async, ssp), or ``worker_id`` is ``OBSERVER`` (no push of
-        its own holds the values): ``encode`` copies whole, as before.
+    def steady_reader(
+        self, before_change: Callable[[], None]
+    ) -> tuple[Callable[[Callable[[], Any]], Any], Callable[[], None]]:
+        """Called from a pull's ``encode`` (lock held), so a reply is written from the live
+        arrays a piece at a time instead of a whole copy: (``read``, ``release``).
 
-        In sync a step's values stay until every member pushed the next step, so the pieces
-        are one step's values; should they change all the same (a round closed without the
-        reader after it left the membership, a state loaded), the function raises
-        ``UnavailableError`` rather than mix two steps in one reply (the worker retries).
+        ``read(copy)`` runs ``copy()`` (a copy of a piece) under the shard's lock. The shard
+        calls ``before_change()`` (lock held) once, before it next changes the values in place
+        (an update, a loaded state): the reply then copies what it has not sent yet, so it
+        stays one step's values (copy on write). ``release()`` (the reply written or failed)
+        ends the registration. In sync a step's values stay until every member pushed the next
+        step, so ``before_change`` seldom runs; in async it runs when another push lands.
         """
-        if self._require_policy().name != "sync" or worker_id == OBSERVER:
-            return None
-        seen = self._version()
+        self._before_change.add(before_change)
 
         def read(copy: Callable[[], Any]) -> Any:
             with self._cond:
-                if self._version() != seen:  # the same objects, the same update and load
-                    raise UnavailableError(
-                        f"the variables changed from update {seen[0]} to "
-                        f"{self._progress.updates} while a reply was written; retry the pull"
-                    )
                 return copy()
 
-        return read
+        def release() -> None:
+            with self._cond:
+                self._before_change.discard(before_change)
 
-    def _version(self) -> tuple[int, Variables, str | None]:
-        """What changes whenever the variables' values do (lock held)."""
-        return self._progress.updates, self._state, self._optim.loaded
+        return read, release
+
+    def _changing(self) -> None:
+        """The values are about to change in place (lock held): live replies copy first."""
+        hooks, self._before_change = self._before_change, set()
+        for hook in hooks:
+            hook()
 
     def push(
         self,
@@ -583,6 +584,7 @@ class Shard:
         with self._cond:
             self._wait_values(timeout, None)
             if worker_id == 0:
+                self._changing()
                 self._state.load(job, values or {}, slots)
                 self._optim.loaded = digest
                 self._cond.notify_all()
@@ -763,6 +765,7 @@ class Shard:
         """
         optimizers, skip = self._optim.steps.pop(self._progress.updates)
         try:
+            self._changing()
             self._state.apply(self._require_job(), update, optimizers, skip, summed=sync_round)
         except StepRefusedError as exc:
             if sync_round:

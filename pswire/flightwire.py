@@ -159,12 +159,15 @@ def check_manifest(entries: Any, max_bytes: int | None, where: str) -> int:
 # -- a step's tensors, both ways ----------------------------------------------------------------
 
 
+Span = tuple[int, int, int]  # (index in a step's tensors, first byte, end byte)
+
+
 def write_step(
     writer: Any,
     header: bytes,
     raws: Sequence[np.ndarray],
     piece_bytes: int,
-    read: Callable[[Callable[[], np.ndarray]], np.ndarray] | None = None,
+    read: Callable[[list[Span]], np.ndarray] | None = None,
 ) -> None:
     """Writes one step: ``header`` (a serialized request or reply) riding on the first record
     batch, the tensors' bytes (``encode_tensor``'s uint8 arrays) as one stream in order.
@@ -173,22 +176,26 @@ def write_step(
     own memory (no copy); runs of smaller tensors are packed into one batch (one small copy),
     so a small model's step is a single message. A step without bytes is the header alone.
 
-    ``read``: ``raws`` view memory that others change (a shard's live variables): each batch is
-    a copy ``read`` takes (under the shard's lock) just before it is written, so at most a few
-    batches are copies at a time, never the whole step. gRPC may still hold a batch after
-    ``write_batch`` returns, so a batch is never written from memory that changes.
+    ``read``: ``raws`` view memory that others change (a shard's live variables): each batch
+    is ``read(spans)``, a new array holding those spans of ``raws`` taken just before it is
+    written (under the shard's lock), so a few batches are copies at a time, never the whole
+    step. gRPC may still hold a batch after ``write_batch`` returns, so a batch is never
+    written from memory that changes.
     """
     piece = max(1, piece_bytes)
-    pending: list[np.ndarray] = []  # small tensors waiting to be packed
+    pending: list[Span] = []  # small tensors waiting to be packed
     size = 0
     meta: bytes | None = header
 
-    def send(parts: list[np.ndarray]) -> None:
+    def send(spans: list[Span]) -> None:
         nonlocal meta
-        if read is not None:  # the copy taken under the shard's lock
-            data = read(lambda: np.concatenate(parts))
+        if read is not None:
+            data = read(spans)
+        elif len(spans) == 1:
+            i, start, end = spans[0]
+            data = raws[i][start:end]
         else:
-            data = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            data = np.concatenate([raws[i][start:end] for i, start, end in spans])
         if meta is None:
             writer.write_batch(as_batch(data))
         else:
@@ -201,18 +208,18 @@ def write_step(
             send(pending)
         pending, size = [], 0
 
-    for raw in raws:
+    for i, raw in enumerate(raws):
         if not raw.nbytes:
             continue
         if raw.nbytes < PACK_BYTES:
             if size + raw.nbytes > piece:
                 flush()
-            pending.append(raw)
+            pending.append((i, 0, raw.nbytes))
             size += raw.nbytes
             continue
         flush()
         for offset in range(0, raw.nbytes, piece):
-            send([raw[offset : offset + piece]])
+            send([(i, offset, min(offset + piece, raw.nbytes))])
     flush()
     if meta is not None:
         writer.write_metadata(meta)

@@ -1,16 +1,15 @@
 """Replies on the Flight data port are one step's values, written without a whole-model copy.
 
-Sync replies are copied a batch at a time under the shard's lock as they are written
-(``Shard.steady_reader``); async replies are copied whole under the lock. Either way a reply
-never mixes two steps, checked here with replies cut into many batches while other workers'
-pushes land; and in sync the shard allocates a few batches per reply, not the model.
+A reply is copied a batch at a time under the shard's lock as it is written; should an update
+change the values first, the reply copies what it has not sent (``Shard.steady_reader``). A
+reply never mixes two steps, checked with replies cut into many batches while other workers'
+pushes land; and the shard allocates a few batches per reply, not the model.
 """
 
 from __future__ import annotations
 
-import threading
 import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -21,7 +20,6 @@ from psserver.flight_service import RunningFlightService, start_flight_service
 from psserver.records import Limits
 from psserver.server import RunningServer, start_server
 from psserver.shard import Shard
-from pswire.errors import UnavailableError
 from pswire.proto import ps_pb2
 from psworker.flight_link import FlightLink
 
@@ -112,12 +110,13 @@ def test_a_reply_is_never_a_mix_of_two_steps_while_other_pushes_land(ports, mode
     assert float(-p.shard.snapshot()["w"][0]) == (steps if mode == "sync" else 2 * steps)
 
 
-def test_a_sync_reply_copies_batches_not_the_model(ports) -> None:
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_reply_copies_batches_not_the_model(ports, mode) -> None:
     """The shard's allocations while it serves a pull of 16 MiB are a few 256 KiB batches: the
     reply is not copied whole (the old encode's copy was the model's size)."""
     n = 4 << 20  # 16 MiB of float32
     model = {"w": np.zeros(n, np.float32), "b": np.zeros(8, np.float32)}
-    p = ports("sync", 1, model, 256 << 10)
+    p = ports(mode, 1, model, 256 << 10)
     link = p.link(0)
     into = {k: np.empty_like(v) for k, v in model.items()}
     request = ps_pb2.PullRequest(worker_id=0, step=0, names=["w", "b"])
@@ -134,49 +133,52 @@ def test_a_sync_reply_copies_batches_not_the_model(ports) -> None:
     assert peak < model["w"].nbytes // 2, f"a pull allocated {peak} bytes for 16 MiB"
 
 
-def test_a_sync_reply_refuses_to_go_on_once_the_values_changed() -> None:
-    """Should the variables change while a reply is written a batch at a time (here: the
-    round closes), the rest of the reply is refused (UNAVAILABLE, the worker retries), never
-    written from the new values."""
+def test_a_live_reply_copies_what_it_has_not_sent_before_the_values_change() -> None:
+    """Copy on write: the shard calls the reply's hook before an update changes the values in
+    place, once, and the reply's pieces read after it show the values from before."""
     shard = Shard(Limits(max_wait_s=5.0))
     control = start_server(shard)
     try:
         client = psworker.connect([control.address], worker_id=0, num_workers=1, mode="sync")
         with client:
             client.init({"w": np.zeros(4, np.float32)}, psworker.SGD(lr=LR))
-            readers = []
+            held: dict[str, np.ndarray] = {}
+            calls: list[str] = []
 
-            def encode_for(worker_id: int) -> Callable[[object, int], None]:
-                return lambda arrays, clock: readers.append(shard.steady_reader(worker_id))
+            def detach() -> None:
+                calls.append("detach")
+                held["w"] = held["w"].copy()
 
-            shard.pull(0, 0, encode=encode_for(0))
-            read = readers[0]
-            assert read is not None
-            assert read(lambda: 7) == 7  # nothing changed: the copy is taken
+            def encode(arrays: Mapping[str, np.ndarray], clock: int) -> object:
+                held.update(arrays)
+                return shard.steady_reader(detach)
+
+            (read, release), _ = shard.pull(0, 0, encode=encode)
+            assert read(lambda: held["w"].copy()).tolist() == [0.0] * 4 and calls == []
             shard.push(0, 0, {"w": np.ones(4, np.float32)})  # the round closes: an update
-            with pytest.raises(UnavailableError, match="changed from update 0 to 1"):
-                read(lambda: 7)
-            shard.pull(-1, 0, encode=encode_for(-1))  # an observer's reply is copied whole
-            assert readers[-1] is None
+            assert calls == ["detach"]
+            assert read(lambda: held["w"].copy()).tolist() == [0.0] * 4  # the step it read
+            assert shard.snapshot()["w"].tolist() == [-LR] * 4
+            shard.push(0, 1, {"w": np.ones(4, np.float32)})
+            assert calls == ["detach"]  # once: it has its copy
+            release()
     finally:
         control.stop(grace=0.5)
 
 
-def test_an_async_reply_is_copied_whole() -> None:
+def test_a_released_reply_is_not_called() -> None:
     shard = Shard(Limits(max_wait_s=5.0))
     control = start_server(shard)
     try:
         client = psworker.connect([control.address], worker_id=0, num_workers=1, mode="async")
         with client:
             client.init({"w": np.zeros(4, np.float32)}, psworker.SGD(lr=LR))
-            got: list[object] = []
-            done = threading.Event()
-
-            def encode(arrays: object, clock: int) -> None:
-                got.append(shard.steady_reader(0))
-                done.set()
-
-            shard.pull(0, 0, encode=encode)
-            assert done.is_set() and got == [None]
+            calls: list[int] = []
+            (_, release), _ = shard.pull(
+                0, 0, encode=lambda arrays, clock: shard.steady_reader(lambda: calls.append(1))
+            )
+            release()
+            shard.push(0, 0, {"w": np.ones(4, np.float32)})
+            assert calls == []
     finally:
         control.stop(grace=0.5)
