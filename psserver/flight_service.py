@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
@@ -162,11 +162,11 @@ class FlightShardService(flight.FlightServerBase):
             held.worker = h.worker_id
         rows = row_query(request)
         gathered = frozenset(table for table, _ in rows)  # copies made for this reply
-        result, snapshot, clock = self.shard.push_pull(
+        result, held_reply, clock = self.shard.push_pull(
             h.worker_id,
             h.step,
             grads,
-            encode=lambda arrays, _: _snapshot(arrays, gathered),
+            encode=lambda arrays, _: self._held(arrays, gathered),
             timeout=fw.request_timeout(request.timeout_ms, DEADLINE_MARGIN_S),
             incarnation=h.incarnation,
             take=True,  # the arrays were decoded for this call alone
@@ -174,7 +174,7 @@ class FlightShardService(flight.FlightServerBase):
             options=header_options(h),
             rows=rows,
         )
-        self._reply(writer, push_response(result, self.shard.incarnation), snapshot, clock)
+        self._reply(writer, push_response(result, self.shard.incarnation), held_reply, clock)
 
     def _push(self, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
         request, grads = self._read_push(first, reader, "push")
@@ -189,7 +189,9 @@ class FlightShardService(flight.FlightServerBase):
             session=h.session,
             options=header_options(h),
         )
-        self._reply(writer, push_response(result, self.shard.incarnation), {}, result.clock)
+        self._reply(
+            writer, push_response(result, self.shard.incarnation), _Held([], []), result.clock
+        )
 
     def _pull(self, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
         if first.data is not None:
@@ -197,40 +199,83 @@ class FlightShardService(flight.FlightServerBase):
         request = fw.parse(ps_pb2.PullRequest, first.app_metadata, "pull")
         rows = row_query(request)
         gathered = frozenset(table for table, _ in rows)
-        snapshot, clock = self.shard.pull(
+        held_reply, clock = self.shard.pull(
             request.worker_id,
             request.step,
             list(request.names),
             # The worker sends its deadline (0: the shard's own longest wait bounds it).
             timeout=fw.request_timeout(request.timeout_ms, DEADLINE_MARGIN_S),
-            encode=lambda arrays, _: _snapshot(arrays, gathered),
+            encode=lambda arrays, _: self._held(arrays, gathered),
             rows=rows,
             incarnation=request.incarnation,
         )
         skipped = request.worker_id >= 0 and self.shard.step_skipped(request.step - 1)
         # A pull's reply carries no push; ``push.skipped``: the step before it was skipped.
         pushed = ps_pb2.PushResponse(skipped=True) if skipped else None
-        self._reply(writer, pushed, snapshot, clock)
+        self._reply(writer, pushed, held_reply, clock)
+
+    def _held(self, arrays: Mapping[str, np.ndarray], owned: frozenset[str]) -> _Held:
+        """A pull's ``encode`` (the shard's lock held): what the reply is written from, with
+        no copy of the model. The variables are the live arrays, copied a batch at a time
+        under the shard's lock as they are written (``_LiveReply``); table rows gathered for
+        this reply (``owned``) are copies already.
+        """
+        entries, raws = fw.encode_tensors(arrays)  # views of the arrays' bytes
+        if set(arrays) <= owned:
+            return _Held(entries, list(raws.values()))
+        return _Held(entries, list(raws.values()), _LiveReply(self.shard, list(raws.values())))
 
     def _reply(
         self,
         writer: Any,
         pushed: ps_pb2.PushResponse | None,
-        snapshot: Mapping[str, np.ndarray],
+        held: _Held,
         clock: int,
     ) -> None:
-        entries, raws = fw.encode_tensors(snapshot)
-        reply = ps_pb2.PushPullResponse(chunks=entries, clock=clock)
+        reply = ps_pb2.PushPullResponse(chunks=held.entries, clock=clock)
         if pushed is not None:
             reply.push.CopyFrom(pushed)
-        fw.write_step(writer, reply.SerializeToString(), list(raws.values()), self.piece_bytes)
+        header = reply.SerializeToString()
+        if held.live is None:
+            fw.write_step(writer, header, held.raws, self.piece_bytes)
+            return
+        try:
+            fw.write_step(writer, header, held.raws, self.piece_bytes, held.live.read)
+        finally:
+            held.live.release()
 
 
-def _snapshot(arrays: Mapping[str, np.ndarray], owned: frozenset[str]) -> dict[str, np.ndarray]:
-    """Copies of the variables, taken under the shard's lock: the consistent snapshot a reply
-    sends after the lock is released (one copy, as the grpcio encode); table rows gathered for
-    this reply (``owned``) are copies already."""
-    return {k: a if k in owned else np.array(a, copy=True) for k, a in arrays.items()}
+class _LiveReply:
+    """A reply's bytes while they view the shard's live arrays: each batch is copied under
+    the shard's lock as it is written; should the shard change the values first, ``detach``
+    (called by the shard, its lock held) copies every tensor not yet sent, and the rest of
+    the reply comes from those copies (``Shard.steady_reader``)."""
+
+    def __init__(self, shard: Shard, raws: list[np.ndarray]) -> None:
+        self.raws = raws
+        self.first_unsent = 0  # tensors before it are sent: a detach need not copy them
+        self._read, self.release = shard.steady_reader(self.detach)
+
+    def detach(self) -> None:
+        self.raws = [r if i < self.first_unsent else r.copy() for i, r in enumerate(self.raws)]
+
+    def read(self, spans: list[fw.Span]) -> np.ndarray:
+        """A new array holding ``spans`` of the reply's tensors."""
+
+        def copy() -> np.ndarray:
+            self.first_unsent = spans[0][0]
+            return np.concatenate([self.raws[i][start:end] for i, start, end in spans])
+
+        return self._read(copy)  # type: ignore[no-any-return]
+
+
+class _Held(NamedTuple):
+    """A reply's manifest, its tensors' bytes and, when those view the shard's live arrays,
+    how they are read (None: they are this reply's own)."""
+
+    entries: list[Any]
+    raws: list[np.ndarray]
+    live: _LiveReply | None = None
 
 
 @dataclass

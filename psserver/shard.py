@@ -66,6 +66,7 @@ class Shard:
         self._ready = False  # initial values installed
         self._failure = ""  # a refused sync step: every later step fails with it
         self._closed = False
+        self._before_change: set[Callable[[], None]] = set()  # live replies (steady_reader)
         progress = Progress()
         self._compose(
             JobAgreement(),
@@ -229,6 +230,37 @@ class Shard:
                     return encode(arrays, clock), clock
                 snapshot = {k: a if k in gathered else a.copy() for k, a in arrays.items()}
                 return snapshot, clock
+
+    def steady_reader(
+        self, before_change: Callable[[], None]
+    ) -> tuple[Callable[[Callable[[], Any]], Any], Callable[[], None]]:
+        """Called from a pull's ``encode`` (lock held), so a reply is written from the live
+        arrays a piece at a time instead of a whole copy: (``read``, ``release``).
+
+        ``read(copy)`` runs ``copy()`` (a copy of a piece) under the shard's lock. The shard
+        calls ``before_change()`` (lock held) once, before it next changes the values in place
+        (an update, a loaded state): the reply then copies what it has not sent yet, so it
+        stays one step's values (copy on write). ``release()`` (the reply written or failed)
+        ends the registration. In sync a step's values stay until every member pushed the next
+        step, so ``before_change`` seldom runs; in async it runs when another push lands.
+        """
+        self._before_change.add(before_change)
+
+        def read(copy: Callable[[], Any]) -> Any:
+            with self._cond:
+                return copy()
+
+        def release() -> None:
+            with self._cond:
+                self._before_change.discard(before_change)
+
+        return read, release
+
+    def _changing(self) -> None:
+        """The values are about to change in place (lock held): live replies copy first."""
+        hooks, self._before_change = self._before_change, set()
+        for hook in hooks:
+            hook()
 
     def push(
         self,
@@ -552,6 +584,7 @@ class Shard:
         with self._cond:
             self._wait_values(timeout, None)
             if worker_id == 0:
+                self._changing()
                 self._state.load(job, values or {}, slots)
                 self._optim.loaded = digest
                 self._cond.notify_all()
@@ -732,6 +765,7 @@ class Shard:
         """
         optimizers, skip = self._optim.steps.pop(self._progress.updates)
         try:
+            self._changing()
             self._state.apply(self._require_job(), update, optimizers, skip, summed=sync_round)
         except StepRefusedError as exc:
             if sync_round:

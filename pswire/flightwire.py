@@ -26,7 +26,7 @@ the class and the message, so the worker raises the very class the shard raised.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -165,21 +165,43 @@ def check_manifest(entries: Any, max_bytes: int | None, where: str) -> int:
 # -- a step's tensors, both ways ----------------------------------------------------------------
 
 
-def write_step(writer: Any, header: bytes, raws: Sequence[np.ndarray], piece_bytes: int) -> None:
+Span = tuple[int, int, int]  # (index in a step's tensors, first byte, end byte)
+
+
+def write_step(
+    writer: Any,
+    header: bytes,
+    raws: Sequence[np.ndarray],
+    piece_bytes: int,
+    read: Callable[[list[Span]], np.ndarray] | None = None,
+) -> None:
     """Writes one step: ``header`` (a serialized request or reply) riding on the first record
     batch, the tensors' bytes (``encode_tensor``'s uint8 arrays) as one stream in order.
 
     A tensor of at least ``PACK_BYTES`` goes out in batches of at most ``piece_bytes`` over its
     own memory (no copy); runs of smaller tensors are packed into one batch (one small copy),
     so a small model's step is a single message. A step without bytes is the header alone.
+
+    ``read``: ``raws`` view memory that others change (a shard's live variables): each batch
+    is ``read(spans)``, a new array holding those spans of ``raws`` taken just before it is
+    written (under the shard's lock), so a few batches are copies at a time, never the whole
+    step. gRPC may still hold a batch after ``write_batch`` returns, so a batch is never
+    written from memory that changes.
     """
     piece = max(1, piece_bytes)
-    pending: list[np.ndarray] = []  # small tensors waiting to be packed
+    pending: list[Span] = []  # small tensors waiting to be packed
     size = 0
     meta: bytes | None = header
 
-    def send(data: np.ndarray) -> None:
+    def send(spans: list[Span]) -> None:
         nonlocal meta
+        if read is not None:
+            data = read(spans)
+        elif len(spans) == 1:
+            i, start, end = spans[0]
+            data = raws[i][start:end]
+        else:
+            data = np.concatenate([raws[i][start:end] for i, start, end in spans])
         if meta is None:
             writer.write_batch(as_batch(data))
         else:
@@ -189,21 +211,21 @@ def write_step(writer: Any, header: bytes, raws: Sequence[np.ndarray], piece_byt
     def flush() -> None:
         nonlocal pending, size
         if pending:
-            send(pending[0] if len(pending) == 1 else np.concatenate(pending))
+            send(pending)
         pending, size = [], 0
 
-    for raw in raws:
+    for i, raw in enumerate(raws):
         if not raw.nbytes:
             continue
         if raw.nbytes < PACK_BYTES:
             if size + raw.nbytes > piece:
                 flush()
-            pending.append(raw)
+            pending.append((i, 0, raw.nbytes))
             size += raw.nbytes
             continue
         flush()
         for offset in range(0, raw.nbytes, piece):
-            send(raw[offset : offset + piece])
+            send([(i, offset, min(offset + piece, raw.nbytes))])
     flush()
     if meta is not None:
         writer.write_metadata(meta)
