@@ -333,3 +333,22 @@ def test_mutual_tls_and_the_token_guard_the_data_port_from_the_same_settings(
         # Plain TCP to a TLS port: refused too.
         assert send_raw(server.data_port, fw.PUSH_PULL, [(good_header(1), [bytes(12)])])
         assert state(server) == before
+
+
+def test_many_small_tensors_stay_on_grpcio_where_one_large_one_takes_the_data_port(
+    servers, monkeypatch
+) -> None:
+    # The default rule: only tensors Flight sends from their own memory (64 KiB or more)
+    # count towards the 256 KiB; 2,000 tensors of 1 KiB (2 MB in all) are faster on grpcio.
+    monkeypatch.setenv("PS_GRPC_BELOW_BYTES", str(256 << 10))
+    server = servers()
+    small = {f"v{i}": np.zeros(256, np.float32) for i in range(2000)}
+    with psworker.connect([server.address], worker_id=0, num_workers=1) as c:
+        c.init({**small, "big": np.zeros(1 << 17, np.float32)}, SGD)
+        link = c.links[0]
+        assert link.transport(link._flight_bytes(small)).name == "grpc"
+        assert link.transport(link._flight_bytes({"big": np.ones(1 << 17, np.float32)})).name == (
+            "flight"
+        )
+        c.push({k: np.ones_like(v) for k, v in small.items()})  # and the push arrives whole
+        assert float(c.pull(["v1999"])["v1999"][0]) == -0.5
