@@ -11,7 +11,6 @@ transport. TLS, mutual TLS and the token are Flight's own options and a server m
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import threading
 import time
@@ -34,41 +33,15 @@ from pswire.errors import (
     CallCancelledError,
     InvalidRequestError,
     PSError,
-    UnauthenticatedError,
     UnavailableError,
 )
 from pswire.proto import ps_pb2
-from pswire.security import TOKEN_HEADER, TOKEN_SCHEME, ServerSecurity, check_token
+from pswire.security import ServerSecurity
 
 log = logging.getLogger(__name__)
 DEFAULT_PIECE_BYTES = fw.PIECE_BYTES
 # Each data command's step, in metrics, as the grpcio call doing the same.
 RPC_OF = {fw.PUSH_PULL: "PushPull", fw.PUSH: "Push", fw.PULL: "Pull"}
-
-
-class TokenMiddlewareFactory(flight.ServerMiddlewareFactory):
-    """Refuses every call whose ``authorization: Bearer <token>`` header is missing or wrong,
-    before the handler reads a byte (UNAUTHENTICATED). Compared in constant time."""
-
-    def __init__(self, token: str) -> None:
-        super().__init__()
-        self._expected = (TOKEN_SCHEME + check_token(token)).encode("ascii")
-
-    def start_call(self, info: Any, headers: Mapping[str, list[Any]]) -> None:
-        values = headers.get(TOKEN_HEADER, [])
-        given = values[0] if values else b""
-        given = given.encode("utf-8", "replace") if isinstance(given, str) else bytes(given)
-        # compare_digest whatever the length: timing must not leak the token.
-        if not hmac.compare_digest(given, self._expected) or len(values) != 1:
-            problem = (
-                "this server requires a token: pass token=... to psworker.connect, or set "
-                "$PS_TOKEN / $PS_TOKEN_FILE"
-                if not values
-                else "the token this call carries is not this server's token"
-            )
-            log.warning("refused Flight %s: %s", info.method, problem)
-            raise fw.to_flight_error(UnauthenticatedError(problem), "DoExchange")
-        return None
 
 
 class _Exchange(contextlib.ExitStack):
@@ -355,7 +328,7 @@ def start_flight_service(
             options["verify_client"] = True
             options["root_certificates"] = _pem(security.ca, "TLS CA certificate")
     if security.token:
-        options["middleware"] = {"token": TokenMiddlewareFactory(security.token)}
+        options["middleware"] = {"token": fw.TokenCheck(security.token, "server", "DoExchange")}
     service = FlightShardService(
         shard, f"{scheme}://{host}:{port}", piece_bytes, admission, metrics, **options
     )

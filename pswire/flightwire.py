@@ -25,6 +25,7 @@ the class and the message, so the worker raises the very class the shard raised.
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -37,8 +38,15 @@ from google.protobuf.message import DecodeError, Message
 from pscore.checks import tensor_nbytes
 from pscore.tables import RowSparse
 from pswire.codec import ChunkAssembler
-from pswire.errors import InvalidRequestError, PSError, TooLargeError, error_for_status
+from pswire.errors import (
+    InvalidRequestError,
+    PSError,
+    TooLargeError,
+    UnauthenticatedError,
+    error_for_status,
+)
 from pswire.proto import ps_pb2
+from pswire.security import TOKEN_HEADER, TOKEN_SCHEME, check_token
 from pswire.write import indices_bytes, wire_bytes
 
 log = logging.getLogger(__name__)
@@ -348,3 +356,30 @@ def from_flight_error(exc: BaseException, where: str = "") -> PSError:
 def request_timeout(timeout_ms: int, margin_s: float) -> float | None:
     """The shard's wait for a step: the request's own deadline less a margin, or None."""
     return max(0.0, timeout_ms / 1000 - margin_s) if timeout_ms else None
+
+
+class TokenCheck(flight.ServerMiddlewareFactory):
+    """Refuses every call whose ``authorization: Bearer <token>`` header is missing or wrong,
+    before the handler reads a byte (UNAUTHENTICATED), compared in constant time: the one
+    token rule of every Flight server (a shard's data port, a ring rank). ``who`` names the
+    server in the message (``server``, ``ring rank``); ``op`` the operation."""
+
+    def __init__(self, token: str, who: str, op: str) -> None:
+        super().__init__()
+        self._expected = (TOKEN_SCHEME + check_token(token)).encode("ascii")
+        self._who, self._op = who, op
+
+    def start_call(self, info: Any, headers: Mapping[str, list[Any]]) -> None:
+        values = headers.get(TOKEN_HEADER, [])
+        given = values[0] if values else b""
+        given = given.encode("utf-8", "replace") if isinstance(given, str) else bytes(given)
+        # compare_digest whatever the length: timing must not leak the token.
+        if not hmac.compare_digest(given, self._expected) or len(values) != 1:
+            problem = (
+                f"this {self._who} requires a token: pass token=... to psworker.connect, or "
+                "set $PS_TOKEN / $PS_TOKEN_FILE"
+                if not values
+                else f"the token this call carries is not this {self._who}'s token"
+            )
+            log.warning("refused Flight %s: %s", info.method, problem)
+            raise to_flight_error(UnauthenticatedError(problem), self._op)

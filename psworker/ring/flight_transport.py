@@ -18,12 +18,11 @@ the rendezvous store) is this server's. TLS, mutual TLS and the token come from 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import queue
 import struct
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,7 @@ from pswire.errors import (
     error_for_status,
 )
 from pswire.proto import ring_pb2
-from pswire.security import TOKEN_HEADER, TOKEN_SCHEME, ClientSecurity, ServerSecurity, check_token
+from pswire.security import TOKEN_HEADER, TOKEN_SCHEME, ClientSecurity, ServerSecurity
 from psworker.ring.peer import Failure, Mailbox, Tag
 
 # A failure seen first-hand (a refused or dropped connection, a malformed chunk) outweighs any
@@ -168,28 +167,6 @@ def _pem(path: Path | None, what: str) -> bytes:
         raise ValueError(f"cannot read the {what} {path}: {exc}") from None
 
 
-class _TokenCheck(flight.ServerMiddlewareFactory):
-    """Refuses a call whose ``authorization: Bearer <token>`` header is missing or wrong
-    (UNAUTHENTICATED) before its handler reads a byte; compared in constant time."""
-
-    def __init__(self, token: str) -> None:
-        super().__init__()
-        self._expected = (TOKEN_SCHEME + check_token(token)).encode("ascii")
-
-    def start_call(self, info: Any, headers: Mapping[str, list[Any]]) -> None:
-        values = headers.get(TOKEN_HEADER, [])
-        given = values[0] if values else b""
-        given = given.encode("utf-8", "replace") if isinstance(given, str) else bytes(given)
-        if not hmac.compare_digest(given, self._expected) or len(values) != 1:
-            problem = (
-                "this ring rank requires a token: pass token=... to psworker.connect, or set "
-                "$PS_TOKEN / $PS_TOKEN_FILE"
-                if not values
-                else "the token this call carries is not this ring's token"
-            )
-            raise fw.to_flight_error(UnauthenticatedError(problem), "ring")
-
-
 class RingServer:
     """A worker's ring port: files the chunks its left neighbour streams into a mailbox.
 
@@ -224,7 +201,7 @@ class RingServer:
                 options["verify_client"] = True
                 options["root_certificates"] = _pem(security.ca, "TLS CA certificate")
         if security.token:
-            options["middleware"] = {"token": _TokenCheck(security.token)}
+            options["middleware"] = {"token": fw.TokenCheck(security.token, "ring rank", "ring")}
         self.mailbox = Mailbox()
         self.max_buffered_bytes = max_buffered_bytes
         # The collective this rank is in (or will start next): chunks of it and the one after
