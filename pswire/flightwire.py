@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -54,8 +55,10 @@ log = logging.getLogger(__name__)
 # Arrow's default pool (mimalloc) reserves ~1 GiB of address space at its first allocation: a
 # worker or shard run under an address-space cap (ulimit -v, RLIMIT_AS) then cannot start a
 # thread. Our batches wrap numpy memory or gRPC's buffers; what Arrow allocates itself is small,
-# so the system allocator serves it (VmSize after a step: 1.38 GB -> 0.33 GB).
-pa.set_memory_pool(pa.system_memory_pool())
+# so the system allocator serves it (VmSize after a first allocation: 1.38 GB -> 0.33 GB). A
+# process that chose its pool with $ARROW_DEFAULT_MEMORY_POOL keeps it.
+if not os.environ.get("ARROW_DEFAULT_MEMORY_POOL"):
+    pa.set_memory_pool(pa.system_memory_pool())
 
 SCHEMA = pa.schema([pa.field("bytes", pa.uint8(), nullable=False)])
 PUSH_PULL = b"ps.push_pull/1"

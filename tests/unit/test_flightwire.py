@@ -3,6 +3,9 @@ and every PSError through a Flight error and back to the same class and status."
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -152,3 +155,22 @@ def test_flights_own_errors_map_to_their_status() -> None:
     got = fw.from_flight_error(flight.FlightUnavailableError("connection refused"))
     assert got.status == "UNAVAILABLE"
     assert fw.from_flight_error(flight.FlightTimedOutError("late")).status == "DEADLINE_EXCEEDED"
+
+
+@pytest.mark.parametrize(("chosen", "expected"), [("", "system"), ("mimalloc", "mimalloc")])
+def test_arrows_pool_is_the_system_allocator_unless_the_process_chose_one(
+    chosen: str, expected: str
+) -> None:
+    # mimalloc reserves ~1 GiB of address space at its first allocation: a worker capped with
+    # RLIMIT_AS could not start a thread after it (tests/e2e/test_big_table.py).
+    code = (
+        "import pswire.flightwire, pyarrow as pa\n"
+        "pa.allocate_buffer(1 << 20)\n"
+        "print(pa.default_memory_pool().backend_name)\n"
+    )
+    env = {**os.environ, "ARROW_DEFAULT_MEMORY_POOL": chosen}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == expected
