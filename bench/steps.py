@@ -15,16 +15,12 @@ import contextlib
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-import psworker
-from bench import peers, torchps
+from bench import torchps
 from bench.report import MB, Ratio, Table, check, median, print_table
-from bench.throughput import FULL_SHAPES, RAW_GRPC, RAW_TCP, nbytes_of, raw_steps
+from bench.throughput import FULL_SHAPES, RAW_GRPC, RAW_TCP, nbytes_of, ours_step, raw_steps
 from bench.timing import Step, interleave
 
 SMALL: dict[str, tuple[int, ...]] = {"w": (30, 30), "b": (100,)}  # 1,000 params
@@ -83,35 +79,15 @@ GROUPS = (
 )
 
 
-@contextlib.contextmanager
-def ours_step(shapes: dict[str, tuple[int, ...]], shards: int, workdir: Path) -> Iterator[Step]:
-    """Our client against ``shards`` psserver daemons, async, SGD, ``push_pull(out=model)``:
-    what ``DistributedOptimizer.step`` does."""
-    model = torchps.model_arrays(shapes)
-    grads = {k: np.full_like(v, 1e-4) for k, v in model.items()}
-    nbytes = nbytes_of(shapes)
-    with contextlib.ExitStack() as stack:
-        addresses, _ = stack.enter_context(peers.shards(peers.SEPARATE, shards, workdir))
-        client = stack.enter_context(
-            psworker.connect(addresses, worker_id=0, num_workers=1, mode="async")
-        )
-        client.init(model, psworker.SGD(lr=1e-3))
-
-        def step() -> None:
-            got = client.push_pull(grads, out=model)
-            if sum(w.nbytes for w in got.values()) != nbytes:
-                raise RuntimeError("push_pull returned the wrong number of bytes")
-
-        yield step
-
-
 def measure_group(group: Group, rounds: int) -> dict[str, list[float]]:
     """Every system doing ``group``'s step, interleaved; seconds per step by system."""
     nbytes = nbytes_of(group.shapes)
     small = nbytes <= 64 * 1024
     with tempfile.TemporaryDirectory(prefix="bench_steps_") as tmp, contextlib.ExitStack() as st:
         steps: dict[str, Step] = {
-            OURS: st.enter_context(ours_step(group.shapes, group.shards, Path(tmp)))
+            OURS: st.enter_context(
+                ours_step(group.shapes, group.shards, Path(tmp), into_model=True)
+            )
         }
         for name, transport in ((TORCH_TCP, torchps.TCP), (TORCH_DEFAULT, torchps.DEFAULT)):
             steps[name] = st.enter_context(torchps.torch_ps(group.shapes, group.shards, transport))

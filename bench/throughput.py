@@ -50,10 +50,13 @@ def nbytes_of(shapes: dict[str, tuple[int, ...]]) -> int:
 
 
 @contextlib.contextmanager
-def ours_step(shapes: dict[str, tuple[int, ...]], shards: int, workdir: Path) -> Iterator[Step]:
+def ours_step(
+    shapes: dict[str, tuple[int, ...]], shards: int, workdir: Path, into_model: bool = False
+) -> Iterator[Step]:
     """Our client against ``shards`` daemons (``python -m psserver``), async, SGD: one
     ``push_pull`` per step (push every gradient, pull every weight, one round trip per shard),
-    as ``DistributedOptimizer.step`` does."""
+    as ``DistributedOptimizer.step`` does; ``into_model``: the weights decoded into the
+    model's arrays (``out=``), as ``DistributedOptimizer`` asks."""
     model = torchps.model_arrays(shapes)
     grads = {k: np.full_like(v, 1e-4) for k, v in model.items()}
     nbytes = nbytes_of(shapes)
@@ -65,7 +68,8 @@ def ours_step(shapes: dict[str, tuple[int, ...]], shards: int, workdir: Path) ->
         client.init(model, psworker.SGD(lr=1e-3))
 
         def step() -> None:
-            got = sum(w.nbytes for w in client.push_pull(grads).values())
+            out = model if into_model else None
+            got = sum(w.nbytes for w in client.push_pull(grads, out=out).values())
             if got != nbytes:
                 raise RuntimeError(f"push_pull returned {got} bytes, expected {nbytes}")
 
