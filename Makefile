@@ -15,7 +15,7 @@ lint:
 types:
 	$(PY) -m mypy
 test:
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 protos:
 	bash scripts/gen_protos.sh .
 check-protos:
