@@ -128,6 +128,7 @@ class FlightShardService(flight.FlightServerBase):
             return request, assembled_grads(assembler)
 
     def _push_pull(self, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
+        arrived = time.monotonic()
         request, grads = self._read_push(first, reader, "push_pull")
         h = request.header
         if held.worker is None:  # the exchange's first step: it holds one of the worker's
@@ -140,7 +141,7 @@ class FlightShardService(flight.FlightServerBase):
             h.step,
             grads,
             encode=lambda arrays, _: self._held(arrays, gathered),
-            timeout=fw.request_timeout(request.timeout_ms, DEADLINE_MARGIN_S),
+            timeout=_left(request.timeout_ms, arrived),
             incarnation=h.incarnation,
             take=True,  # the arrays were decoded for this call alone
             session=h.session,
@@ -150,13 +151,14 @@ class FlightShardService(flight.FlightServerBase):
         self._reply(writer, push_response(result, self.shard.incarnation), held_reply, clock)
 
     def _push(self, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
+        arrived = time.monotonic()
         request, grads = self._read_push(first, reader, "push")
         h = request.header
         result = self.shard.push(
             h.worker_id,
             h.step,
             grads,
-            timeout=fw.request_timeout(request.timeout_ms, DEADLINE_MARGIN_S),
+            timeout=_left(request.timeout_ms, arrived),
             incarnation=h.incarnation,
             take=True,
             session=h.session,
@@ -216,6 +218,13 @@ class FlightShardService(flight.FlightServerBase):
             fw.write_step(writer, header, held.raws, self.piece_bytes, held.live.read)
         finally:
             held.live.release()
+
+
+def _left(timeout_ms: int, arrived: float) -> float | None:
+    """The shard's wait for a push whose header arrived at ``arrived``: its deadline counts
+    from there, as the worker's does (a push streamed from backward arrives over seconds)."""
+    wait = fw.request_timeout(timeout_ms, DEADLINE_MARGIN_S)
+    return None if wait is None else max(0.0, wait - (time.monotonic() - arrived))
 
 
 class _LiveReply:

@@ -145,6 +145,18 @@ def encode_tensor(name: str, array: np.ndarray, ids: np.ndarray | None = None) -
     return entry, np.frombuffer(view, dtype=np.uint8)
 
 
+def manifest_entry(name: str, dtype: str, shape: Sequence[int]) -> Any:
+    """A tensor's manifest entry from its wire dtype and shape alone: a step streamed from
+    backward announces its tensors before they exist.
+
+    Raises:
+        InvalidRequestError: a dtype the wire does not carry, or a bad shape.
+    """
+    dims = [int(d) for d in shape]
+    nbytes = tensor_nbytes(name, dtype, dims)
+    return ps_pb2.TensorChunk(name=name, dtype=dtype, shape=dims, total_bytes=nbytes)
+
+
 def check_manifest(entries: Any, max_bytes: int | None, where: str) -> int:
     """Checks every tensor of a step before any of its bytes is read; returns the total bytes.
 
@@ -199,47 +211,80 @@ def write_step(
     step. gRPC may still hold a batch after ``write_batch`` returns, so a batch is never
     written from memory that changes.
     """
-    piece = max(1, piece_bytes)
-    pending: list[Span] = []  # small tensors waiting to be packed
-    size = 0
-    meta: bytes | None = header
+    step = StepWriter(writer, header, piece_bytes, read)
+    step.write(raws)
+    step.close()
 
-    def send(spans: list[Span]) -> None:
-        nonlocal meta
-        if read is not None:
-            data = read(spans)
+
+class StepWriter:
+    """One step written as its tensors come (``write_step`` writes them all at once): the
+    header, then each call's tensors in manifest order, batched as ``write_step`` describes
+    (a run of small tensors packed within one call), then ``close``. A step streamed from
+    backward sends ``header()`` first and each gradient's bytes as backward produces it; the
+    reader (``read_step``) cannot tell the difference."""
+
+    def __init__(
+        self,
+        writer: Any,
+        header: bytes,
+        piece_bytes: int,
+        read: Callable[[list[Span]], np.ndarray] | None = None,
+    ) -> None:
+        self._writer = writer
+        self._meta: bytes | None = header
+        self._piece = max(1, piece_bytes)
+        self._read = read
+        self._raws: list[np.ndarray] = []  # every tensor written so far: spans index it
+
+    def header(self) -> None:
+        """Sends the header now, alone (the tensors follow in later batches)."""
+        if self._meta is not None:
+            self._writer.write_metadata(self._meta)
+            self._meta = None
+
+    def write(self, raws: Sequence[np.ndarray]) -> None:
+        """Writes ``raws`` (uint8 arrays, the next tensors of the manifest) in order; a run of
+        small ones is packed into one batch, flushed before this returns."""
+        pending: list[Span] = []  # small tensors waiting to be packed
+        size = 0
+        for raw in raws:
+            i = len(self._raws)
+            self._raws.append(raw)
+            if not raw.nbytes:
+                continue
+            if raw.nbytes < PACK_BYTES:
+                if size + raw.nbytes > self._piece:
+                    self._send(pending)
+                    pending, size = [], 0
+                pending.append((i, 0, raw.nbytes))
+                size += raw.nbytes
+                continue
+            self._send(pending)
+            pending, size = [], 0
+            for offset in range(0, raw.nbytes, self._piece):
+                self._send([(i, offset, min(offset + self._piece, raw.nbytes))])
+        self._send(pending)
+
+    def close(self) -> None:
+        """Ends the step: the header alone if no batch carried it."""
+        self.header()
+
+    def _send(self, spans: list[Span]) -> None:
+        if not spans:
+            return
+        raws = self._raws
+        if self._read is not None:
+            data = self._read(spans)
         elif len(spans) == 1:
             i, start, end = spans[0]
             data = raws[i][start:end]
         else:
             data = np.concatenate([raws[i][start:end] for i, start, end in spans])
-        if meta is None:
-            writer.write_batch(as_batch(data))
+        if self._meta is None:
+            self._writer.write_batch(as_batch(data))
         else:
-            writer.write_with_metadata(as_batch(data), meta)
-            meta = None
-
-    def flush() -> None:
-        nonlocal pending, size
-        if pending:
-            send(pending)
-        pending, size = [], 0
-
-    for i, raw in enumerate(raws):
-        if not raw.nbytes:
-            continue
-        if raw.nbytes < PACK_BYTES:
-            if size + raw.nbytes > piece:
-                flush()
-            pending.append((i, 0, raw.nbytes))
-            size += raw.nbytes
-            continue
-        flush()
-        for offset in range(0, raw.nbytes, piece):
-            send([(i, offset, min(offset + piece, raw.nbytes))])
-    flush()
-    if meta is not None:
-        writer.write_metadata(meta)
+            self._writer.write_with_metadata(as_batch(data), self._meta)
+            self._meta = None
 
 
 def read_step(

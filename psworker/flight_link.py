@@ -79,6 +79,7 @@ class FlightLink:
         self._pending: tuple[Mapping[str, np.ndarray] | None, threading.Event] | None = None
         self._early: Future[Any] | None = None  # its reply, read on a thread (``when_ended``)
         self._reading: ThreadPoolExecutor | None = None
+        self._streaming: FlightStream | None = None  # a step streamed from backward, if open
 
     def where(self, op: str) -> str:
         return f"{op} on shard {self.index} ({self.address}, Flight)"
@@ -192,6 +193,40 @@ class FlightLink:
             return WaitTimeoutError(f"{where}: no reply within {self.timeout:.1f}s")
         return _error(exc, where)
 
+    def begin_stream(
+        self,
+        step: int,
+        entries: Sequence[ps_pb2.TensorChunk],
+        into: Mapping[str, np.ndarray] | None = None,
+        incarnation: str = "",
+        options: StepOptions | None = None,
+    ) -> FlightStream:
+        """A step whose tensors follow as backward produces them: its header, with the
+        manifest ``entries`` (every tensor it will carry, in the order they will come), is
+        written now on an exchange of its own, whose gRPC deadline is ``timeout`` from now on
+        both ends (a worker that stalls mid-step, or is paused, frees the shard when it
+        passes; the shard applies nothing before the last byte). The exchange kept open for
+        other steps is closed first: a worker holds at most two step streams on a shard.
+
+        Raises:
+            PSError: the exchange could not be opened, or the shard refused at once.
+        """
+        where = self.where("push_pull")
+        request = self._request(step, {}, incarnation, options)
+        request.chunks.extend(entries)
+        with self._lock:
+            self._close_open()
+            writer, reader = self._exchange(fw.PUSH_PULL, self.timeout, where)
+        out = fw.StepWriter(writer, request.SerializeToString(), self.piece_bytes)
+        stream = FlightStream(self, writer, reader, out, into, where)
+        self._streaming = stream
+        try:
+            out.header()
+        except BaseException as exc:
+            stream.close()
+            raise _error(exc, where) from None
+        return stream
+
     def push(
         self,
         step: int,
@@ -243,7 +278,11 @@ class FlightLink:
         return self._one_call(fw.PULL, run, where)  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        """Ends the open exchange and the connection."""
+        """Ends the open exchange, a streamed step's (cancelled: the shard applies nothing),
+        and the connection."""
+        streaming = self._streaming
+        if streaming is not None:
+            streaming.cancel()
         with self._lock:
             self._close_open()
             self._watchdog.stop()
@@ -310,6 +349,81 @@ class FlightLink:
             writer.done_writing()
         with contextlib.suppress(*_FAILURES):
             writer.close()
+
+
+class FlightStream:
+    """A streamed step's exchange (``FlightLink.begin_stream``): the tensors written in
+    manifest order as they come, then the reply. One thread writes and ends it; ``cancel``
+    may come from any thread (it unblocks a write the shard does not take)."""
+
+    def __init__(
+        self,
+        link: FlightLink,
+        writer: Any,
+        reader: Any,
+        out: fw.StepWriter,
+        into: Mapping[str, np.ndarray] | None,
+        where: str,
+    ) -> None:
+        self._link = link
+        self._writer = writer
+        self._reader = reader
+        self._out = out
+        self._into = into
+        self._where = where
+        self.deadline = time.monotonic() + link.timeout  # the exchange's gRPC deadline
+        self._ended = False  # the reply was read: nothing to cancel
+        self._closed = False
+
+    def write(self, raws: Sequence[np.ndarray]) -> None:
+        """The next tensors of the manifest (uint8 arrays, ``encode_tensor``'s).
+
+        Raises:
+            PSError: the exchange failed (the shard's status where it refused the step).
+        """
+        try:
+            self._out.write(raws)
+        except BaseException as exc:
+            raise _error(exc, self._where) from None
+
+    def end(self) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
+        """Ends the step (every manifest tensor written) and reads its reply, decoded into
+        ``into``; the shard has ended the call when this returns.
+
+        Raises:
+            PSError: as ``FlightLink.push_pull``.
+        """
+        try:
+            self._out.close()
+            self._writer.done_writing()
+            reply, arrays = _read_reply(self._reader, self._into, self._where)
+            self._ended = True
+            # The shard ends the call once our side is done: wait for it, so the step stream
+            # it held is free before this worker opens the next.
+            with contextlib.suppress(StopIteration, *_FAILURES):
+                self._reader.read_chunk()
+            return reply.push, arrays
+        except BaseException as exc:
+            raise _error(exc, self._where) from None
+        finally:
+            self.close()
+
+    def cancel(self) -> None:
+        """Cancels the exchange: the shard reads a cut stream and applies nothing of it."""
+        with contextlib.suppress(*_FAILURES):
+            self._reader.cancel()
+
+    def close(self) -> None:
+        """Releases the exchange (cancelled first unless ``end`` finished it)."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._ended:
+            self.cancel()
+        with contextlib.suppress(*_FAILURES):
+            self._writer.close()
+        if self._link._streaming is self:
+            self._link._streaming = None
 
 
 def _read_reply(

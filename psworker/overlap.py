@@ -7,17 +7,25 @@ A shard's round takes one push per worker per step (sync), so the unit of overla
 its push leaves while backward still runs through the layers before it, and its reply (the
 weights of step t+1) is decoded straight into the parameters' memory when it arrives.
 
+A shard whose step goes on its Flight data port does better: its push streams from the step's
+first gradient (psworker/push_stream.py), the manifest in the previous step's order and each
+gradient written as backward produces it, the last held until ``step()`` has checked them, so
+the push leaves during backward even though the placement interleaves layers over the shards.
+Steps small enough for grpcio (``grpc_below_bytes``) go whole once their shard's gradients are
+all ready, as described above.
+
 The serial step stays the reference: overlap arms itself only after one serial step showed that
 nothing touches the gradients between ``backward()`` and ``step()`` (no ``clip_grad_norm_``, no
 GradScaler, no second ``backward()`` accumulating into them, no closure); a script that does
 keeps the serial step, with a warning saying why. A gradient changed after its shard's push left
-(a clip only on some steps) is an error, never a silently different step.
+(a clip only on some steps) is an error, never a silently different step; streamed pushes are
+then cancelled, so no shard applies any of that step.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any, Protocol, runtime_checkable
@@ -27,6 +35,7 @@ import torch
 
 from pscore.optspec import StepOptions
 from pswire.errors import ConfigError
+from psworker.push_stream import StepStreams
 
 __all__ = ["ShardOverlap", "ShardSteps", "overlap_unsupported"]
 
@@ -52,6 +61,17 @@ class ShardSteps(Protocol):
         options: StepOptions | None = None,
     ) -> Callable[[], bool]:
         """Sends one shard its part of a step; the returned call waits for its reply."""
+        ...
+
+    def stream_step(
+        self,
+        step: int,
+        order: Sequence[str],
+        buffers: Sequence[str],
+        out: Mapping[str, np.ndarray],
+        options: StepOptions | None = None,
+    ) -> StepStreams:
+        """Opens a step whose pushes stream from backward (``PSClient.stream_step``)."""
         ...
 
 
@@ -107,7 +127,9 @@ class ShardOverlap:
             for shard in on:
                 self._names_on[shard].append(var.name)
         self._trainable = {n for n, p in self._params.items() if p.requires_grad}
-        self._pool = ThreadPoolExecutor(max_workers=shards, thread_name_prefix="ps-overlap")
+        # A call (or stream) per shard, and a cancelled stream's thread winding down beside the
+        # call that sends its step whole.
+        self._pool = ThreadPoolExecutor(max_workers=2 * shards, thread_name_prefix="ps-overlap")
         self._deadline = float(client.timeout) + _LANDING_SLACK_S
         self.armed = False
         self._off = False  # a serial step showed the script needs it: never armed
@@ -117,11 +139,19 @@ class ShardOverlap:
         self._step: int | None = None  # the step being pushed (None: none started)
         self._values: dict[int, dict[str, float]] = {}
         self._waiting: list[set[str]] = []  # per shard: trainable names backward has not reached
-        self._sent: dict[int, tuple[Future[bool], list[str]]] = {}
+        self._sent: dict[int, tuple[Future[bool | None], list[str]]] = {}
         self._error: Exception | None = None
         # The previous step's shards still landing: shard -> (its call, the names it stepped).
-        self._landing: dict[int, tuple[Future[bool], list[str]]] = {}
+        self._landing: dict[int, tuple[Future[bool | None], list[str]]] = {}
         self._skipped = False
+        # Streamed pushes (shards on a data port): the gradients the last step pushed, in the
+        # order backward produced them (this step's manifest); this step's streams, their
+        # threads, and the gradients added to them from backward's hooks.
+        self._order: list[str] | None = None
+        self._streams: StepStreams | None = None
+        self._running: dict[int, Future[bool | None]] = {}
+        self._streamed: set[str] = set()
+        self.streamed = 0  # shard steps a stream carried (the others went whole)
         for name, p in self._params.items():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(partial(self._reached, name))
@@ -151,7 +181,15 @@ class ShardOverlap:
         try:
             if self._step is None:
                 self._begin()
-            for shard in self._shards_of[name]:
+            on = self._shards_of[name]
+            streams = self._streams
+            if streams is not None and any(shard in streams.streams for shard in on):
+                with torch.no_grad():
+                    streams.add(name, self._to_host({name: grad})[name])
+                self._streamed.add(name)
+            for shard in on:
+                if streams is not None and shard in streams.streams:
+                    continue
                 waiting = self._waiting[shard]
                 waiting.discard(name)
                 if not waiting and shard not in self._sent:
@@ -197,10 +235,17 @@ class ShardOverlap:
                     "change them before backward() (a scheduler's step() after opt.step() "
                     "does), or construct DistributedOptimizer(..., overlap=False)"
                 )
+            if self._streams is not None:
+                self._finish_streams(self._streams)
             for shard in range(len(self._names_on)):
                 if shard not in self._sent:
                     self._send(shard)
+        except BaseException:
+            if self._streams is not None:
+                self._streams.abort()  # no shard applies a streamed push of this step
+            raise
         finally:
+            self._order = self._pushed_order()
             self._landing.update(self._sent)  # landed (or their errors raised) by wait()
             self._end()
 
@@ -220,6 +265,7 @@ class ShardOverlap:
             return
         reached = dict(self._fired)
         twice = sorted(self._twice)
+        self._order = self._pushed_order()
         self._end()
         if not reached:
             return  # no backward hook fired (gradients set by hand): judge the next step
@@ -252,7 +298,10 @@ class ShardOverlap:
             self.armed = True
 
     def close(self) -> None:
-        """Stops the pool (calls in flight finish on their own deadline)."""
+        """Cancels this step's streamed pushes and stops the pool (calls in flight finish on
+        their own deadline)."""
+        if self._streams is not None:
+            self._streams.abort()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- internals ---------------------------------------------------------------------------
@@ -264,6 +313,45 @@ class ShardOverlap:
         self._values = self._changed_values()
         self._step = self._client.step
         self._waiting = [{n for n in names if n in self._trainable} for names in self._names_on]
+        if self._order is not None:  # the manifest: the last step's gradients, in its order
+            options = StepOptions(self._values, False)
+            streams = self._client.stream_step(
+                self._step, self._order, list(self._buffers), self._out, options
+            )
+            self._streams = streams
+            for shard in streams.shards:
+                self._running[shard] = self._pool.submit(streams.run, shard)
+
+    def _finish_streams(self, streams: StepStreams) -> None:
+        """``step()`` for the streamed shards: the push's tensors no hook added (buffers,
+        gradients backward did not reach this step) added now, then each stream's last tensor
+        let go; a stream whose tensors are not its manifest's is cancelled, and its shard's
+        step goes whole (``_send``)."""
+        late: dict[str, torch.Tensor] = {}
+        for shard in streams.shards:
+            for name in self._names_on[shard]:
+                if name in streams.added:
+                    continue
+                if name in self._buffers:
+                    late[name] = self._buffers[name]
+                elif (g := self._params[name].grad) is not None:
+                    late[name] = g
+        with torch.no_grad():
+            carried = streams.finish(self._to_host(late))
+        self.streamed += len(carried)
+        for shard in sorted(carried):
+            stepped = [
+                n
+                for n in self._names_on[shard]
+                if n in self._params and self._params[n].grad is not None
+            ]
+            self._sent[shard] = (self._running.pop(shard), stepped)
+
+    def _pushed_order(self) -> list[str]:
+        """The gradients a step pushes now, those backward reached first, in its order."""
+        pushed = [n for n, p in self._params.items() if p.grad is not None]
+        held = set(pushed)
+        return [n for n in self._fired if n in held] + [n for n in pushed if n not in self._fired]
 
     def _send(self, shard: int) -> None:
         """Starts ``shard``'s call in the pool: its gradients (those not None) and buffers."""
@@ -276,12 +364,14 @@ class ShardOverlap:
             arrays = self._to_host({**grads, **buffers})
         assert self._step is not None
         options = StepOptions(self._values, False)
-        future = self._pool.submit(self._call, shard, arrays, self._step, options)
+        future: Future[bool | None] = self._pool.submit(
+            self._call, shard, arrays, self._step, options
+        )
         self._sent[shard] = (future, list(grads))
 
     def _call(
         self, shard: int, arrays: dict[str, np.ndarray], step: int, options: StepOptions
-    ) -> bool:
+    ) -> bool | None:
         return self._client.start_shard_step(shard, arrays, step, self._out, options)()
 
     def _land(self, shard: int) -> None:
@@ -292,7 +382,7 @@ class ShardOverlap:
             PSError: the shard's call failed.
         """
         future, stepped = self._landing.pop(shard)
-        self._skipped |= future.result(timeout=self._deadline)
+        self._skipped |= bool(future.result(timeout=self._deadline))
         with torch.no_grad():
             for name in stepped:
                 torch.autograd.graph.increment_version(self._params[name])
@@ -306,10 +396,10 @@ class ShardOverlap:
         Raises:
             ValueError: naming the gradients and the likely cause.
         """
+        sent = [n for _, names in self._sent.values() for n in names]
         changed = sorted(
             n
-            for _, names in self._sent.values()
-            for n in names
+            for n in {*sent, *self._streamed}
             if n in self._twice
             or (g := self._params[n].grad) is None
             or (id(g), g._version) != self._fired.get(n)
@@ -329,3 +419,6 @@ class ShardOverlap:
         self._step = None
         self._sent = {}
         self._error = None
+        self._streams = None
+        self._running = {}
+        self._streamed = set()
