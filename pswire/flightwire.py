@@ -288,10 +288,17 @@ class StepWriter:
 
 
 def read_step(
-    reader: Any, first: Any, entries: Any, assembler: ChunkAssembler, where: str
+    reader: Any,
+    first: Any,
+    entries: Any,
+    assembler: ChunkAssembler,
+    where: str,
+    placed: Callable[[str], None] | None = None,
 ) -> dict[str, np.ndarray]:
     """Reads a step's tensors, in manifest order, from the stream of record batches that
-    began with ``first`` (the batch the header rode on, or None), into ``assembler``.
+    began with ``first`` (the batch the header rode on, or None), into ``assembler``;
+    ``placed(name)`` as each tensor is complete in its ``into`` array (the caller may use it
+    while the rest still arrives).
 
     Raises:
         InvalidRequestError: the stream ended mid-step, bytes left over after the last
@@ -331,6 +338,8 @@ def read_step(
             assembler.add(piece)
             received += len(take)
             if received >= e.total_bytes:
+                if placed is not None and assembler.placed(e.name):
+                    placed(e.name)
                 break
     if data:
         raise InvalidRequestError(

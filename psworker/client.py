@@ -569,11 +569,13 @@ class PSClient:
         buffers: Sequence[str],
         out: Mapping[str, np.ndarray],
         options: StepOptions | None = None,
+        placed: Callable[[str], None] | None = None,
     ) -> StepStreams:
         """A step whose push streams to the shards while backward produces it (overlap):
         each shard whose step goes on its data port gets the manifest now (the gradients of
         ``order``, in that order, then the ``buffers``), then each tensor as it is
-        ``add``-ed; the reply is decoded into ``out`` (arrays for every variable). See
+        ``add``-ed; the reply is decoded into ``out`` (arrays for every variable), and
+        ``placed`` told each piece key as it lands there (from the streams' threads). See
         psworker/push_stream.py. Run each of its ``shards`` with ``run(shard)`` on a thread
         of its own; the step counter is past ``step`` once each has returned.
 
@@ -598,4 +600,5 @@ class PSClient:
             options,
             self.compression,
             self._pushed,
+            placed,
         )

@@ -200,6 +200,7 @@ class FlightLink:
         into: Mapping[str, np.ndarray] | None = None,
         incarnation: str = "",
         options: StepOptions | None = None,
+        placed: Callable[[str], None] | None = None,
     ) -> FlightStream:
         """A step whose tensors follow as backward produces them: its header, with the
         manifest ``entries`` (every tensor it will carry, in the order they will come), is
@@ -207,6 +208,7 @@ class FlightLink:
         both ends (a worker that stalls mid-step, or is paused, frees the shard when it
         passes; the shard applies nothing before the last byte). The exchange kept open for
         other steps is closed first: a worker holds at most two step streams on a shard.
+        ``placed(key)``: told as each tensor of the reply is decoded into ``into``.
 
         Raises:
             PSError: the exchange could not be opened, or the shard refused at once.
@@ -218,7 +220,7 @@ class FlightLink:
             self._close_open()
             writer, reader = self._exchange(fw.PUSH_PULL, self.timeout, where)
         out = fw.StepWriter(writer, request.SerializeToString(), self.piece_bytes)
-        stream = FlightStream(self, writer, reader, out, into, where)
+        stream = FlightStream(self, writer, reader, out, into, where, placed)
         self._streaming = stream
         try:
             out.header()
@@ -364,8 +366,10 @@ class FlightStream:
         out: fw.StepWriter,
         into: Mapping[str, np.ndarray] | None,
         where: str,
+        placed: Callable[[str], None] | None = None,
     ) -> None:
         self._link = link
+        self._placed = placed
         self._writer = writer
         self._reader = reader
         self._out = out
@@ -396,7 +400,7 @@ class FlightStream:
         try:
             self._out.close()
             self._writer.done_writing()
-            reply, arrays = _read_reply(self._reader, self._into, self._where)
+            reply, arrays = _read_reply(self._reader, self._into, self._where, self._placed)
             self._ended = True
             # The shard ends the call once our side is done: wait for it, so the step stream
             # it held is free before this worker opens the next.
@@ -427,9 +431,13 @@ class FlightStream:
 
 
 def _read_reply(
-    reader: Any, into: Mapping[str, np.ndarray] | None, where: str
+    reader: Any,
+    into: Mapping[str, np.ndarray] | None,
+    where: str,
+    placed: Callable[[str], None] | None = None,
 ) -> tuple[ps_pb2.PushPullResponse, dict[str, np.ndarray]]:
-    """A step's reply: its header, then its tensors (into ``into`` where given).
+    """A step's reply: its header, then its tensors (into ``into`` where given; ``placed``
+    told of each as it lands there).
 
     Raises:
         UnavailableError: the shard ended the exchange without a reply.
@@ -440,7 +448,8 @@ def _read_reply(
     except StopIteration:
         raise UnavailableError(f"{where}: the shard ended the exchange without a reply") from None
     reply = fw.parse(ps_pb2.PushPullResponse, first.app_metadata, where)
-    arrays = fw.read_step(reader, first.data, reply.chunks, ChunkAssembler(into=into), where)
+    assembler = ChunkAssembler(into=into)
+    arrays = fw.read_step(reader, first.data, reply.chunks, assembler, where, placed)
     return reply, arrays
 
 

@@ -415,8 +415,10 @@ class ShardLink:
         entries: Sequence[ps_pb2.TensorChunk],
         into: Mapping[str, np.ndarray],
         options: StepOptions | None,
+        placed: Callable[[str], None] | None = None,
     ) -> StreamedStep:
-        """Opens a streamed step on the data port, its header (the manifest) written.
+        """Opens a streamed step on the data port, its header (the manifest) written;
+        ``placed(key)`` is told as each tensor of its reply lands in ``into``.
 
         Raises:
             grpc.RpcError: the data port failed or refused (a ``TransportFailure``).
@@ -424,7 +426,8 @@ class ShardLink:
         if self.flight is None or self._closed.is_set():
             raise TransportFailure(UnavailableError(f"{self.where('PushPull')}: no data port"))
         self._stepping = self.flight
-        return self.flight.begin_stream(step, entries, into, self.incarnation or "", options)
+        incarnation = self.incarnation or ""
+        return self.flight.begin_stream(step, entries, into, incarnation, options, placed)
 
     def stream_ended(self, result: Reply) -> Reply:
         """Learns from a streamed step's reply, as from any step's."""

@@ -1,18 +1,15 @@
 """Communication overlapped with computation for ``DistributedOptimizer(..., overlap=True)``:
-each shard's push-pull starts from backward's post-accumulate-grad hooks as soon as every
-gradient that shard holds is ready, and the next forward waits, module by module (forward
-pre-hooks), only for the shards holding that module's weights.
+each shard's push-pull starts from backward's post-accumulate-grad hooks, and the next forward
+waits, module by module (forward pre-hooks, psworker/landing.py), only for the weights that
+module needs, decoded straight into the parameters' memory as each shard's reply arrives.
 
-A shard's round takes one push per worker per step (sync), so the unit of overlap is the shard:
-its push leaves while backward still runs through the layers before it, and its reply (the
-weights of step t+1) is decoded straight into the parameters' memory when it arrives.
-
-A shard whose step goes on its Flight data port does better: its push streams from the step's
-first gradient (psworker/push_stream.py), the manifest in the previous step's order and each
-gradient written as backward produces it, the last held until ``step()`` has checked them, so
-the push leaves during backward even though the placement interleaves layers over the shards.
-Steps small enough for grpcio (``grpc_below_bytes``) go whole once their shard's gradients are
-all ready, as described above.
+A shard's round takes one push per worker per step (sync). Where a shard's step goes on its
+Flight data port, its push streams from the step's first gradient (psworker/push_stream.py):
+the manifest in the previous step's order, each gradient written as backward produces it, the
+last held until ``step()`` has checked them, so the push leaves during backward even though the
+placement interleaves layers over the shards, and its reply lands tensor by tensor under the
+next forward. A step small enough for grpcio (``grpc_below_bytes``) goes whole once every
+gradient its shard holds is ready, and lands whole.
 
 The serial step stays the reference: overlap arms itself only after one serial step showed that
 nothing touches the gradients between ``backward()`` and ``step()`` (no ``clip_grad_norm_``, no
@@ -35,6 +32,7 @@ import torch
 
 from pscore.optspec import StepOptions
 from pswire.errors import ConfigError
+from psworker.landing import Landing
 from psworker.push_stream import StepStreams
 
 __all__ = ["ShardOverlap", "ShardSteps", "overlap_unsupported"]
@@ -70,6 +68,7 @@ class ShardSteps(Protocol):
         buffers: Sequence[str],
         out: Mapping[str, np.ndarray],
         options: StepOptions | None = None,
+        placed: Callable[[str], None] | None = None,
     ) -> StepStreams:
         """Opens a step whose pushes stream from backward (``PSClient.stream_step``)."""
         ...
@@ -141,9 +140,14 @@ class ShardOverlap:
         self._waiting: list[set[str]] = []  # per shard: trainable names backward has not reached
         self._sent: dict[int, tuple[Future[bool | None], list[str]]] = {}
         self._error: Exception | None = None
-        # The previous step's shards still landing: shard -> (its call, the names it stepped).
-        self._landing: dict[int, tuple[Future[bool | None], list[str]]] = {}
-        self._skipped = False
+        # The previous step's replies still landing, and the next forward's waits for them.
+        self._landing = Landing(
+            model,
+            {**self._params, **self._buffers},
+            shard_map,
+            self._deadline,
+            self._landed,
+        )
         # Streamed pushes (shards on a data port): the gradients the last step pushed, in the
         # order backward produced them (this step's manifest); this step's streams, their
         # threads, and the gradients added to them from backward's hooks.
@@ -151,18 +155,11 @@ class ShardOverlap:
         self._streams: StepStreams | None = None
         self._running: dict[int, Future[bool | None]] = {}
         self._streamed: set[str] = set()
+        self._carried: set[int] = set()  # the shards whose stream carries this step
         self.streamed = 0  # shard steps a stream carried (the others went whole)
         for name, p in self._params.items():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(partial(self._reached, name))
-        ids = {id(t): n for n, t in {**self._params, **self._buffers}.items()}
-        for module in model.modules():
-            own = [*module._parameters.values(), *module._buffers.values()]
-            needs = {s for t in own if id(t) in ids for s in self._shards_of[ids[id(t)]]}
-            if needs:
-                module.register_forward_pre_hook(partial(self._before_forward, frozenset(needs)))
-        # model.state_dict() (a checkpoint) reads the weights: they must have landed.
-        model.register_state_dict_pre_hook(lambda *_: self.wait())
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -196,13 +193,6 @@ class ShardOverlap:
                     self._send(shard)
         except Exception as exc:  # raised by step(): an error inside backward() loses context
             self._error = exc
-
-    def _before_forward(self, shards: frozenset[int], module: Any, args: Any) -> None:
-        """Forward pre-hook: waits only for the shards holding this module's tensors."""
-        if self._landing:
-            for shard in shards:
-                if shard in self._landing:
-                    self._land(shard)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -246,7 +236,8 @@ class ShardOverlap:
             raise
         finally:
             self._order = self._pushed_order()
-            self._landing.update(self._sent)  # landed (or their errors raised) by wait()
+            for shard, (call, stepped) in self._sent.items():  # landed (or raised) by wait()
+                self._landing.add(shard, call, stepped, keyed=shard in self._carried)
             self._end()
 
     def wait(self) -> None:
@@ -255,8 +246,7 @@ class ShardOverlap:
         Raises:
             PSError: a shard's call failed.
         """
-        for shard in list(self._landing):
-            self._land(shard)
+        self._landing.wait()
 
     def observe(self, grads: Mapping[str, torch.Tensor], grad_scaler: Any, closure: Any) -> None:
         """After a serial step: arms overlap when nothing touched the gradients between
@@ -316,7 +306,12 @@ class ShardOverlap:
         if self._order is not None:  # the manifest: the last step's gradients, in its order
             options = StepOptions(self._values, False)
             streams = self._client.stream_step(
-                self._step, self._order, list(self._buffers), self._out, options
+                self._step,
+                self._order,
+                list(self._buffers),
+                self._out,
+                options,
+                self._landing.placed,
             )
             self._streams = streams
             for shard in streams.shards:
@@ -339,6 +334,7 @@ class ShardOverlap:
         with torch.no_grad():
             carried = streams.finish(self._to_host(late))
         self.streamed += len(carried)
+        self._carried = carried
         for shard in sorted(carried):
             stepped = [
                 n
@@ -374,21 +370,10 @@ class ShardOverlap:
     ) -> bool | None:
         return self._client.start_shard_step(shard, arrays, step, self._out, options)()
 
-    def _land(self, shard: int) -> None:
-        """Waits for ``shard``'s reply (already decoded into the parameters) and marks its
-        stepped parameters changed in place for autograd, as ``torch.optim`` does.
-
-        Raises:
-            PSError: the shard's call failed.
-        """
-        future, stepped = self._landing.pop(shard)
-        self._skipped |= bool(future.result(timeout=self._deadline))
-        with torch.no_grad():
-            for name in stepped:
-                torch.autograd.graph.increment_version(self._params[name])
-        if not self._landing:
-            self._client.last_skipped = self._skipped
-            self._skipped = False
+    def _landed(self, skipped: bool) -> None:
+        """Every shard's reply of a step landed: whether the step was skipped (a worker's
+        GradScaler), as the serial step tells the client."""
+        self._client.last_skipped = skipped
 
     def _check_sent(self) -> None:
         """Raises when a gradient whose push already left changed since backward reached it.
@@ -422,3 +407,4 @@ class ShardOverlap:
         self._streams = None
         self._running = {}
         self._streamed = set()
+        self._carried = set()

@@ -73,9 +73,11 @@ class ShardStream:
         entries: Sequence[ps_pb2.TensorChunk],
         into: Mapping[str, np.ndarray],
         options: StepOptions | None,
+        placed: Callable[[str], None] | None = None,
     ) -> None:
         self.link = link
         self.step = step
+        self._placed = placed
         self._entries = list(entries)
         self._into = into
         self._options = options
@@ -151,7 +153,9 @@ class ShardStream:
         link = self.link
         failure: grpc.RpcError | None = None
         try:
-            self._stream = link.begin_stream(self.step, self._entries, self._into, self._options)
+            self._stream = link.begin_stream(
+                self.step, self._entries, self._into, self._options, self._placed
+            )
         except grpc.RpcError as exc:
             failure = exc
         deadline = time.monotonic() + link.timeout
@@ -237,7 +241,9 @@ class ShardStream:
 
 class StepStreams:
     """Every shard's push of one step streamed from backward, for the shards whose step goes
-    on a data port (``shards``); the others' steps go whole, as without streams."""
+    on a data port (``shards``); the others' steps go whole, as without streams. ``placed``
+    is told each piece key of a streamed reply as it lands in ``into`` (a step sent whole
+    tells nothing: it has landed when ``run`` returns)."""
 
     def __init__(
         self,
@@ -250,6 +256,7 @@ class StepStreams:
         options: StepOptions | None,
         compression: str | None,
         pushed: Callable[[int, list[ps_pb2.PushResponse]], object],
+        placed: Callable[[str], None] | None = None,
     ) -> None:
         self.step = step
         self._shard_map = shard_map
@@ -263,7 +270,7 @@ class StepStreams:
             for p in shard_map.pieces_of(name):
                 entries[p.shard].append(fw.manifest_entry(p.key, dtype, p.shape))
         self.streams = {
-            shard: ShardStream(link, step, entries[shard], into, options)
+            shard: ShardStream(link, step, entries[shard], into, options, placed)
             for shard, link in enumerate(links)
             # A step of no bytes would be whole with its header: it goes whole, at step().
             if any(e.total_bytes for e in entries[shard]) and link.streams(entries[shard], into)

@@ -297,9 +297,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the rows embedding tables gathered since the last step."""
         for table in self._tables.values():
             table.forget()
-        if self._overlap is not None and not set_to_none:
+        overlap = getattr(self, "_overlap", None)  # DiLoCoOptimizer has none
+        if overlap is not None and not set_to_none:
             # Zeroing in place would change gradients a push may still be sending.
-            self._overlap.wait()
+            overlap.wait()
         super().zero_grad(set_to_none)
 
     def step(  # type: ignore[override]

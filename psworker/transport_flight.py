@@ -98,10 +98,11 @@ class FlightTransport:
         into: Mapping[str, np.ndarray] | None,
         incarnation: str,
         options: StepOptions | None,
+        placed: Callable[[str], None] | None = None,
     ) -> StreamedStep:
         """A step streamed as backward produces its tensors (``FlightLink.begin_stream``)."""
         with _failures(self.link, "push_pull", self.where):
-            stream = self.link.begin_stream(step, entries, into, incarnation, options)
+            stream = self.link.begin_stream(step, entries, into, incarnation, options, placed)
         return StreamedStep(self.link, stream, self.where)
 
     def close(self) -> None:

@@ -65,8 +65,9 @@ def servers() -> Iterator[Callable[..., list[RunningServer]]]:
 
 
 class Net(torch.nn.Module):
-    """Conv, BatchNorm (buffers ride at the end of each shard's push), linear layers, and
-    ``extra``, a branch only odd steps use (its gradients are None on even steps)."""
+    """Conv, BatchNorm (buffers ride at the end of each shard's push), linear layers,
+    ``extra``, a branch only odd steps use (its gradients are None on even steps), and
+    ``side``, whose weight forward reads outside its module."""
 
     def __init__(self, seed: int) -> None:
         super().__init__()
@@ -76,6 +77,9 @@ class Net(torch.nn.Module):
         self.fc1 = torch.nn.Linear(4 * 8 * 8, 32)
         self.fc2 = torch.nn.Linear(32, 10)
         self.extra = torch.nn.Linear(32, 1, bias=False)  # on one shard: its output broadcast
+        # Never called: its weight is read by forward below, outside its own module (a tied
+        # weight used functionally): it must have landed all the same.
+        self.side = torch.nn.Linear(32, 10, bias=False)
         self.use_extra = False
         self.poisoned = False  # a NaN input: every gradient NaN
 
@@ -83,7 +87,7 @@ class Net(torch.nn.Module):
         if self.poisoned:
             x = x * float("nan")
         h = torch.relu(self.fc1(torch.relu(self.bn(self.conv(x))).flatten(1)))
-        out = self.fc2(h)
+        out = self.fc2(h) + torch.nn.functional.linear(h, self.side.weight)
         return out + self.extra(h) if self.use_extra else out
 
 
@@ -100,6 +104,7 @@ def train(
     between: Between | None = None,
     extra_on_odd: bool = False,
     before: Between | None = None,
+    set_to_none: bool = True,
     **connect: Any,
 ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, DistributedOptimizer]]:
     """Each worker's final state_dict (and optimizer) after STEPS steps on its own slice."""
@@ -122,7 +127,7 @@ def train(
                 for t in range(STEPS):
                     a = (t * workers + i) * BATCH
                     model.use_extra = extra_on_odd and t % 2 == 1
-                    opt.zero_grad()
+                    opt.zero_grad(set_to_none)
                     if before is not None:
                         before(t, i, model, opt, servers)
                     loss = torch.nn.functional.cross_entropy(
@@ -168,6 +173,15 @@ def test_streamed_pushes_give_the_serial_steps_results_bit_for_bit(servers, mode
         # Every step after the first (serial, to arm) streamed to both shards.
         assert overlap.streamed == 2 * (STEPS - 1)
         assert_identical(serial[i], streamed[i])
+
+
+def test_zeroing_gradients_in_place_waits_for_the_pushes_still_sending_them(servers):
+    # zero_grad(set_to_none=False) zeroes the very memory a stream may still be writing.
+    serial, _ = train(servers(2), "sync", 1, overlap=False, set_to_none=False)
+    streamed, opts = train(servers(2), "sync", 1, overlap=True, set_to_none=False)
+    overlap = opts[0]._overlap
+    assert overlap is not None and overlap.streamed == 2 * (STEPS - 1)
+    assert_identical(serial[0], streamed[0])
 
 
 @pytest.mark.parametrize("compression", ["fp16", "bf16"])
