@@ -637,8 +637,16 @@ def measure(
         f"1-minute load average when each run started: {load}",
         "every process shares this machine's CPUs (torch threads = 1 each): compute is slow, "
         "so communication is a smaller share of a step than on GPUs",
-        "allreduce has no overlap yet (buckets reduced after backward); torch RPC PS applies "
-        "each trainer's gradient at once (the tutorial's async PS)",
+        *(
+            ["allreduce has no overlap yet (buckets reduced after backward)"]
+            if "allreduce" in systems
+            else []
+        ),
+        *(
+            ["torch RPC PS applies each trainer's gradient at once (the tutorial's async PS)"]
+            if "rpcps" in systems
+            else []
+        ),
         *links,
         *failures,
     ]
