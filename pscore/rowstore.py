@@ -17,13 +17,20 @@ from typing import Any
 import numpy as np
 
 from pscore.checks import all_finite
-from pscore.optim import Optimizer
+from pscore.optim import Optimizer, run_pieces, scratch
 from pscore.rowindex import RowIndex
-from pscore.tables import TableSlice, init_rows, scatter_rows, sum_duplicates
+from pscore.tables import TableSlice, gather_rows, init_rows, row_items, sum_duplicates
 from pswire.errors import InvalidRequestError
 
 # Arrays at least this large are reserved as anonymous memory in 4 KiB pages (see _reserve).
 _RESERVE_MIN_BYTES = 1 << 22
+# A row step's piece: 128 KiB of rows (512 of 64 float32). Gathered, stepped and stored while
+# in a core's cache: 4,096 x 64 took 589-703 us a step in 512-row pieces, 741-961 in 1,024,
+# 739-825 in 256 (an interleaved A/B, bench/NOTES.md 25).
+_PIECE_BYTES = 1 << 17
+# The thread's scratch blocks a row step's working rows use (pscore.optim.scratch): those
+# below are the optimizers' own intermediates.
+_WORK = 8
 
 
 @dataclass(frozen=True)
@@ -79,7 +86,7 @@ class RowStore:
     def gather(self, ids: np.ndarray) -> np.ndarray:
         """Copies of rows ``ids`` (checked), creating rows on first touch."""
         rows = self._locate(ids)  # first: it may grow (replace) the arrays
-        return np.take(self.values, rows, axis=0, mode="clip")  # in range: checked
+        return gather_rows(self.values, rows)
 
     def apply(self, ids: np.ndarray, grad: np.ndarray, optimizer: Optimizer | None = None) -> bool:
         """One optimizer step on the touched rows (duplicates summed); others are untouched.
@@ -88,48 +95,73 @@ class RowStore:
 
         ``optimizer``: this update's hyper-parameters (a scheduler's lr, ...), with the slots
         of the one the store was made with; None: that one."""
-        store = self.step(ids, grad, optimizer)
-        if store is None:
-            return False
-        store()
-        return True
+        return self.step(ids, grad, optimizer) is not None
 
     def step(
         self, ids: np.ndarray, grad: np.ndarray, optimizer: Optimizer | None = None
     ) -> Callable[[], None] | None:
-        """``apply`` in two halves: computes the step, changing no row or slot, and returns
-        the call that stores it (to be made before this store's next step), or None when the
-        result would not be finite. So an update of several variables stores nothing until
-        every part of it is known to be finite."""
+        """``apply``, undoably: returns the call that puts every row and slot back as they
+        were (to be made before this store's next step, if at all), or None when the result
+        would not be finite (then nothing changed). So an update of several variables
+        changes nothing when any part of it is refused.
+
+        The step runs in cache-sized pieces of rows: each piece is gathered (its old rows
+        kept), stepped, measured and stored while it is in cache, where gathering every row,
+        stepping them all and storing them after took each row through memory three times
+        more (bench/NOTES.md 25). A piece whose result is not finite puts back every piece
+        stored before it."""
         ids, grad = sum_duplicates(ids, grad)
         rows = self._locate(ids)
         if not len(rows):
             return _nothing
-        part = self._gathered("values", self.values, rows)
-        sub = {
-            k: self._gathered(k, v, rows) if isinstance(v, np.ndarray) else v
-            for k, v in self.slots.items()
-        }
-        # In cache-sized pieces, the results measured as they are made (optim.py): a finite
-        # measure proves every result finite; else each is checked exactly.
-        with np.errstate(over="ignore", invalid="ignore"):  # non-finite results: refused
-            squares = (optimizer or self.optimizer).apply_blocked(
-                part, np.asarray(grad, self.values.dtype), sub, measure=True
-            )
-        arrays = [part, *(v for v in sub.values() if isinstance(v, np.ndarray))]
-        proven = squares is not None and bool(np.isfinite(squares))
-        if not proven and not all(all_finite(a) for a in arrays):
+        optimizer = optimizer or self.optimizer
+        grad = np.asarray(grad, self.values.dtype)
+        arrays = {"values": self.values}
+        arrays.update((k, v) for k, v in self.slots.items() if isinstance(v, np.ndarray))
+        scalars = {k: v for k, v in self.slots.items() if not isinstance(v, np.ndarray)}
+        kept = {k: self._kept(k, a, len(rows)) for k, a in arrays.items()}
+        size = max(1, _PIECE_BYTES // (self.spec.dim * self.values.itemsize))  # rows a piece
+        starts = range(0, len(rows), size)
+        # Each array as one item per row: a row moves as one block of bytes.
+        whole = {k: row_items(a) for k, a in arrays.items()}
+        old = {k: row_items(a) for k, a in kept.items()}
+
+        def run(first: int, last: int) -> tuple[dict[str, Any], slice, bool]:
+            """Pieces ``first`` to ``last`` in turn: (the scalar slots after, the rows
+            stored, whether every piece was finite: the first that is not ends the run)."""
+            after, begin = scalars, starts[first]
+            with np.errstate(over="ignore", invalid="ignore"):  # non-finite results: refused
+                for start in starts[first:last]:
+                    part = slice(start, start + size)
+                    at = rows[part]
+                    work = {}
+                    for index, key in enumerate(arrays):
+                        np.take(whole[key], at, out=old[key][part], mode="clip")
+                        work[key] = rows_now = scratch(kept[key][part], _WORK + index)
+                        np.copyto(rows_now, kept[key][part])
+                    sub = {**scalars, **work}
+                    optimizer.apply(sub.pop("values"), grad[part], sub)
+                    if not all(map(_finite, work.values())):
+                        return after, slice(begin, start), False
+                    for key, rows_now in work.items():
+                        whole[key][at] = row_items(rows_now)
+                    after = {k: sub[k] for k in scalars}
+            return after, slice(begin, min(starts[last - 1] + size, len(rows))), True
+
+        done = run_pieces(len(starts), run)
+        stored = [span for _, span, _ in done]
+
+        def undo() -> None:
+            for span in stored:
+                for key, items in whole.items():
+                    items[rows[span]] = old[key][span]
+            self.slots.update(scalars)
+
+        if not all(finite for _, _, finite in done):
+            undo()
             return None
-
-        def store() -> None:
-            scatter_rows(self.values, rows, part)
-            for key, value in sub.items():
-                if isinstance(self.slots[key], np.ndarray):
-                    scatter_rows(self.slots[key], rows, value)
-                else:
-                    self.slots[key] = value
-
-        return store
+        self.slots.update(done[-1][0])
+        return undo
 
     def export(self) -> TableState:
         if self._index is None:
@@ -214,16 +246,14 @@ class RowStore:
             k: _resized(v, size) if isinstance(v, np.ndarray) else v for k, v in self.slots.items()
         }
 
-    def _gathered(self, key: str, array: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """Rows ``rows`` of ``array`` copied into this store's scratch array for ``key``
-        (reused: a step allocates no row-sized arrays of its own)."""
+    def _kept(self, key: str, array: np.ndarray, count: int) -> np.ndarray:
+        """This store's scratch array for ``key``'s old rows in a step, ``count`` rows like
+        ``array``'s (reused: a step allocates no row-sized arrays of its own)."""
         buffer = self._scratch.get(key)
-        if buffer is None or len(buffer) < len(rows) or buffer.dtype != array.dtype:
-            buffer = np.empty((max(len(rows), 16), *array.shape[1:]), dtype=array.dtype)
+        if buffer is None or len(buffer) < count or buffer.dtype != array.dtype:
+            buffer = np.empty((max(count, 16), *array.shape[1:]), dtype=array.dtype)
             self._scratch[key] = buffer
-        out = buffer[: len(rows)]
-        np.take(array, rows, axis=0, out=out, mode="clip")  # in range: checked
-        return out
+        return buffer[:count]
 
 
 def _reserve(shape: tuple[int, int], dtype: str) -> np.ndarray:
@@ -250,5 +280,13 @@ def _take(value: Any, index: Any) -> Any:
     return value[index].copy() if isinstance(value, np.ndarray) else value
 
 
+def _finite(array: np.ndarray) -> bool:
+    """Whether a piece's result is finite (numpy's errors ignored by the caller): its sum of
+    squares proves it when finite (one pass in cache), else the exact check decides (finite
+    values can overflow the sum)."""
+    flat = array.reshape(-1)
+    return bool(np.isfinite(np.dot(flat, flat))) or all_finite(array)
+
+
 def _nothing() -> None:
-    """The store of a step that touched no row."""
+    """The undo of a step that touched no row."""
