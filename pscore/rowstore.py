@@ -9,6 +9,7 @@ result and only then scatters it back.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,9 +49,11 @@ class RowStore:
     """The rows of one table slice and their optimizer state; not thread-safe (the shard
     holds its lock around every call).
 
-    Fixed slices are one array reserved at creation and filled row by row as rows are first
-    touched: a large table costs memory only as it is used (in 4 KiB pages; an export fills
-    the rest). Dynamic slices map ids to rows (``RowIndex``) of arrays that grow by doubling;
+    Fixed slices are one array reserved at creation and filled in the order rows are first
+    touched (``_slot``: each id's row there, plus one; 0 for an id not touched yet): a large
+    table costs memory only as it is used, and a batch of new rows fills whole pages in turn
+    instead of faulting in one page per row (an export fills the rest). Dynamic slices map ids
+    to rows (``RowIndex``) of arrays that grow by doubling;
     with a capacity, the least recently touched rows (pulled or pushed) are evicted and
     counted, and come back re-initialised if touched again.
     """
@@ -64,7 +67,8 @@ class RowStore:
         rows = self._index.size if self._index is not None else spec.local_rows
         # Fixed: reserved, not touched (the OS backs pages as rows are made); dynamic: small.
         self.values = _reserve((rows, spec.dim), spec.dtype)
-        self._made = np.zeros(0 if spec.dynamic else rows, dtype=bool)  # fixed rows drawn
+        self._slot = _reserve((0 if spec.dynamic else rows,), _slot_dtype(rows))
+        self._made = 0  # fixed rows drawn so far: they are values[:_made]
         kinds = self.optimizer.make_state(self.values[:0])
         self.slots = {
             k: _reserve(self.values.shape, spec.dtype)
@@ -164,11 +168,10 @@ class RowStore:
         return undo
 
     def export(self) -> TableState:
-        if self._index is None:
-            if not self._made.all():
-                self._locate(np.arange(self.spec.row_start, self.spec.row_end, dtype=np.int64))
-            slots = {k: _take(v, slice(None)) for k, v in self.slots.items()}
-            return TableState(None, self.values.copy(), slots, self.evictions)
+        if self._index is None:  # every row, in id order
+            rows = self._locate(np.arange(self.spec.row_start, self.spec.row_end, dtype=np.int64))
+            slots = {k: _take(v, rows) for k, v in self.slots.items()}
+            return TableState(None, gather_rows(self.values, rows), slots, self.evictions)
         rows = self._index.order()
         slots = {k: _take(v, rows) for k, v in self.slots.items()}
         return TableState(self._index.ids[rows], self.values[rows], slots, self.evictions)
@@ -191,7 +194,9 @@ class RowStore:
                 f"({expected}, {spec.dim})"
             )
         store.values = np.array(state.values, dtype=spec.dtype, copy=True)
-        store._made = np.ones(0 if spec.dynamic else len(store.values), dtype=bool)
+        fixed = 0 if spec.dynamic else len(store.values)  # held in id order
+        store._slot = np.arange(1, fixed + 1, dtype=_slot_dtype(fixed))
+        store._made = fixed
         store.slots = {k: _take(v, slice(None)) for k, v in state.slots.items()}
         store._index = None
         if spec.dynamic:
@@ -202,33 +207,38 @@ class RowStore:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _fresh(self, ids: np.ndarray) -> np.ndarray:
-        s = self.spec
-        return init_rows(ids, s.dim, s.dtype, s.init, s.init_scale, s.seed)
-
-    def _start(self, rows: np.ndarray, ids: np.ndarray) -> None:
+    def _start(self, rows: np.ndarray | slice, ids: np.ndarray) -> None:
         """Draws rows ``rows`` for ids ``ids`` and starts their optimizer state."""
-        self.values[rows] = fresh = self._fresh(ids)
+        s = self.spec
+        if isinstance(rows, slice):  # contiguous: drawn in place
+            init_rows(ids, s.dim, s.dtype, s.init, s.init_scale, s.seed, out=self.values[rows])
+        else:
+            self.values[rows] = init_rows(ids, s.dim, s.dtype, s.init, s.init_scale, s.seed)
         # Arrays where the dense optimizer makes them lazily (SGD's momentum buffer): a row's
         # buffer starts at zero, so its first step equals torch's buf = grad (dampening 0).
-        for k, v in self.optimizer.make_state(fresh).items():
+        for k, v in self.optimizer.make_state(self.values[:1]).items():
             if isinstance(self.slots.get(k), np.ndarray):
                 self.slots[k][rows] = 0 if v is None else v
 
     def _locate(self, ids: np.ndarray) -> np.ndarray:
         if self._index is None:
-            rows = ids - self.spec.row_start if self.spec.row_start else ids
-            if len(rows) and (rows.min() < 0 or rows.max() >= self.spec.local_rows):
+            local = ids - self.spec.row_start if self.spec.row_start else ids
+            if len(local) and (local.min() < 0 or local.max() >= self.spec.local_rows):
                 raise InvalidRequestError(
                     f"table '{self.spec.key}': ids outside [{self.spec.row_start}, "
                     f"{self.spec.row_end}) reached its rows"
                 )
-            made = self._made[rows]
-            if not made.all():  # first touch: draw the rows, start their optimizer state
-                first = np.unique(rows[~made])
-                self._start(first, first + self.spec.row_start)
-                self._made[first] = True
-            return rows
+            slots = self._slot[local]
+            if not slots.all():  # first touch: draw the rows, start their optimizer state
+                first = local[slots == 0]
+                if len(first) > 1 and not (first[1:] > first[:-1]).all():
+                    first = np.unique(first)  # not sorted, or an id twice
+                made = self._made + len(first)
+                self._slot[first] = np.arange(self._made + 1, made + 1, dtype=self._slot.dtype)
+                self._start(slice(self._made, made), first + self.spec.row_start)
+                self._made = made
+                slots = self._slot[local]
+            return slots.astype(np.intp) - 1
         rows, first = self._index.locate(ids)
         self._grow(self._index.size)
         if len(first):
@@ -256,12 +266,16 @@ class RowStore:
         return buffer[:count]
 
 
-def _reserve(shape: tuple[int, int], dtype: str) -> np.ndarray:
+def _slot_dtype(rows: int) -> type:
+    return np.int32 if rows < 2**31 - 1 else np.int64
+
+
+def _reserve(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """Zeros that cost memory only where rows are written. Large ones are anonymous memory the
     kernel maps on first touch, in 4 KiB pages: numpy asks for 2 MiB pages for large arrays,
     and then the first touch of a row zeroes (and commits) 2 MiB, so a batch of random rows
     commits most of a table (bench/NOTES.md 20)."""
-    nbytes = shape[0] * shape[1] * np.dtype(dtype).itemsize
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     if nbytes < _RESERVE_MIN_BYTES:
         return np.zeros(shape, dtype=dtype)
     region = mmap.mmap(-1, nbytes)

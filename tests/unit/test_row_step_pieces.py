@@ -50,14 +50,16 @@ def test_a_step_in_pieces_is_one_apply_of_the_gathered_rows_bit_for_bit(
     rng = np.random.default_rng(1)
     ids = np.sort(rng.choice(ROWS, 3000, replace=False))
     expected = store.gather(ids)
-    state = {k: v[ids].copy() if isinstance(v, np.ndarray) else v for k, v in store.slots.items()}
+    slots = store.export().slots  # in id order
+    state = {k: v[ids].copy() if isinstance(v, np.ndarray) else v for k, v in slots.items()}
     for _ in range(3):
         grad = rng.standard_normal((len(ids), DIM)).astype(np.float32)
         opt.apply(expected, grad, state)
         assert store.apply(ids, grad)
     assert store.gather(ids).tobytes() == expected.tobytes()
+    slots = store.export().slots
     for key, value in state.items():
-        got = store.slots[key]
+        got = slots[key]
         assert (
             (got[ids].tobytes() == value.tobytes())
             if isinstance(value, np.ndarray)
