@@ -169,7 +169,7 @@ def test_a_nan_gradient_is_refused_on_every_rank_before_anything_changes():
         grads = grads_of(rank, 0)
         if rank == 1:
             grads["b.w"][1, 2] = np.nan  # a lone tensor in its bucket: measured by the ring
-        with pytest.raises(InvalidRequestError, match="'b.w': gradient has 1 non-finite"):
+        with pytest.raises(InvalidRequestError, match=r"'b\.w': gradient has 1 non-finite"):
             client.push(grads)
         after = client.pull()
         assert all(np.array_equal(before[n], after[n]) for n in before)
