@@ -17,6 +17,7 @@ the parts in the order each rank runs them.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ import numpy as np
 
 from pswire.codec import bfloat16_to_float32, float32_to_bfloat16
 from pswire.errors import (
+    ClientClosedError,
     ConfigError,
     InvalidRequestError,
     ShapeMismatchError,
@@ -109,6 +111,7 @@ class StepReduction:
         self._pool: ThreadPoolExecutor | None = None
         self._started: _Started | None = None
         self._measured: dict[str, list[float]] = {}  # this step's sums of squares, by name
+        self._closed = False
         # Each part summed alone, in order (overlap, set alike on every rank): a rank may then
         # start any number of buckets from backward, the ranks still exchange the same parts.
         self.in_turns = False
@@ -137,10 +140,13 @@ class StepReduction:
         background, after the buckets started before it.
 
         Raises:
+            ClientClosedError: after ``close``.
             ConfigError: not ``in_turns``, or not the next bucket (buckets start in order:
                 every rank must run the same collectives in the same order).
             ShapeMismatchError, InvalidRequestError: a tensor of another shape or dtype.
         """
+        if self._closed:
+            raise ClientClosedError("the all-reduce client was closed")
         if not self.in_turns:
             raise ConfigError(
                 "buckets start from backward only when every rank reduces them in turns "
@@ -181,7 +187,8 @@ class StepReduction:
             if opening.exception() is None:
                 opening.result().abort(error)  # the bucket in flight then fails with it
             return
-        self._pool.submit(lambda: opening.result().abort(error))
+        with contextlib.suppress(RuntimeError):  # the pool was shut down: the client closed
+            self._pool.submit(lambda: opening.result().abort(error))
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -277,6 +284,7 @@ class StepReduction:
     def close(self) -> None:
         """Stops the background thread (a collective in flight ends on the ring's timeout or
         its close)."""
+        self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 

@@ -14,6 +14,7 @@ import pytest
 import psworker
 from pscore import job as job_module
 from pswire.errors import (
+    ClientClosedError,
     ConfigError,
     HyperParameterMismatchError,
     InvalidRequestError,
@@ -193,3 +194,17 @@ def test_the_step_trusts_the_rings_measure_of_a_lone_mean(monkeypatch):
     # b.w is alone in its bucket: the ring measured it; c.w shares one: the checks measure it.
     assert set(seen) >= {("b.w", True), ("c.w", False)}
     assert ("b.w", False) not in seen
+
+
+def test_a_closed_client_refuses_buckets():
+    def body(rank: int, client: AllReduceClient) -> None:
+        start(client)
+        client.reduce_in_turns()
+        client.close()
+        with pytest.raises(ClientClosedError):
+            client.start_bucket(0, grads_of(rank, 0))
+        with pytest.raises(ClientClosedError):
+            client.push(grads_of(rank, 0))
+
+    _, errors = on_ranks(1, body)
+    assert not errors, errors
