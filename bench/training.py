@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -39,6 +40,7 @@ SYSTEMS: tuple[tuple[str, str, bool], ...] = (
     ("ours async", "async", False),
     ("ours async", "async", True),
     ("ours allreduce", "allreduce", False),
+    ("ours allreduce", "allreduce", True),
 )
 NETS = {"loopback": None, "10gbit": "10gbit", "1gbit": "1gbit"}
 DELAY = "0.2ms"
@@ -520,10 +522,16 @@ def measure(
     rounds: int = 3,
     workers: int = 2,
     shards: int = 2,
+    modes: Sequence[str] | None = None,
+    repeats: int = 1,
 ) -> Table:
-    """samples/s per (model, network, system, overlap): medians of ``rounds`` interleaved
-    rounds; the issue's "Must show" ratios."""
+    """samples/s per (model, network, system, overlap): medians of ``rounds`` windows per
+    process start, over ``repeats`` passes through the systems (one after another in each
+    pass, so a system's starts interleave with the others'); the issue's "Must show" ratios.
+    ``modes``: only the systems of these modes (``ddp``, ``rpcps``, ``sync``, ``async``,
+    ``allreduce``)."""
     sizes = QUICK if quick else FULL
+    systems = [s for s in SYSTEMS if modes is None or s[1] in modes]
     if not netns_available():
         nets = [n for n in nets if n == "loopback"]
     started = time.perf_counter()
@@ -538,7 +546,7 @@ def measure(
             for model in models:
                 if net != "loopback" and model != "lm" and not quick:
                     continue  # the issue's emulated-link figures are the LM's; time is short
-                for label, mode, overlap in SYSTEMS:
+                for _, (label, mode, overlap) in itertools.product(range(repeats), systems):
                     key = (model, net, label, overlap)
                     try:
                         rates = run_once(
@@ -548,7 +556,7 @@ def measure(
                         failures.append(f"{key}: {str(exc)[-400:]}")
                         print(f"  FAILED {key}: {str(exc)[-2000:]}", flush=True)
                         continue
-                    samples[key] = rates
+                    samples.setdefault(key, []).extend(rates)
                     shown = " ".join(f"{r:.2f}" for r in rates)
                     print(
                         f"  {model} {net} {label} overlap={overlap}: {shown} samples/s", flush=True
@@ -565,7 +573,7 @@ def measure(
         ]
         for model in models
         for net in nets
-        for label, _, overlap in SYSTEMS
+        for label, _, overlap in systems
         if (model, net, label, overlap) in med
     ]
 
@@ -594,6 +602,7 @@ def measure(
             s_on, s_off = (model, net, "ours sync", True), (model, net, "ours sync", False)
             a_on, a_off = (model, net, "ours async", True), (model, net, "ours async", False)
             ar, ddp = (model, net, "ours allreduce", False), (model, net, "DDP gloo", False)
+            ar_on = (model, net, "ours allreduce", True)
             goal_vs_off = ">= 1.3" if (net == "1gbit" and model == "lm") else ">= 1.0"
             ratios.append(ratio("sync overlap / sync no overlap", s_on, s_off, goal_vs_off))
             ratios.append(
@@ -606,7 +615,16 @@ def measure(
             )
             ddp_goal = {"1gbit": ">= 1.0", "10gbit": ">= 0.95"}.get(net, "")
             ratios.append(ratio("async overlap / DDP gloo", a_on, ddp, ddp_goal))
-            ratios.append(ratio("allreduce (no overlap yet) / DDP gloo", ar, ddp, ddp_goal))
+            ratios.append(ratio("allreduce no overlap / DDP gloo", ar, ddp, ""))
+            ratios.append(ratio("allreduce overlap / DDP gloo", ar_on, ddp, ddp_goal))
+            ratios.append(
+                ratio(
+                    "allreduce overlap / allreduce no overlap",
+                    ar_on,
+                    ar,
+                    ">= 1.0" if net == "loopback" else "",
+                )
+            )
             ratios.append(
                 ratio("sync overlap / DDP gloo", s_on, ddp, ">= 0.95" if net == "10gbit" else "")
             )
@@ -617,12 +635,14 @@ def measure(
     notes = [
         f"{workers} workers, {shards} shards (one host each on emulated links), models: "
         + ", ".join(f"{m} {params[m] / 1e6:.1f}M parameters" for m in models)
-        + f"; {sizes.warmup} warm-up + {sizes.steps} timed steps, median of {rounds} rounds"
-        " (windows in one process start per system; systems one after another)",
+        + f"; {sizes.warmup} warm-up + {sizes.steps} timed steps, median of {rounds} windows"
+        f" per process start x {repeats} start(s) per system (systems one after another in "
+        "each pass)",
         "every process shares this machine's CPUs (torch threads = 1 each): compute is slow, "
         "so communication is a smaller share of a step than on GPUs",
-        "allreduce has no overlap yet (buckets reduced after backward); torch RPC PS applies "
-        "each trainer's gradient at once (the tutorial's async PS)",
+        "allreduce with overlap starts each gradient bucket's ring all-reduce from backward's "
+        "hooks (DDP's way); torch RPC PS applies each trainer's gradient at once (the "
+        "tutorial's async PS)",
         *links,
         *failures,
     ]
@@ -648,7 +668,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--nets", nargs="+", default=list(NETS), choices=list(NETS))
     parser.add_argument("--models", nargs="+", default=["lm", "cnn"], choices=["lm", "cnn"])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="timed windows per start")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=None,
+        choices=sorted({m for _, m, _ in SYSTEMS}),
+        help="only these systems (e.g. --modes allreduce: overlap off and on)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="passes through the systems (interleaved starts)"
+    )
     parser.add_argument("--out-json", default=None, help="write the table here")
     # a worker's
     parser.add_argument("--model", default="lm")
@@ -665,7 +695,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "worker":
         run_worker(args)
         return 0
-    table = measure(args.quick, args.nets, args.models, args.rounds)
+    table = measure(
+        args.quick, args.nets, args.models, args.rounds, modes=args.modes, repeats=args.repeats
+    )
     print_table(table)
     for r in table.ratios:
         shown = "n/a" if r.ratio is None else f"{r.ratio:.2f}"

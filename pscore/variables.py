@@ -74,6 +74,7 @@ class Variables:
         optimizers: tuple[Optimizer, ...] | None = None,
         skip: bool = False,
         summed: bool = True,
+        known_squares: Mapping[str, float] | None = None,
     ) -> None:
         """One optimizer step with ``update`` (gradients by key; rows for tables).
 
@@ -82,7 +83,9 @@ class Variables:
         buffers still take their values. A buffer (e.g. BatchNorm running stats) takes the
         pushed values (averaged over the round in sync mode) with no optimizer. ``summed``:
         the update sums several pushes (sync), so a table's rows may have overflowed; False:
-        it is one push, whose rows were checked as it arrived.
+        it is one push, whose rows were checked as it arrived. ``known_squares``: the sums
+        of squares of some of ``update``'s gradients, already measured (``Job.checked_grads``
+        of these very arrays), which are then not measured again.
 
         Nothing non-finite is ever stored, and a refused update changes nothing: one whose
         gradient is not finite (a sum that overflowed) is refused before anything changes;
@@ -111,7 +114,8 @@ class Variables:
         for key, values in checked:
             if small and batched(values):
                 continue
-            squares = grad_squares[key] = sum_squares(values)
+            known = known_squares.get(key) if known_squares is not None else None
+            squares = grad_squares[key] = known if known is not None else sum_squares(values)
             if not np.isfinite(squares) and not all_finite(values):
                 raise StepRefusedError(
                     f"the gradient to apply to '{key}' is not finite (a sum or average of "
