@@ -31,7 +31,8 @@ docs-build:
 docs: docs-build
 	$(PY) -m pytest -q tests/e2e/test_docs_snippets.py
 # Build deploy/'s images with podman/buildah and run the Compose cluster in them (root; see
-# scripts/images.sh). tests/e2e/test_images.py runs it as part of `make test` where it can.
+# scripts/images.sh). tests/e2e/test_images.py (marked slow: 3-6 minutes cold) runs it with
+# `pytest -m slow tests/e2e/test_images.py`.
 images:
 	PY=$(PY) bash scripts/images.sh
 

@@ -4,7 +4,8 @@ and a ResNet-style CNN, 2 workers, for DDP with gloo, the torch RPC parameter se
 network namespace per host, each worker and each shard, joined by veth pairs to a bridge, each
 host's link shaped with tc netem: 10 Gbit/s and 1 Gbit/s, 0.2 ms delay).
 
-``python -m bench.training [--quick] [--nets loopback 1gbit ...] [--rounds 3] [--systems ...]``;
+``python -m bench.training [--quick] [--nets loopback 1gbit ...] [--rounds 3] [--systems ...]
+[--modes ...]``;
 ``python -m bench --only training``. Systems are interleaved round by round: each round starts
 every system once (one process start each, the order reversed every other round), so load
 from elsewhere hits them alike; a system's figure is the median of its rounds. Every process
@@ -43,6 +44,7 @@ SYSTEMS: dict[str, tuple[str, str, bool]] = {
     "async": ("ours async", "async", False),
     "async+overlap": ("ours async", "async", True),
     "allreduce": ("ours allreduce", "allreduce", False),
+    "allreduce+overlap": ("ours allreduce", "allreduce", True),
 }
 NETS = {"loopback": None, "10gbit": "10gbit", "1gbit": "1gbit"}
 DELAY = "0.2ms"
@@ -528,12 +530,16 @@ def measure(
     workers: int = 2,
     shards: int = 2,
     systems: Sequence[str] = tuple(SYSTEMS),
+    modes: Sequence[str] | None = None,
 ) -> Table:
     """samples/s per (model, network, system, overlap): medians of ``rounds`` rounds, each
-    round one process start per system, systems interleaved; the issue's "Must show" ratios."""
+    round one process start per system, systems interleaved; the issue's "Must show" ratios.
+    ``systems``: by name (``SYSTEMS``); ``modes``: of those, only the systems of these modes
+    (``ddp``, ``rpcps``, ``sync``, ``async``, ``allreduce``)."""
     sizes = QUICK if quick else FULL
     if not netns_available():
         nets = [n for n in nets if n == "loopback"]
+    systems = [n for n in systems if modes is None or SYSTEMS[n][1] in modes]
     chosen = [SYSTEMS[name] for name in systems]
     started = time.perf_counter()
     samples: dict[tuple[str, str, str, bool], list[float]] = {}
@@ -606,6 +612,7 @@ def measure(
             s_on, s_off = (model, net, "ours sync", True), (model, net, "ours sync", False)
             a_on, a_off = (model, net, "ours async", True), (model, net, "ours async", False)
             ar, ddp = (model, net, "ours allreduce", False), (model, net, "DDP gloo", False)
+            ar_on = (model, net, "ours allreduce", True)
             goal_vs_off = ">= 1.3" if (net == "1gbit" and model == "lm") else ">= 1.0"
             ratios.append(ratio("sync overlap / sync no overlap", s_on, s_off, goal_vs_off))
             ratios.append(
@@ -618,7 +625,16 @@ def measure(
             )
             ddp_goal = {"1gbit": ">= 1.0", "10gbit": ">= 0.95"}.get(net, "")
             ratios.append(ratio("async overlap / DDP gloo", a_on, ddp, ddp_goal))
-            ratios.append(ratio("allreduce (no overlap yet) / DDP gloo", ar, ddp, ddp_goal))
+            ratios.append(ratio("allreduce no overlap / DDP gloo", ar, ddp, ""))
+            ratios.append(ratio("allreduce overlap / DDP gloo", ar_on, ddp, ddp_goal))
+            ratios.append(
+                ratio(
+                    "allreduce overlap / allreduce no overlap",
+                    ar_on,
+                    ar,
+                    ">= 1.0" if net == "loopback" else "",
+                )
+            )
             ratios.append(
                 ratio("sync overlap / DDP gloo", s_on, ddp, ">= 0.95" if net == "10gbit" else "")
             )
@@ -638,8 +654,11 @@ def measure(
         "every process shares this machine's CPUs (torch threads = 1 each): compute is slow, "
         "so communication is a smaller share of a step than on GPUs",
         *(
-            ["allreduce has no overlap yet (buckets reduced after backward)"]
-            if "allreduce" in systems
+            [
+                "allreduce with overlap starts each gradient bucket's ring all-reduce from "
+                "backward's hooks (DDP's way)"
+            ]
+            if "allreduce+overlap" in systems
             else []
         ),
         *(
@@ -675,6 +694,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["lm", "cnn"], choices=["lm", "cnn"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=None,
+        choices=sorted({m for _, m, _ in SYSTEMS.values()}),
+        help="of --systems, only these modes' (e.g. --modes allreduce: overlap off and on)",
+    )
     parser.add_argument("--out-json", default=None, help="write the table here")
     # a worker's
     parser.add_argument("--model", default="lm")
@@ -691,7 +717,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "worker":
         run_worker(args)
         return 0
-    table = measure(args.quick, args.nets, args.models, args.rounds, systems=args.systems)
+    table = measure(
+        args.quick, args.nets, args.models, args.rounds, systems=args.systems, modes=args.modes
+    )
     print_table(table)
     for r in table.ratios:
         shown = "n/a" if r.ratio is None else f"{r.ratio:.2f}"

@@ -192,6 +192,7 @@ class Nodes:
             time.sleep(_POLL_S)
         with contextlib.suppress(Exception):  # a rank that left after finishing
             self._store.delete_key(f"done/{self.rank}")
+            self._store.delete_key(f"exited/{self.rank}")
 
     def join(self, shards: list[str], workers: int) -> Layout:
         """Publishes this node's shards and worker count, waits for the others (all of them,
@@ -359,11 +360,34 @@ class Nodes:
         if self.rank == 0:
             with contextlib.suppress(Exception):
                 self._store.set("released", "1")
+            self._await_exits(tick)
             return
         if serving:
             say("waiting for node 0 to release this node's shards")
             while not self._released():
                 tick()
+
+    def _await_exits(self, tick: Callable[[], None]) -> None:
+        """Node 0's exit barrier (torch elastic has one too): its store goes when this process
+        ends, so it stays up until every other node that joined and is not gone has said it is
+        through with it (``close``), or for the node timeout at most (a node killed meanwhile
+        never says). A node still waiting for node 0's ``done`` or ``released`` would otherwise
+        read the vanished store as node 0 having died, and fail a finished job."""
+        deadline = time.monotonic() + self.config.node_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                pending = [
+                    r
+                    for r in self._joined()
+                    if r != self.rank
+                    and r not in self._gone
+                    and not self._store.check([f"exited/{r}"])
+                ]
+            except Exception:
+                return
+            if not pending:
+                return
+            tick()
 
     def _released(self) -> bool:
         try:
@@ -380,6 +404,10 @@ class Nodes:
         ]
 
     def close(self) -> None:
+        """Tells node 0 this node is through with its store (its exit barrier), stops beating."""
+        if self.rank != 0:
+            with contextlib.suppress(Exception):  # node 0 gone: nobody to tell
+                self._store.set(f"exited/{self.rank}", "1")
         self._stop.set()
         if self._beater is not None:
             self._beater.join(timeout=2.0)

@@ -91,7 +91,7 @@ class FlightShardService(flight.FlightServerBase):
                         raise CallCancelledError(f"{op.decode()}: the worker cancelled the call")
                     if self.stopping.is_set():  # an exchange kept open outlives the stop
                         raise UnavailableError(f"{op.decode()}: the shard is stopping")
-                    self._timed(op, step, first, reader, writer, held)
+                    self._timed(op, step, context, first, reader, writer, held)
         except Exception as exc:
             raise fw.to_flight_error(exc, f"DoExchange {op!r}") from None
 
@@ -115,21 +115,36 @@ class FlightShardService(flight.FlightServerBase):
     def _ops(self) -> dict[bytes, Any]:
         return {fw.PUSH_PULL: self._push_pull, fw.PUSH: self._push, fw.PULL: self._pull}
 
-    def _read_push(self, first: Any, reader: Any, where: str) -> tuple[Any, dict[str, Any]]:
-        """(the request, its gradients), every tensor checked against the manifest, the
-        shard's byte limit and the bytes arriving at once (``--max-inflight-bytes``, held
-        until the step is applied) before its bytes are read."""
+    def _read_push(
+        self, context: Any, first: Any, reader: Any, where: str
+    ) -> tuple[Any, dict[str, Any], float | None]:
+        """(the request, its gradients, what is left of the step's wait), every tensor checked
+        against the manifest, the shard's byte limit and the bytes arriving at once
+        (``--max-inflight-bytes``, held until the step is applied) before its bytes are read,
+        and read only on the push's turn (``Shard.wait_turn``: a sync round reads one push at
+        a time, in worker order)."""
+        arrived = time.monotonic()  # the step's one deadline counts from its header
         request = fw.parse(ps_pb2.PushPullRequest, first.app_metadata, where)
         limit = self.shard.limits.max_request_bytes
         fw.check_manifest(request.chunks, limit, where)
+        h = request.header
+        self.shard.wait_turn(
+            h.worker_id,
+            h.step,
+            timeout=_left(request.timeout_ms, arrived),
+            incarnation=h.incarnation,
+            cancelled=context.is_cancelled,
+        )
         with self.admission.inflight() as reserve:
             assembler = ChunkAssembler(limit, reserve=reserve)
             fw.read_step(reader, first.data, request.chunks, assembler, where)
-            return request, assembled_grads(assembler)
+            grads = assembled_grads(assembler)
+        return request, grads, _left(request.timeout_ms, arrived)
 
-    def _push_pull(self, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
-        arrived = time.monotonic()
-        request, grads = self._read_push(first, reader, "push_pull")
+    def _push_pull(
+        self, context: Any, first: Any, reader: Any, writer: Any, held: _Exchange
+    ) -> None:
+        request, grads, timeout = self._read_push(context, first, reader, "push_pull")
         h = request.header
         if held.worker is None:  # the exchange's first step: it holds one of the worker's
             held.enter_context(self.admission.step_stream(h.worker_id))  # step streams
@@ -141,7 +156,7 @@ class FlightShardService(flight.FlightServerBase):
             h.step,
             grads,
             encode=lambda arrays, _: self._held(arrays, gathered),
-            timeout=_left(request.timeout_ms, arrived),
+            timeout=timeout,
             incarnation=h.incarnation,
             take=True,  # the arrays were decoded for this call alone
             session=h.session,
@@ -150,15 +165,14 @@ class FlightShardService(flight.FlightServerBase):
         )
         self._reply(writer, push_response(result, self.shard.incarnation), held_reply, clock)
 
-    def _push(self, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
-        arrived = time.monotonic()
-        request, grads = self._read_push(first, reader, "push")
+    def _push(self, context: Any, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
+        request, grads, timeout = self._read_push(context, first, reader, "push")
         h = request.header
         result = self.shard.push(
             h.worker_id,
             h.step,
             grads,
-            timeout=_left(request.timeout_ms, arrived),
+            timeout=timeout,
             incarnation=h.incarnation,
             take=True,
             session=h.session,
@@ -168,7 +182,7 @@ class FlightShardService(flight.FlightServerBase):
             writer, push_response(result, self.shard.incarnation), _Held([], []), result.clock
         )
 
-    def _pull(self, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
+    def _pull(self, context: Any, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
         if first.data is not None:
             raise InvalidRequestError("pull: a pull request carries no tensor bytes")
         request = fw.parse(ps_pb2.PullRequest, first.app_metadata, "pull")

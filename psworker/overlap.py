@@ -21,7 +21,6 @@ then cancelled, so no shard applies any of that step.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -33,9 +32,11 @@ import torch
 from pscore.optspec import StepOptions
 from pswire.errors import ConfigError
 from psworker.landing import Landing
+from psworker.overlap_ring import BucketOverlap, BucketSteps
+from psworker.overlap_watch import GradWatch, Overlap
 from psworker.push_stream import StepStreams
 
-__all__ = ["ShardOverlap", "ShardSteps", "overlap_unsupported"]
+__all__ = ["ShardOverlap", "ShardSteps", "build_overlap", "overlap_unsupported"]
 
 # A landing waits at most this much beyond the client's own deadline (which bounds every call).
 _LANDING_SLACK_S = 60.0
@@ -78,10 +79,10 @@ def overlap_unsupported(
     client: Any, targets: Mapping[str, torch.Tensor], receivers: Mapping[str, np.ndarray]
 ) -> str | None:
     """Why ``overlap=True`` cannot run with this client and model (None: it can)."""
-    if not isinstance(client, ShardSteps):
+    if not isinstance(client, ShardSteps | BucketSteps):
         return (
-            f"mode '{getattr(client, 'mode', '?')}' has no per-shard step (overlap runs in the "
-            "parameter-server modes sync, async and ssp)"
+            f"mode '{getattr(client, 'mode', '?')}' has no per-shard or per-bucket step (overlap "
+            "runs in the parameter-server modes sync, async and ssp, and in allreduce)"
         )
     if getattr(client, "min_workers", 0) or getattr(client, "max_workers", 0):
         return "an elastic job's membership changes between steps"
@@ -91,6 +92,22 @@ def overlap_unsupported(
     if missing:
         return f"tensors {missing[:3]} cannot be decoded in place (dtype without a numpy view)"
     return None
+
+
+def build_overlap(
+    model: torch.nn.Module,
+    client: ShardSteps | BucketSteps,
+    params: Mapping[str, torch.nn.Parameter],
+    buffers: Mapping[str, torch.Tensor],
+    receivers: Mapping[str, np.ndarray],
+    to_host: Callable[[dict[str, torch.Tensor]], dict[str, np.ndarray]],
+    changed_values: Callable[[], dict[int, dict[str, float]]],
+) -> Overlap:
+    """The overlap for ``client`` (checked by ``overlap_unsupported``): shard by shard
+    (``ShardOverlap``) or bucket by bucket over the ring (``BucketOverlap``)."""
+    if isinstance(client, BucketSteps):
+        return BucketOverlap(client, params, to_host)
+    return ShardOverlap(model, client, params, buffers, receivers, to_host, changed_values)
 
 
 class ShardOverlap:
@@ -130,11 +147,7 @@ class ShardOverlap:
         # call that sends its step whole.
         self._pool = ThreadPoolExecutor(max_workers=2 * shards, thread_name_prefix="ps-overlap")
         self._deadline = float(client.timeout) + _LANDING_SLACK_S
-        self.armed = False
-        self._off = False  # a serial step showed the script needs it: never armed
-        # This step's: name -> (id, version) of its gradient when backward reached it.
-        self._fired: dict[str, tuple[int, int]] = {}
-        self._twice: set[str] = set()  # reached twice: a second backward accumulated into it
+        self._watch = GradWatch()  # this step's gradients as backward left them; arming
         self._step: int | None = None  # the step being pushed (None: none started)
         self._values: dict[int, dict[str, float]] = {}
         self._waiting: list[set[str]] = []  # per shard: trainable names backward has not reached
@@ -163,18 +176,16 @@ class ShardOverlap:
 
     # -- hooks -------------------------------------------------------------------------------
 
+    @property
+    def armed(self) -> bool:
+        return self._watch.armed
+
     def _reached(self, name: str, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: notes the gradient; sends every shard it completes."""
-        if self._off:
-            return
         grad = param.grad
-        if grad is None:  # pragma: no cover - the hook fires after accumulating into .grad
+        if not self._watch.reached(name, grad) or self._error is not None:
             return
-        if name in self._fired:
-            self._twice.add(name)
-        self._fired[name] = (id(grad), grad._version)
-        if not self.armed or self._error is not None:
-            return
+        assert grad is not None  # reached() is False without one
         try:
             if self._step is None:
                 self._begin()
@@ -196,10 +207,11 @@ class ShardOverlap:
 
     # -- the step ----------------------------------------------------------------------------
 
-    def step(self, grad_scaler: Any = None) -> None:
+    def step(self, grad_scaler: Any = None) -> bool:
         """Ends an overlapped step: checks nothing changed the gradients already sent, sends
         the shards backward did not complete (unused parameters, frozen ones, buffers only),
-        and returns without waiting: the next forward waits per module.
+        and returns (True: the step is done) without waiting: the next forward waits per
+        module.
 
         Raises:
             ValueError: a GradScaler, or gradients or hyper-parameters changed after their
@@ -209,15 +221,12 @@ class ShardOverlap:
         try:
             if self._error is not None:
                 raise self._error
-            if grad_scaler is not None:
-                raise ConfigError(
-                    "a GradScaler reached step() after overlap was armed: its unscale and "
-                    "inf-check need every gradient before any is sent; construct "
-                    "DistributedOptimizer(..., overlap=False) for AMP scripts"
-                )
+            self._watch.refuse_scaler(grad_scaler)
             if self._step is None:
                 self._begin()
-            self._check_sent()
+            sent = {n for _, names in self._sent.values() for n in names} | self._streamed
+            grads = {n: self._params[n].grad for n in sent}
+            self._watch.check_unchanged(sent, grads, "the shards hold")
             if self._changed_values() != self._values:
                 raise ConfigError(
                     "with overlap=True a parameter group's hyper-parameters changed between "
@@ -239,6 +248,7 @@ class ShardOverlap:
             for shard, (call, stepped) in self._sent.items():  # landed (or raised) by wait()
                 self._landing.add(shard, call, stepped, keyed=shard in self._carried)
             self._end()
+        return True
 
     def wait(self) -> None:
         """Lands every shard's reply still in flight (each call has the client's deadline).
@@ -249,43 +259,12 @@ class ShardOverlap:
         self._landing.wait()
 
     def observe(self, grads: Mapping[str, torch.Tensor], grad_scaler: Any, closure: Any) -> None:
-        """After a serial step: arms overlap when nothing touched the gradients between
-        ``backward()`` and ``step()``; else keeps the serial step for good, saying why."""
-        if self._off or self.armed:
-            return
-        reached = dict(self._fired)
-        twice = sorted(self._twice)
-        self._order = self._pushed_order()
+        """After a serial step: arms overlap, or keeps the serial step (``GradWatch``); notes
+        the order backward produced the gradients in (the first streamed step's manifest)."""
+        if not (self._watch.off or self._watch.armed):
+            self._order = self._pushed_order()
+        self._watch.observe(grads, grad_scaler, closure)
         self._end()
-        if not reached:
-            return  # no backward hook fired (gradients set by hand): judge the next step
-        reasons = []
-        if grad_scaler is not None:
-            reasons.append("a GradScaler unscales and inf-checks every gradient in step()")
-        if closure is not None:
-            reasons.append("step(closure) runs backward inside step()")
-        changed = sorted(
-            n
-            for n, g in grads.items()
-            if n in reached and (id(g), g._version) != reached[n] and n not in twice
-        )
-        if changed and grad_scaler is None:
-            reasons.append(
-                f"gradients {changed[:3]} changed between backward() and step() "
-                "(clip_grad_norm_?), which needs every gradient before any is sent"
-            )
-        if twice:
-            reasons.append(f"gradients {twice[:3]} were accumulated by several backward() per step")
-        if reasons:
-            self._off = True
-            warnings.warn(
-                "DistributedOptimizer(overlap=True) keeps the serial step (pushes after "
-                f"backward): {'; '.join(reasons)}",
-                UserWarning,
-                stacklevel=3,
-            )
-        else:
-            self.armed = True
 
     def close(self) -> None:
         """Cancels this step's streamed pushes and stops the pool (calls in flight finish on
@@ -347,7 +326,9 @@ class ShardOverlap:
         """The gradients a step pushes now, those backward reached first, in its order."""
         pushed = [n for n, p in self._params.items() if p.grad is not None]
         held = set(pushed)
-        return [n for n in self._fired if n in held] + [n for n in pushed if n not in self._fired]
+        reached = self._watch.order()
+        first = set(reached)
+        return [n for n in reached if n in held] + [n for n in pushed if n not in first]
 
     def _send(self, shard: int) -> None:
         """Starts ``shard``'s call in the pool: its gradients (those not None) and buffers."""
@@ -375,32 +356,8 @@ class ShardOverlap:
         GradScaler), as the serial step tells the client."""
         self._client.last_skipped = skipped
 
-    def _check_sent(self) -> None:
-        """Raises when a gradient whose push already left changed since backward reached it.
-
-        Raises:
-            ValueError: naming the gradients and the likely cause.
-        """
-        sent = [n for _, names in self._sent.values() for n in names]
-        changed = sorted(
-            n
-            for n in {*sent, *self._streamed}
-            if n in self._twice
-            or (g := self._params[n].grad) is None
-            or (id(g), g._version) != self._fired.get(n)
-        )
-        if changed:
-            raise ConfigError(
-                f"with overlap=True the gradients of {changed[:4]} changed after backward() "
-                "had sent them (clip_grad_norm_, a GradScaler's unscale_, or a second "
-                "backward() accumulating into them on this step only): the shards hold the "
-                "values backward left. Construct DistributedOptimizer(..., overlap=False) "
-                "for a script that changes gradients before step()"
-            )
-
     def _end(self) -> None:
-        self._fired = {}
-        self._twice = set()
+        self._watch.reset()
         self._step = None
         self._sent = {}
         self._error = None

@@ -108,3 +108,34 @@ def test_an_elastic_rank_is_taken_back_only_once_its_holder_is_silent() -> None:
     launcher(1).agree(JOB)  # after 2.5 s of silence the rank is free again
     with pytest.raises(NodeError, match="node rank 0 is already taken"):
         launcher(0).agree(JOB)  # node 0 hosts the store: never taken back
+
+
+@pytest.mark.timeout(60)
+def test_node_0_keeps_its_store_until_the_others_are_through_with_it() -> None:
+    rdzv = f"127.0.0.1:{free_port()}"
+    configs = [NodesConfig("2", r, rdzv, join_timeout_s=30.0, node_timeout_s=30.0) for r in (0, 1)]
+    node0, node1 = (Nodes(c, 30.0, never) for c in configs)
+    join_all([node0, node1], [["a:1"], ["b:1"]], [1, 1])
+    node1.settle(0, False, never, print)  # node 1's workers are done
+    node0.settle(0, True, never, print)  # node 0's too: nobody else running
+    released = threading.Thread(target=node0.release, args=(True, lambda: None, print))
+    released.start()
+    # Node 0 has released, but node 1 has not read that yet: node 0 must not end (and take
+    # its store with it) before node 1 says it is through.
+    released.join(1.0)
+    assert released.is_alive()
+    node1.release(True, never, print)  # reads "released" from the store that is still up
+    node1.close()
+    released.join(20)
+    assert not released.is_alive()
+    node0.close()
+
+
+@pytest.mark.timeout(60)
+def test_node_0s_exit_barrier_ends_at_the_node_timeout_when_a_node_never_closes() -> None:
+    rdzv = f"127.0.0.1:{free_port()}"
+    configs = [NodesConfig("2", r, rdzv, join_timeout_s=30.0, node_timeout_s=2.0) for r in (0, 1)]
+    node0, node1 = (Nodes(c, 30.0, never) for c in configs)
+    join_all([node0, node1], [["a:1"], []], [1, 1])
+    node0.release(True, lambda: None, print)  # node 1 never closes (killed): returns anyway
+    node0.close()
