@@ -1,8 +1,9 @@
 """Tensor bytes on Arrow Flight: the DoExchange framing both ends share, and errors both ways.
 
 A data call is one Flight ``DoExchange`` whose descriptor command names the operation
-(``PUSH_PULL``, ``PUSH``, ``PULL``) and that carries any number of steps in turn. A step is a
-header and a byte stream:
+(``PUSH_PULL``, ``PUSH``, ``PULL``, or ``STREAMED``: a push_pull whose tensors follow as
+backward produces them) and that carries any number of steps in turn. A step is a header and
+a byte stream:
 
 - the header is the request's protobuf, as app metadata of the step's first message:
   ``PushPullRequest`` for a push, whose ``chunks`` are the tensors' manifest (name, dtype,
@@ -62,9 +63,12 @@ if not os.environ.get("ARROW_DEFAULT_MEMORY_POOL"):
 
 SCHEMA = pa.schema([pa.field("bytes", pa.uint8(), nullable=False)])
 PUSH_PULL = b"ps.push_pull/1"
+# A push_pull streamed from backward (overlap=True), framed as PUSH_PULL: the shard reads it as
+# it arrives, never holding it for its turn in a sync round (psserver/flight_service.py).
+STREAMED = b"ps.push_pull_streamed/1"
 PUSH = b"ps.push/1"
 PULL = b"ps.pull/1"
-COMMANDS = (PUSH_PULL, PUSH, PULL)
+COMMANDS = (PUSH_PULL, STREAMED, PUSH, PULL)
 # A record batch's largest body: the bench's sweep (bench/flight.py --piece-mib) found 1-4 MiB
 # alike and 16 MiB slower (less overlap, larger buffers to fault in).
 PIECE_BYTES = 4 << 20

@@ -204,7 +204,8 @@ class FlightLink:
     ) -> FlightStream:
         """A step whose tensors follow as backward produces them: its header, with the
         manifest ``entries`` (every tensor it will carry, in the order they will come), is
-        written now on an exchange of its own, whose gRPC deadline is ``timeout`` from now on
+        written now on an exchange of its own (``fw.STREAMED``: the shard reads it as it
+        arrives, not on its turn in a sync round), whose gRPC deadline is ``timeout`` from now on
         both ends (a worker that stalls mid-step, or is paused, frees the shard when it
         passes; the shard applies nothing before the last byte). The exchange kept open for
         other steps is closed first: a worker holds at most two step streams on a shard.
@@ -218,7 +219,7 @@ class FlightLink:
         request.chunks.extend(entries)
         with self._lock:
             self._close_open()
-            writer, reader = self._exchange(fw.PUSH_PULL, self.timeout, where)
+            writer, reader = self._exchange(fw.STREAMED, self.timeout, where)
         out = fw.StepWriter(writer, request.SerializeToString(), self.piece_bytes)
         stream = FlightStream(self, writer, reader, out, into, where, placed)
         self._streaming = stream
