@@ -78,6 +78,10 @@ class ShardStream:
         self.link = link
         self.step = step
         self._placed = placed
+        # Pieces of this stream's reply that landed (``placed``): the next forward may have
+        # used them, and changed a buffer in place (BatchNorm's running stats), so a reply to
+        # the step sent again whole must not land on them.
+        self._landed: set[str] = set()
         self._entries = list(entries)
         self._into = into
         self._options = options
@@ -154,7 +158,7 @@ class ShardStream:
         failure: grpc.RpcError | None = None
         try:
             self._stream = link.begin_stream(
-                self.step, self._entries, self._into, self._options, self._placed
+                self.step, self._entries, self._into, self._options, self._landing
             )
         except grpc.RpcError as exc:
             failure = exc
@@ -199,13 +203,22 @@ class ShardStream:
                 raise link.error(failure, "PushPull")
             if not noted:
                 link.note_push(self.step, self.pieces, self._options)
-            return link.resend_step(self.step, self.pieces, self._into, self._options)
+            # The same step's weights (sync; async: the shard's newest) for the pieces that
+            # have not landed; those that have keep what landed.
+            into = {k: a for k, a in self._into.items() if k not in self._landed}
+            return link.resend_step(self.step, self.pieces, into, self._options)
         finally:
             if link.streaming is self:
                 link.streaming = None
             if self._stream is not None:
                 self._stream.close()
                 self._stream = None
+
+    def _landing(self, key: str) -> None:
+        """A piece of the reply landed in ``into`` (the thread reading the reply)."""
+        self._landed.add(key)
+        if self._placed is not None:
+            self._placed(key)
 
     def _next(self, written: int, writing: bool, deadline: float) -> list[np.ndarray] | None:
         """(lock held) Waits for the tensors to write next, in manifest order: ``[]`` once

@@ -18,6 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from faults import FaultPlan, flight_faults  # noqa: E402
 from workers import run_workers  # noqa: E402
 
 import psworker  # noqa: E402
@@ -174,6 +175,30 @@ def test_streamed_pushes_give_the_serial_steps_results_bit_for_bit(servers, mode
         assert overlap is not None and overlap.armed
         # Every step after the first (serial, to arm) streamed to both shards.
         assert overlap.streamed == 2 * (STEPS - 1)
+        assert_identical(serial[i], streamed[i])
+
+
+@pytest.mark.parametrize("action", ["drop", "lose_reply"])
+def test_a_streamed_step_whose_header_or_reply_is_lost_is_sent_whole_and_applied_once(
+    servers, action
+):
+    # Worker 0's data-port steps counted together over both shards: 1-2 are the serial first
+    # step's, 3-4 its first streamed step's (one per shard).
+    plan = FaultPlan("PushPullStream", {3, 4}, action)
+
+    def faults(t: int, i: int, model: Any, opt: DistributedOptimizer, held: list) -> None:
+        if t == 0 and i == 0:
+            flight_faults(opt.client, [plan])
+
+    serial, _ = train(servers(2), "sync", 2, overlap=False)
+    streamed, opts = train(servers(2), "sync", 2, overlap=True, before=faults)
+    assert plan.fired == 2
+    overlap = opts[0]._overlap
+    assert overlap is not None and overlap.streamed == 2 * (STEPS - 1)  # the faults hit streams
+    # "drop": the stream never opened and its thread sent the step whole at step();
+    # "lose_reply": the shard applied the stream, its reply was lost, and the step sent again
+    # whole was answered as a duplicate. Either way each step applied once, as serially.
+    for i in range(2):
         assert_identical(serial[i], streamed[i])
 
 
