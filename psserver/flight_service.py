@@ -11,6 +11,7 @@ transport. TLS, mutual TLS and the token are Flight's own options and a server m
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -40,8 +41,15 @@ from pswire.security import ServerSecurity
 
 log = logging.getLogger(__name__)
 DEFAULT_PIECE_BYTES = fw.PIECE_BYTES
-# Each data command's step, in metrics, as the grpcio call doing the same.
-RPC_OF = {fw.PUSH_PULL: "PushPull", fw.PUSH: "Push", fw.PULL: "Pull"}
+# Each data command's step, in metrics, as the grpcio call doing the same. A streamed step is
+# timed apart: its time runs from its header, sent at backward's first gradient, so it
+# includes the backward it overlapped.
+RPC_OF = {
+    fw.PUSH_PULL: "PushPull",
+    fw.STREAMED: "PushPullStreamed",
+    fw.PUSH: "Push",
+    fw.PULL: "Pull",
+}
 
 
 class _Exchange(contextlib.ExitStack):
@@ -113,40 +121,53 @@ class FlightShardService(flight.FlightServerBase):
             self.metrics.observe_rpc(RPC_OF[op], code, time.perf_counter() - start)
 
     def _ops(self) -> dict[bytes, Any]:
-        return {fw.PUSH_PULL: self._push_pull, fw.PUSH: self._push, fw.PULL: self._pull}
+        return {
+            fw.PUSH_PULL: self._push_pull,
+            # Read as it arrives: see _read_push.
+            fw.STREAMED: functools.partial(self._push_pull, turn=False),
+            fw.PUSH: self._push,
+            fw.PULL: self._pull,
+        }
 
     def _read_push(
-        self, context: Any, first: Any, reader: Any, where: str
+        self, context: Any, first: Any, reader: Any, where: str, turn: bool = True
     ) -> tuple[Any, dict[str, Any], float | None]:
         """(the request, its gradients, what is left of the step's wait), every tensor checked
         against the manifest, the shard's byte limit and the bytes arriving at once
-        (``--max-inflight-bytes``, held until the step is applied) before its bytes are read,
-        and read only on the push's turn (``Shard.wait_turn``: a sync round reads one push at
-        a time, in worker order)."""
+        (``--max-inflight-bytes``: reserved as each tensor begins, released once the push is
+        read) before its bytes are read. A whole push is read only on its turn
+        (``Shard.wait_turn``: a sync round reads one push at a time, in worker order); a
+        streamed one (``turn`` False) as it arrives, since its bytes come while its worker's
+        backward runs and holding them back would stall that backward's stream."""
+        arrived = time.monotonic()  # the step's one deadline counts from its header
         request = fw.parse(ps_pb2.PushPullRequest, first.app_metadata, where)
         limit = self.shard.limits.max_request_bytes
         fw.check_manifest(request.chunks, limit, where)
         h = request.header
-        timeout = fw.request_timeout(request.timeout_ms, DEADLINE_MARGIN_S)
-        started = time.monotonic()
-        self.shard.wait_turn(
-            h.worker_id,
-            h.step,
-            timeout=timeout,
-            incarnation=h.incarnation,
-            cancelled=context.is_cancelled,
-        )
-        if timeout is not None:  # the step's one deadline covers its turn and its waits
-            timeout = max(0.0, timeout - (time.monotonic() - started))
+        if turn:
+            self.shard.wait_turn(
+                h.worker_id,
+                h.step,
+                timeout=_left(request.timeout_ms, arrived),
+                incarnation=h.incarnation,
+                cancelled=context.is_cancelled,
+            )
         with self.admission.inflight() as reserve:
             assembler = ChunkAssembler(limit, reserve=reserve)
             fw.read_step(reader, first.data, request.chunks, assembler, where)
-            return request, assembled_grads(assembler), timeout
+            grads = assembled_grads(assembler)
+        return request, grads, _left(request.timeout_ms, arrived)
 
     def _push_pull(
-        self, context: Any, first: Any, reader: Any, writer: Any, held: _Exchange
+        self,
+        context: Any,
+        first: Any,
+        reader: Any,
+        writer: Any,
+        held: _Exchange,
+        turn: bool = True,
     ) -> None:
-        request, grads, timeout = self._read_push(context, first, reader, "push_pull")
+        request, grads, timeout = self._read_push(context, first, reader, "push_pull", turn)
         h = request.header
         if held.worker is None:  # the exchange's first step: it holds one of the worker's
             held.enter_context(self.admission.step_stream(h.worker_id))  # step streams
@@ -234,6 +255,13 @@ class FlightShardService(flight.FlightServerBase):
             fw.write_step(writer, header, held.raws, self.piece_bytes, held.live.read)
         finally:
             held.live.release()
+
+
+def _left(timeout_ms: int, arrived: float) -> float | None:
+    """The shard's wait for a push whose header arrived at ``arrived``: its deadline counts
+    from there, as the worker's does (a push streamed from backward arrives over seconds)."""
+    wait = fw.request_timeout(timeout_ms, DEADLINE_MARGIN_S)
+    return None if wait is None else max(0.0, wait - (time.monotonic() - arrived))
 
 
 class _LiveReply:

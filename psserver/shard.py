@@ -354,9 +354,10 @@ class Shard:
         cancelled: Callable[[], bool] | None = None,
     ) -> None:
         """Returns once ``worker_id``'s push for ``step`` would be taken without being held
-        (``ConsistencyPolicy.turn``; in sync: every lower worker of the open round has
-        pushed): a front end calls it before it reads the push's bytes, so a round holds one
-        push being read at a time instead of every worker's (bench/NOTES.md 27). At once
+        (``ConsistencyPolicy.turn``; in sync with three members or more: every lower worker
+        of the open round has pushed): a front end calls it before it reads a whole push's
+        bytes, so a round holds one push being read at a time instead of every worker's
+        (bench/NOTES.md 27; a push streamed from backward is read as it arrives). At once
         for any other rule, and for a call the push itself will refuse.
 
         ``cancelled``: asked every ``TURN_TICK_S`` while waiting (the caller gone: stop).

@@ -66,6 +66,10 @@ class GradWatch:
         self._fired[name] = (id(grad), grad._version)
         return self.armed
 
+    def order(self) -> list[str]:
+        """The gradients backward reached this step, in the order it first reached them."""
+        return list(self._fired)
+
     def reset(self) -> None:
         """Forgets this step's gradients (a step ended)."""
         self._fired = {}

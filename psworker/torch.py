@@ -84,14 +84,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     made together with ``for_models``.
 
     ``overlap=True`` overlaps communication with computation (CPU models). In the
-    parameter-server modes each shard's push starts from backward's hooks as soon as every
-    gradient it holds is ready, ``step()`` returns without waiting, and the next forward waits
-    module by module (forward pre-hooks) only for the weights that module needs, decoded into
-    the parameters as each shard's reply arrives. In ``allreduce`` (as DDP) each gradient
-    bucket's ring all-reduce starts from backward's hooks once it is full and every earlier
-    bucket has started, and ``step()`` waits for the buckets in flight, then applies the step
-    locally; every rank must pass the same ``overlap``. The math is the serial step's
-    (bit-identical in ``sync`` and ``allreduce``).
+    parameter-server modes each shard's push leaves from backward's hooks (on a shard's Flight
+    data port it streams from the step's first gradient, each gradient written as backward
+    produces it, the last held until ``step()`` has checked them; a step small enough for
+    grpcio leaves once every gradient its shard holds is ready), ``step()`` returns without
+    waiting, and the next forward waits module by module (forward pre-hooks) only for the
+    weights that module needs, decoded into the parameters as each shard's reply arrives. In
+    ``allreduce`` (as DDP) each gradient bucket's ring all-reduce starts from backward's hooks
+    once it is full and every earlier bucket has started, and ``step()`` waits for the buckets
+    in flight, then applies the step locally; every rank must pass the same ``overlap``. The
+    math is the serial step's (bit-identical in ``sync`` and ``allreduce``).
     Overlap arms after one serial step showed that nothing touches the gradients between
     ``backward()`` and ``step()``; a script that clips (``clip_grad_norm_``), uses a GradScaler
     or a closure, or accumulates several ``backward()`` per step keeps the serial step, with a
@@ -299,6 +301,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the rows embedding tables gathered since the last step."""
         for table in self._tables.values():
             table.forget()
+        overlap = getattr(self, "_overlap", None)  # DiLoCoOptimizer has none
+        if overlap is not None and not set_to_none:
+            # Zeroing in place would change gradients a push may still be sending.
+            overlap.wait()
         super().zero_grad(set_to_none)
 
     def step(  # type: ignore[override]

@@ -107,11 +107,13 @@ class SyncPolicy(ConsistencyPolicy):
         # waited for: it may never come back (if it does, the rule holds what came after it).
         if self.quorum or step != clocks.updates:
             return True
-        if clocks.joined:
-            lower = [m for m in clocks.members(clocks.updates) if m < worker]
-        else:
-            lower = [w for w in clocks.live if w < worker]
-        return all(w in self._pushed for w in lower)
+        members = clocks.members(clocks.updates) if clocks.joined else sorted(clocks.live)
+        if len(members) <= 2:
+            # Two pushes: the round's peak holds both whatever the order (on its turn the
+            # second is read while the first is the sum; before it, the second is read and
+            # held while the first arrives), so a wait would only serialise the reads.
+            return True
+        return all(w in self._pushed for w in members if w < worker)
 
     def _add_in_turn(self, clocks: Clocks) -> None:
         """Adds the held pushes whose turn has come, lowest worker first."""

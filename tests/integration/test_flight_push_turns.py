@@ -1,6 +1,8 @@
 """On the Flight data port a sync push is read on its turn: once every lower worker of the
 round has pushed. Pushes that come early wait unread (the round holds none of their bytes),
-and the round's result is the average in worker order, whatever order the pushes came in."""
+and the round's result is the average in worker order, whatever order the pushes came in. A
+push streamed from backward (its own descriptor command) is read as it arrives: the round
+holds it until its turn, with the same result."""
 
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ import pytest
 
 import psworker
 from psserver.flight_service import start_flight_service
+from psserver.metrics import ShardMetrics
 from psserver.records import Limits
 from psserver.server import start_server
 from psserver.shard import Shard
+from pswire import flightwire as fw
 from psworker.flight_link import FlightLink
 
 pytestmark = pytest.mark.timeout(120)
@@ -24,14 +28,15 @@ N = 1 << 16  # 256 KiB a push
 
 
 @pytest.fixture
-def shard_ports() -> Iterator[tuple[Shard, str]]:
+def shard_ports() -> Iterator[tuple[Shard, str, ShardMetrics]]:
     shard = Shard(Limits(max_wait_s=20.0))
     control = start_server(shard)
-    data = start_flight_service(shard, piece_bytes=64 << 10)
+    metrics = ShardMetrics(shard, "ps0")
+    data = start_flight_service(shard, piece_bytes=64 << 10, metrics=metrics)
     client = psworker.connect([control.address], worker_id=0, num_workers=3, mode="sync")
     client.init({"w": np.zeros(N, np.float32)}, psworker.SGD(lr=1.0))
     try:
-        yield shard, data.address
+        yield shard, data.address, metrics
     finally:
         client.close()
         data.stop()
@@ -39,9 +44,9 @@ def shard_ports() -> Iterator[tuple[Shard, str]]:
 
 
 def test_early_pushes_wait_unread_and_the_round_averages_in_worker_order(
-    shard_ports: tuple[Shard, str], monkeypatch: pytest.MonkeyPatch
+    shard_ports: tuple[Shard, str, ShardMetrics], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    shard, address = shard_ports
+    shard, address, _ = shard_ports
     entered = {w: threading.Event() for w in range(3)}
     wait_turn = shard.wait_turn
 
@@ -69,3 +74,52 @@ def test_early_pushes_wait_unread_and_the_round_averages_in_worker_order(
     expected = np.zeros(N, np.float32) - (grads[0] + grads[1] + grads[2]) / np.float32(3)
     for _, arrays in results:
         assert arrays["w"].tobytes() == expected.tobytes()
+
+
+def test_a_streamed_push_is_read_as_it_arrives_and_the_round_keeps_worker_order(
+    shard_ports: tuple[Shard, str, ShardMetrics], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shard, address, metrics = shard_ports
+    turns: list[int] = []
+    taken = {w: threading.Event() for w in range(3)}
+    wait_turn, push_pull = shard.wait_turn, shard.push_pull
+
+    def watched_turn(worker_id: int, *args: Any, **kwargs: Any) -> None:
+        turns.append(worker_id)
+        wait_turn(worker_id, *args, **kwargs)
+
+    def watched_push(worker_id: int, *args: Any, **kwargs: Any) -> Any:
+        taken[worker_id].set()
+        return push_pull(worker_id, *args, **kwargs)
+
+    monkeypatch.setattr(shard, "wait_turn", watched_turn)
+    monkeypatch.setattr(shard, "push_pull", watched_push)
+    rng = np.random.default_rng(1)
+    grads = [(rng.standard_normal(N) * 10.0 ** (3 * w - 3)).astype(np.float32) for w in range(3)]
+    links = [FlightLink(0, address, w, 20.0) for w in range(3)]
+    try:
+        entry, raw = fw.encode_tensor("w", grads[2])
+        stream = links[2].begin_stream(0, [entry])
+        stream.write([raw])
+        # Read whole and handed to the shard with workers 0 and 1 still to push: no turn.
+        assert taken[2].wait(10), "the streamed push was held back for its turn"
+        assert turns == [] and shard.status().pushes_applied == 1
+        with ThreadPoolExecutor(3) as pool:
+            ended = pool.submit(stream.end)
+            whole = [pool.submit(links[w].push_pull, 0, {"w": grads[w]}) for w in (1, 0)]
+            results = [f.result(timeout=60) for f in (ended, *whole)]
+    finally:
+        for link in links:
+            link.close()
+    assert sorted(turns) == [0, 1]  # whole pushes still wait for theirs
+    assert all(pushed.applied for pushed, _ in results)
+    expected = np.zeros(N, np.float32) - (grads[0] + grads[1] + grads[2]) / np.float32(3)
+    for _, arrays in results:
+        assert arrays["w"].tobytes() == expected.tobytes()
+
+    def calls(rpc: str) -> float | None:
+        labels = {"shard": "ps0", "rpc": rpc, "code": "OK"}
+        return metrics.registry.get_sample_value("psserver_rpcs_total", labels)
+
+    # Timed apart: a streamed step's time includes the backward it overlapped.
+    assert (calls("PushPullStreamed"), calls("PushPull")) == (1.0, 2.0)

@@ -1,6 +1,7 @@
 """``Shard.wait_turn``: a front end reads a sync push's bytes only once every lower worker of
 the open round has pushed, so a round holds one push being read at a time. At once for other
-rules, quorum rounds, other steps and calls the push will refuse; a lower worker dropped (or
+rules, quorum rounds, rounds of two, other steps and calls the push will refuse; a lower
+worker dropped (or
 an elastic member gone) ends the wait; the wait ends on cancellation and on its deadline with
 a message naming what it waits for. Unit level, on a Shard with an injected clock."""
 
@@ -80,6 +81,23 @@ def test_other_rules_quorum_and_other_steps_never_wait() -> None:
     shard.wait_turn(2, 1, timeout=0, incarnation="earlier")  # the push refuses a restart
 
 
+def test_a_round_of_two_never_waits_for_a_turn() -> None:
+    # Two pushes are both held at the round's peak in either order: the wait saves nothing.
+    shard, _ = shard_for("sync", 2)
+    shard.wait_turn(1, 0, timeout=0)  # worker 0 has not pushed: no wait all the same
+    assert shard.push(1, 0, grad(3)).applied  # held until worker 0's is in
+    assert shard.push(0, 0, grad(1)).applied
+    assert float(shard.snapshot()["w"][0]) == -2.0  # the mean of 1 and 3, in worker order
+    # Three workers, one dropped: the open round is two (a third comes back as a held push).
+    shard, clock = shard_for("sync", 3)
+    for _ in range(3):  # worker 1 silent past the heartbeat timeout: dropped
+        clock.now += HEARTBEAT_S / 2
+        shard.heartbeat(0)
+        shard.heartbeat(2)
+    shard.wait_turn(2, 0, timeout=0)  # its wait drops worker 1, then 0 is not waited for
+    assert 1 not in shard.status().live
+
+
 def test_a_wait_for_a_turn_ends_on_its_deadline_naming_the_missing_worker() -> None:
     shard, _ = shard_for("sync", 3)
     with pytest.raises(WaitTimeoutError, match=r"its turn: push by worker 2 .*workers \[0, 1"):
@@ -87,7 +105,7 @@ def test_a_wait_for_a_turn_ends_on_its_deadline_naming_the_missing_worker() -> N
 
 
 def test_a_wait_for_a_turn_ends_when_the_caller_goes_away() -> None:
-    shard, _ = shard_for("sync", 2)
+    shard, _ = shard_for("sync", 3)
     asked: list[float] = []
 
     def gone() -> bool:
