@@ -7,6 +7,7 @@ holds it until its turn, with the same result."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -103,6 +104,9 @@ def test_a_streamed_push_is_read_as_it_arrives_and_the_round_keeps_worker_order(
         stream.write([raw])
         # Read whole and handed to the shard with workers 0 and 1 still to push: no turn.
         assert taken[2].wait(10), "the streamed push was held back for its turn"
+        deadline = time.monotonic() + 10  # taken is set just before the shard counts it
+        while shard.status().pushes_applied == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert turns == [] and shard.status().pushes_applied == 1
         with ThreadPoolExecutor(3) as pool:
             ended = pool.submit(stream.end)
