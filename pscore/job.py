@@ -17,6 +17,18 @@ from pswire.errors import InvalidRequestError, TooLargeError, UnknownVariableErr
 
 Grads = dict[str, np.ndarray | RowSparse]
 
+
+class CheckedGrads(dict[str, np.ndarray | RowSparse]):
+    """A push's gradients as ``Job.checked_grads`` passed them, with ``squares``: each dense
+    gradient's sum of squares where the finiteness check took it (a large float array), so
+    the step's overflow guard (``Variables.apply``) need not read the gradient again. Valid
+    while the arrays are unchanged: a sync round's sum is a new mapping, measured anew."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.squares: dict[str, float] = {}
+
+
 OBSERVER = -1  # worker_id of a reader that is not one of the job's workers
 # Consistency modes a parameter-server job runs in (psserver/consistency has one rule each).
 MODES = ("sync", "async", "ssp")
@@ -281,17 +293,18 @@ class Job:
             check_rows(spec.table, ids, None, "pull")
         return keys
 
-    def checked_grads(self, grads: Mapping[str, np.ndarray | RowSparse]) -> Grads:
+    def checked_grads(self, grads: Mapping[str, np.ndarray | RowSparse]) -> CheckedGrads:
         """A push's gradients, validated against the job; float16 gradients of float32
         variables (wire compression) widened to float32, so averaging and the optimizer run in
-        float32. (bfloat16 arrives already widened.)
+        float32. (bfloat16 arrives already widened.) The sums of squares the checks measured
+        ride along (``CheckedGrads.squares``).
 
         Raises:
             UnknownVariableError: a gradient for a variable the job lacks.
             ShapeMismatchError, InvalidRequestError: wrong shape or dtype, non-finite values,
                 dense rows for a table or rows for a dense variable, bad row ids.
         """
-        out: Grads = {}
+        out = CheckedGrads()
         finite = all_finite_together(grads.values())  # many small ones: at once
         for key, grad in grads.items():
             spec = self.specs.get(key)
@@ -315,7 +328,7 @@ class Job:
                 if grad.dtype == np.float16 and spec.dtype == "float32" and not spec.average:
                     grad = grad.astype(np.float32)
                 what = "buffer value" if spec.average else "gradient"
-                check_tensor(key, spec.shape, spec.dtype, grad, what, known)
+                check_tensor(key, spec.shape, spec.dtype, grad, what, known, out.squares)
             out[key] = grad
         return out
 

@@ -19,7 +19,7 @@ from pscore.checks import (
     check_tensor,
     sum_squares,
 )
-from pscore.job import Job
+from pscore.job import CheckedGrads, Job
 from pscore.optim import Optimizer
 from pscore.rowstore import RowStore, TableState
 from pscore.tables import RowSparse
@@ -107,9 +107,15 @@ class Variables:
         small = all_finite_together([values for _, values in checked])
         # One pass over each gradient measures it for both checks: finite (a finite sum of
         # squares proves it; else the exact check decides) and the risk of overflow below.
+        # A push's own gradients were measured as they were checked (``Job.checked_grads``):
+        # those sums serve (a sync round's sum is another array: measured here).
+        known = update.squares if isinstance(update, CheckedGrads) and not summed else {}
         grad_squares: dict[str, float] = {}
         for key, values in checked:
             if small and batched(values):
+                continue
+            if key in known:  # finite: that is what the check proved
+                grad_squares[key] = known[key]
                 continue
             squares = grad_squares[key] = sum_squares(values)
             if not np.isfinite(squares) and not all_finite(values):
@@ -139,15 +145,27 @@ class Variables:
             )
         risky = bool(trained) and self._risky(groups, update, trained, grad_squares)
         backup = self._backup(trained) if risky else None
-        # A large variable's results are measured piece by piece as the step makes them.
+        # A large variable's results are measured piece by piece as the step makes them;
+        # those of an optimizer whose safe steps are finite by proof are bounded instead
+        # (``Optimizer.result_bound``: one pass over each result less).
         measured: dict[str, float] = {}
         with np.errstate(over="ignore", invalid="ignore"):  # non-finite results: see below
             for key in trained:
                 optimizer = groups[specs[key].group]
+                value = self.values[key]
+                bound = None
+                if not risky and key in grad_squares:
+                    bound = optimizer.result_bound(
+                        value.dtype, self._squares[key], grad_squares[key]
+                    )
+                if bound is not None and not bound <= SAFE_SUM_SQUARES:
+                    bound = None  # measured now, so a loose bound never makes a step risky
                 result = optimizer.apply_blocked(
-                    self.values[key], update[key], self.slots[key], measure=True
+                    value, update[key], self.slots[key], measure=bound is None
                 )
-                if result is not None:
+                if bound is not None:
+                    measured[key] = bound
+                elif result is not None:
                     measured[key] = result
         failed = set(self._measure_all([k for k in trained if k not in measured]))
         failed.update(k for k, squares in measured.items() if not self._record(k, squares))
