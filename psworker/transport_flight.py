@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from pscore.optspec import StepOptions
+from pswire import flightwire as fw
 from pswire.errors import PSError, WaitTimeoutError
 from pswire.proto import ps_pb2
 from pswire.security import ClientSecurity
@@ -54,6 +55,7 @@ class FlightTransport:
     ) -> None:
         self.address = address
         self.where = where  # how the link names the step stream in errors
+        fw.tune_malloc()  # once per process: Flight's message buffers reused, not refaulted
         self.link = FlightLink(index, address, worker_id, timeout, security, session=session)
 
     @property
