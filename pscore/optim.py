@@ -33,6 +33,10 @@ _PROVEN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 OPTIMIZER_THREADS = min(
     8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 )
+# Each thread gets at least this many pieces (512K elements): handing pieces to the pool and
+# waiting for them costs more than it saves below that (a 1M-param SGD momentum step, the
+# largest variable 10 pieces: 1.42 ms on one thread, 1.87 ms on two; bench/NOTES.md 28).
+MIN_PIECES_PER_THREAD = 8
 _pool_lock = threading.Lock()
 _pool_executor: ThreadPoolExecutor | None = None
 
@@ -162,7 +166,7 @@ class Optimizer:
                     after = {k: v for k, v in sub.items() if k not in arrays and k not in made}
             return after, sums
 
-        threads = min(OPTIMIZER_THREADS, len(starts) // 2) or 1
+        threads = min(OPTIMIZER_THREADS, len(starts) // MIN_PIECES_PER_THREAD) or 1
         bounds = [len(starts) * i // threads for i in range(threads + 1)]
         if threads == 1:
             done = [run(0, len(starts))]

@@ -219,3 +219,30 @@ def test_a_large_row_sparse_step_that_overflows_is_refused_and_changes_nothing()
     # A finite step is taken: the measure proved it finite.
     assert store.apply(ids, np.ones((rows, dim), np.float32))
     assert store.export().values.tobytes() != before.values.tobytes()
+
+
+def test_the_pool_takes_a_variable_only_with_enough_pieces_per_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Handing pieces to threads costs more than it saves on a small variable: each thread
+    # gets at least MIN_PIECES_PER_THREAD pieces, else the calling thread runs them all.
+    used: list[int] = []
+
+    class Pool:
+        def map(self, fn: Any, firsts: list[int], lasts: list[int]) -> Any:
+            used.append(len(firsts))
+            return map(fn, firsts, lasts)
+
+    monkeypatch.setattr(optim, "OPTIMIZER_THREADS", 4)
+    monkeypatch.setattr(optim, "_pool", Pool)
+    opt = SGD(lr=0.1, momentum=0.9)
+    per = optim.MIN_PIECES_PER_THREAD
+    for pieces, threads in ((2 * per - 1, None), (2 * per, 2), (3 * per, 3), (9 * per, 4)):
+        used.clear()
+        param, grads = arrays(pieces * 64)
+        whole = param.copy()
+        state, whole_state = opt.make_state(param), opt.make_state(whole)
+        opt.apply_blocked(param, grads[0], state, block=64)
+        opt.apply(whole, grads[0], whole_state)
+        assert used == ([] if threads is None else [threads]), pieces
+        assert param.tobytes() == whole.tobytes()
