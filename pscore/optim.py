@@ -227,9 +227,9 @@ class SGD(Optimizer):
         m sqrt(S) + max(1, |1 - dampening|) ||d||; ||n|| <= ||d|| + m ||b'|| (nesterov) or
         ||b'||; ||p'|| <= sqrt(S) + lr ||n||; a rounded operation scales a norm by at most
         1 + 2**-24 (at most 9 in a row: ``ROUNDING``). float16 (largest value 65504) and
-        other dtypes get None: measured."""
-        if dtype not in _PROVEN_DTYPES:
-            return None
+        other dtypes get None, as does a subclass with an ``apply`` of its own: measured."""
+        if dtype not in _PROVEN_DTYPES or type(self).apply is not SGD.apply:
+            return None  # the proof is of SGD.apply's math, in float32 or float64
         x, grad = math.sqrt(squares), math.sqrt(grad_squares)
         d = grad + self.weight_decay * x
         if not self.momentum:

@@ -122,9 +122,6 @@ class NaNSlot(SGD):
         if state["momentum_buffer"].size == DEFAULT_BLOCK_ELEMENTS:  # a middle piece
             state["momentum_buffer"][7] = np.nan
 
-    def result_bound(self, dtype: np.dtype, squares: float, grad_squares: float) -> None:
-        return None  # not SGD's math: SGD's proof of a finite result does not hold
-
 
 def test_a_nan_slot_in_one_piece_is_measured_as_nan() -> None:
     opt = NaNSlot(lr=0.0, momentum=0.9)

@@ -5,6 +5,7 @@ is still caught, and the bound never falls below the results it stands for."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -110,6 +111,20 @@ def test_the_bound_follows_each_line_of_the_step() -> None:
     # float16 (largest value 65504) is outside the proof; so is every other optimizer.
     assert SGD(lr=0.5).result_bound(np.dtype(np.float16), 4.0, 9.0) is None
     assert Adam().result_bound(f32, 4.0, 9.0) is None
+    # A subclass with its own apply is not SGD's math: no bound, its results are measured.
+    assert OwnApply(lr=0.5).result_bound(f32, 4.0, 9.0) is None
+    assert Subclass(lr=0.5).result_bound(f32, 4.0, 9.0) is not None
+
+
+@dataclass(frozen=True)
+class OwnApply(SGD):
+    def apply(self, param: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> None:
+        super().apply(param, grad, state)
+
+
+@dataclass(frozen=True)
+class Subclass(SGD):
+    pass
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
