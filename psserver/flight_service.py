@@ -22,17 +22,20 @@ from typing import Any, NamedTuple
 import grpc
 import numpy as np
 import pyarrow.flight as flight
+from google.protobuf.message import DecodeError
 
 from psserver.admission import DEFAULT_THREADS, Admission
 from psserver.metrics import ShardMetrics
-from psserver.servicer import DEADLINE_MARGIN_S, push_response, row_query
+from psserver.servicer import DEADLINE_MARGIN_S, push_response, row_query, step_reply
 from psserver.shard import Shard
 from pswire import flightwire as fw
+from pswire import read
 from pswire.codec import ChunkAssembler, assembled_grads, header_options
 from pswire.errors import (
     CallCancelledError,
     InvalidRequestError,
     PSError,
+    TooLargeError,
     UnavailableError,
 )
 from pswire.proto import ps_pb2
@@ -41,7 +44,10 @@ from pswire.security import ServerSecurity
 log = logging.getLogger(__name__)
 DEFAULT_PIECE_BYTES = fw.PIECE_BYTES
 # Each data command's step, in metrics, as the grpcio call doing the same.
-RPC_OF = {fw.PUSH_PULL: "PushPull", fw.PUSH: "Push", fw.PULL: "Pull"}
+RPC_OF = {fw.PUSH_PULL: "PushPull", fw.PUSH: "Push", fw.PULL: "Pull", fw.STEP: "PushPull"}
+# A small step's request may pass the shard's byte limit on its tensors by this much: its
+# header, each tensor's framing, the row ids (``--max-request-bytes`` counts the tensors).
+STEP_FRAMING_BYTES = 1 << 20
 
 
 class _Exchange(contextlib.ExitStack):
@@ -113,7 +119,41 @@ class FlightShardService(flight.FlightServerBase):
             self.metrics.observe_rpc(RPC_OF[op], code, time.perf_counter() - start)
 
     def _ops(self) -> dict[bytes, Any]:
-        return {fw.PUSH_PULL: self._push_pull, fw.PUSH: self._push, fw.PULL: self._pull}
+        return {
+            fw.PUSH_PULL: self._push_pull,
+            fw.PUSH: self._push,
+            fw.PULL: self._pull,
+            fw.STEP: self._step,
+        }
+
+    def _step(self, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
+        """A small step (``fw.STEP``): the step stream's request in the message's metadata,
+        answered as the grpcio step stream answers it (``servicer.step_reply``), its reply's
+        bytes in the metadata of one message back."""
+        if first.data is not None:
+            raise InvalidRequestError("step: a small step carries no record batch")
+        raw = first.app_metadata
+        if raw is None or not raw.size:
+            raise InvalidRequestError("step: expected a PushPullRequest, got none")
+        limit = self.shard.limits.max_request_bytes
+        if raw.size > limit + STEP_FRAMING_BYTES:
+            raise TooLargeError(
+                f"step: a request of {raw.size} bytes, over the limit of {limit} bytes of "
+                f"tensors and {STEP_FRAMING_BYTES} of framing"
+            )
+        with self.admission.inflight() as reserve:
+            reserve(raw.size)
+            try:
+                request = read.parse_request(raw.to_pybytes())
+            except (ValueError, DecodeError) as exc:
+                raise InvalidRequestError(f"step: undecodable PushPullRequest: {exc}") from None
+            h = request.header
+            if held.worker is None:  # the exchange's first step: it holds one of the worker's
+                held.enter_context(self.admission.step_stream(h.worker_id))  # step streams
+                held.worker = h.worker_id
+            timeout = fw.request_timeout(request.timeout_ms, DEADLINE_MARGIN_S)
+            reply = step_reply(self.shard, request, timeout)
+        writer.write_metadata(reply)
 
     def _read_push(self, first: Any, reader: Any, where: str) -> tuple[Any, dict[str, Any]]:
         """(the request, its gradients), every tensor checked against the manifest, the

@@ -13,6 +13,9 @@ header and a byte stream:
   rest carry no metadata. A large tensor travels in batches over its own memory (no copy,
   ``pa.py_buffer``); small tensors share one batch, so a small step is one message each way.
 
+A small step (``STEP``) is framed otherwise: the step stream's own request and reply
+(pswire/write.py, pswire/read.py) as the app metadata of one message each way.
+
 A received batch is read as a view of the buffer gRPC received into; the shared
 ``ChunkAssembler`` checks and assembles each tensor's bytes exactly as it does for the grpcio
 messages.
@@ -65,7 +68,12 @@ SCHEMA = pa.schema([pa.field("bytes", pa.uint8(), nullable=False)])
 PUSH_PULL = b"ps.push_pull/1"
 PUSH = b"ps.push/1"
 PULL = b"ps.pull/1"
-COMMANDS = (PUSH_PULL, PUSH, PULL)
+# A small step: the step stream's own messages (a PushPullRequest with its tensors' bytes
+# inline, as pswire.write frames it, and the PushPullResponse) as the app metadata of one
+# message each way, with no record batch: the shortest way a small model's step can travel
+# (bench/NOTES.md entry 29).
+STEP = b"ps.step/1"
+COMMANDS = (PUSH_PULL, PUSH, PULL, STEP)
 # A record batch's largest body: the bench's sweep (bench/flight.py --piece-mib) found 1-4 MiB
 # alike and 16 MiB slower (less overlap, larger buffers to fault in).
 PIECE_BYTES = 4 << 20

@@ -8,6 +8,7 @@ restarted shard's data port exactly as it retries its control port.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
@@ -58,6 +59,17 @@ class FlightTransport:
         fw.tune_malloc()  # once per process: Flight's message buffers reused, not refaulted
         self.link = FlightLink(index, address, worker_id, timeout, security, session=session)
 
+    def small_steps(self) -> FlightTransport:
+        """The same data port for small steps: one message each way, the step stream's own
+        request and reply as metadata (``FlightLink.send_step(small=True)``), sharing this
+        transport's connection and its one step exchange (closing it closes that)."""
+        small = copy.copy(self)
+        small.name = "flight-step"
+        small.small = True
+        return small
+
+    small = False  # steps in one message each way (``small_steps``)
+
     @property
     def open_call(self) -> object | None:
         return self.link._open
@@ -84,7 +96,7 @@ class FlightTransport:
         rows: Sequence[ps_pb2.RowQuery],
     ) -> None:
         with _failures(self.link, "push_pull", self.where):
-            self.link.send_step(step, pieces, into, incarnation, options, rows)
+            self.link.send_step(step, pieces, into, incarnation, options, rows, self.small)
 
     def receive_step(self) -> Reply:
         with _failures(self.link, "push_pull", self.where):

@@ -266,8 +266,12 @@ def flight_faults(client, plans: Iterable[FaultPlan]) -> None:
 
         def dialled(port: int, link=link, dial=dial) -> None:
             dial(port)
+            # Both of the data port's forms: record batches, and small steps in one message.
             if link.flight is not None and not isinstance(link.flight, FaultyTransport):
                 link.flight = FaultyTransport(link.flight, plans)
+            steps = link.flight_steps
+            if steps is not None and not isinstance(steps, FaultyTransport):
+                link.flight_steps = FaultyTransport(steps, plans)
 
         link._dial_data = dialled
         dialled(link.data_port)
