@@ -4,9 +4,13 @@ and a ResNet-style CNN, 2 workers, for DDP with gloo, the torch RPC parameter se
 network namespace per host, each worker and each shard, joined by veth pairs to a bridge, each
 host's link shaped with tc netem: 10 Gbit/s and 1 Gbit/s, 0.2 ms delay).
 
-``python -m bench.training [--quick] [--nets loopback 1gbit ...] [--rounds 3]``; ``python -m
-bench --only training``. Every process is a subprocess (``--role``) so that it can run inside
-its host's namespace. Namespaces are named ``ov29-<pid>-<k>`` and always deleted.
+``python -m bench.training [--quick] [--nets loopback 1gbit ...] [--rounds 3] [--systems ...]
+[--modes ...]``;
+``python -m bench --only training``. Systems are interleaved round by round: each round starts
+every system once (one process start each, the order reversed every other round), so load
+from elsewhere hits them alike; a system's figure is the median of its rounds. Every process
+is a subprocess (``--role``) so that it can run inside its host's namespace. Namespaces are
+named ``ov29-<pid>-<k>`` and always deleted.
 """
 
 from __future__ import annotations
@@ -30,16 +34,18 @@ from bench.report import Ratio, Table, check, print_table
 
 START_TIMEOUT_S = 120.0
 RUN_TIMEOUT_S = 900.0
-# (system, mode, overlap): what a round measures, in this order (interleaved per round).
-SYSTEMS: tuple[tuple[str, str, bool], ...] = (
-    ("DDP gloo", "ddp", False),
-    ("torch RPC PS", "rpcps", False),
-    ("ours sync", "sync", False),
-    ("ours sync", "sync", True),
-    ("ours async", "async", False),
-    ("ours async", "async", True),
-    ("ours allreduce", "allreduce", False),
-)
+# name -> (system, mode, overlap): what a round measures, in this order (reversed every other
+# round); ``--systems`` picks some by name.
+SYSTEMS: dict[str, tuple[str, str, bool]] = {
+    "ddp": ("DDP gloo", "ddp", False),
+    "rpcps": ("torch RPC PS", "rpcps", False),
+    "sync": ("ours sync", "sync", False),
+    "sync+overlap": ("ours sync", "sync", True),
+    "async": ("ours async", "async", False),
+    "async+overlap": ("ours async", "async", True),
+    "allreduce": ("ours allreduce", "allreduce", False),
+    "allreduce+overlap": ("ours allreduce", "allreduce", True),
+}
 NETS = {"loopback": None, "10gbit": "10gbit", "1gbit": "1gbit"}
 DELAY = "0.2ms"
 LR = 0.01
@@ -60,7 +66,7 @@ class Sizes:
 
 
 FULL = Sizes(
-    lm_dim=512, lm_layers=8, seq=64, lm_batch=4, cnn_width=64, cnn_batch=16, warmup=1, steps=2
+    lm_dim=512, lm_layers=8, seq=64, lm_batch=4, cnn_width=64, cnn_batch=16, warmup=2, steps=3
 )
 QUICK = Sizes(
     lm_dim=128, lm_layers=2, seq=32, lm_batch=4, cnn_width=16, cnn_batch=8, warmup=1, steps=3
@@ -418,10 +424,13 @@ def run_once(
     shards: int,
     sizes: Sizes,
     rounds: int,
+    tree: Path | None = None,
 ) -> list[float]:
     """The job's samples/s in each round: every worker's samples over the slowest worker's
-    time."""
-    env_base = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    time. ``tree``: the checkout whose code the shards and workers run (default: this one),
+    so two commits compare interleaved in one run."""
+    root = tree or Path(__file__).resolve().parents[1]
+    env_base = {**os.environ, "PYTHONPATH": str(root)}
     with tempfile.TemporaryDirectory(prefix="ov29-") as tmp, _processes() as procs:
         shard_addrs = []
         if mode in ("sync", "async"):
@@ -520,14 +529,21 @@ def measure(
     rounds: int = 3,
     workers: int = 2,
     shards: int = 2,
+    systems: Sequence[str] = tuple(SYSTEMS),
+    modes: Sequence[str] | None = None,
 ) -> Table:
-    """samples/s per (model, network, system, overlap): medians of ``rounds`` interleaved
-    rounds; the issue's "Must show" ratios."""
+    """samples/s per (model, network, system, overlap): medians of ``rounds`` rounds, each
+    round one process start per system, systems interleaved; the issue's "Must show" ratios.
+    ``systems``: by name (``SYSTEMS``); ``modes``: of those, only the systems of these modes
+    (``ddp``, ``rpcps``, ``sync``, ``async``, ``allreduce``)."""
     sizes = QUICK if quick else FULL
     if not netns_available():
         nets = [n for n in nets if n == "loopback"]
+    systems = [n for n in systems if modes is None or SYSTEMS[n][1] in modes]
+    chosen = [SYSTEMS[name] for name in systems]
     started = time.perf_counter()
     samples: dict[tuple[str, str, str, bool], list[float]] = {}
+    loads: list[float] = []
     failures: list[str] = []
     links: list[str] = []
     for net in nets:
@@ -538,21 +554,22 @@ def measure(
             for model in models:
                 if net != "loopback" and model != "lm" and not quick:
                     continue  # the issue's emulated-link figures are the LM's; time is short
-                for label, mode, overlap in SYSTEMS:
-                    key = (model, net, label, overlap)
-                    try:
-                        rates = run_once(
-                            hosts, model, mode, overlap, workers, shards, sizes, rounds
+                for r in range(rounds):
+                    for label, mode, overlap in chosen if r % 2 == 0 else chosen[::-1]:
+                        key = (model, net, label, overlap)
+                        loads.append(os.getloadavg()[0])
+                        try:
+                            rate = run_once(hosts, model, mode, overlap, workers, shards, sizes, 1)
+                        except RuntimeError as exc:
+                            failures.append(f"{key} round {r}: {str(exc)[-400:]}")
+                            print(f"  FAILED {key}: {str(exc)[-2000:]}", flush=True)
+                            continue
+                        samples.setdefault(key, []).append(rate[0])
+                        print(
+                            f"  round {r} {model} {net} {label} overlap={overlap}: "
+                            f"{rate[0]:.2f} samples/s (load {loads[-1]:.1f})",
+                            flush=True,
                         )
-                    except RuntimeError as exc:
-                        failures.append(f"{key}: {str(exc)[-400:]}")
-                        print(f"  FAILED {key}: {str(exc)[-2000:]}", flush=True)
-                        continue
-                    samples[key] = rates
-                    shown = " ".join(f"{r:.2f}" for r in rates)
-                    print(
-                        f"  {model} {net} {label} overlap={overlap}: {shown} samples/s", flush=True
-                    )
     med = {k: statistics.median(v) for k, v in samples.items()}
     rows = [
         [
@@ -560,13 +577,14 @@ def measure(
             net,
             label,
             "on" if overlap else "off",
-            med[(model, net, label, overlap)],
-            len(samples[(model, net, label, overlap)]),
+            med[key],
+            f"{min(samples[key]):.3g}-{max(samples[key]):.3g}",
+            len(samples[key]),
         ]
         for model in models
         for net in nets
-        for label, _, overlap in SYSTEMS
-        if (model, net, label, overlap) in med
+        for label, _, overlap in chosen
+        if (key := (model, net, label, overlap)) in med
     ]
 
     def ratio(
@@ -594,6 +612,7 @@ def measure(
             s_on, s_off = (model, net, "ours sync", True), (model, net, "ours sync", False)
             a_on, a_off = (model, net, "ours async", True), (model, net, "ours async", False)
             ar, ddp = (model, net, "ours allreduce", False), (model, net, "DDP gloo", False)
+            ar_on = (model, net, "ours allreduce", True)
             goal_vs_off = ">= 1.3" if (net == "1gbit" and model == "lm") else ">= 1.0"
             ratios.append(ratio("sync overlap / sync no overlap", s_on, s_off, goal_vs_off))
             ratios.append(
@@ -606,30 +625,54 @@ def measure(
             )
             ddp_goal = {"1gbit": ">= 1.0", "10gbit": ">= 0.95"}.get(net, "")
             ratios.append(ratio("async overlap / DDP gloo", a_on, ddp, ddp_goal))
-            ratios.append(ratio("allreduce (no overlap yet) / DDP gloo", ar, ddp, ddp_goal))
+            ratios.append(ratio("allreduce no overlap / DDP gloo", ar, ddp, ""))
+            ratios.append(ratio("allreduce overlap / DDP gloo", ar_on, ddp, ddp_goal))
+            ratios.append(
+                ratio(
+                    "allreduce overlap / allreduce no overlap",
+                    ar_on,
+                    ar,
+                    ">= 1.0" if net == "loopback" else "",
+                )
+            )
             ratios.append(
                 ratio("sync overlap / DDP gloo", s_on, ddp, ">= 0.95" if net == "10gbit" else "")
             )
             ratios.append(
                 ratio("sync overlap / torch RPC PS", s_on, (model, net, "torch RPC PS", False), "")
             )
+    ratios = [r for r in ratios if r.ratio is not None]
     params = {m: sum(p.numel() for p in build_model(m, sizes).parameters()) for m in models}
+    load = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "?"
     notes = [
         f"{workers} workers, {shards} shards (one host each on emulated links), models: "
         + ", ".join(f"{m} {params[m] / 1e6:.1f}M parameters" for m in models)
-        + f"; {sizes.warmup} warm-up + {sizes.steps} timed steps, median of {rounds} rounds"
-        " (windows in one process start per system; systems one after another)",
+        + f"; {sizes.warmup} warm-up + {sizes.steps} timed steps per process start; the "
+        f"median of {rounds} rounds, each round one start per system, systems interleaved "
+        "(the order reversed every other round); min-max: the rounds' spread",
+        f"1-minute load average when each run started: {load}",
         "every process shares this machine's CPUs (torch threads = 1 each): compute is slow, "
         "so communication is a smaller share of a step than on GPUs",
-        "allreduce has no overlap yet (buckets reduced after backward); torch RPC PS applies "
-        "each trainer's gradient at once (the tutorial's async PS)",
+        *(
+            [
+                "allreduce with overlap starts each gradient bucket's ring all-reduce from "
+                "backward's hooks (DDP's way)"
+            ]
+            if "allreduce+overlap" in systems
+            else []
+        ),
+        *(
+            ["torch RPC PS applies each trainer's gradient at once (the tutorial's async PS)"]
+            if "rpcps" in systems
+            else []
+        ),
         *links,
         *failures,
     ]
     return Table(
         "training",
         "training throughput, samples/s (higher is better)",
-        ["model", "network", "system", "overlap", "samples/s", "rounds"],
+        ["model", "network", "system", "overlap", "samples/s", "min-max", "rounds"],
         rows,
         notes=notes,
         ratios=ratios,
@@ -637,6 +680,7 @@ def measure(
         raw={
             "samples": {" | ".join(map(str, k)): v for k, v in samples.items()},
             "sizes": sizes.__dict__,
+            "load": loads,
         },
         elapsed_s=time.perf_counter() - started,
     )
@@ -649,6 +693,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nets", nargs="+", default=list(NETS), choices=list(NETS))
     parser.add_argument("--models", nargs="+", default=["lm", "cnn"], choices=["lm", "cnn"])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=None,
+        choices=sorted({m for _, m, _ in SYSTEMS.values()}),
+        help="of --systems, only these modes' (e.g. --modes allreduce: overlap off and on)",
+    )
     parser.add_argument("--out-json", default=None, help="write the table here")
     # a worker's
     parser.add_argument("--model", default="lm")
@@ -665,7 +717,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "worker":
         run_worker(args)
         return 0
-    table = measure(args.quick, args.nets, args.models, args.rounds)
+    table = measure(
+        args.quick, args.nets, args.models, args.rounds, systems=args.systems, modes=args.modes
+    )
     print_table(table)
     for r in table.ratios:
         shown = "n/a" if r.ratio is None else f"{r.ratio:.2f}"

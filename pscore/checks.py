@@ -73,29 +73,28 @@ def tensor_nbytes(name: str, dtype: str, shape: Iterable[int], limit: int | None
 
 def all_finite(array: np.ndarray) -> bool:
     """Whether a float array holds no NaN or Inf. A large, aligned float32/float64 array is
-    first dotted with itself (one BLAS pass, no temporary): a finite result proves it; a NaN
-    or Inf anywhere, or finite values large enough to overflow, fall through to the exact
-    check. (Unaligned data, such as a tensor decoded in place from a message, would take
-    numpy's non-BLAS loop: 847 us against 18 us for 1 MiB, bench/NOTES.md 19.)"""
-    return finite_squares(array)[0]
+    first dotted with itself (``measured_squares``: one BLAS pass, no temporary): a finite
+    result proves it; a NaN or Inf anywhere, or finite values large enough to overflow, fall
+    through to the exact check. (Unaligned data, such as a tensor decoded in place from a
+    message, would take numpy's non-BLAS loop: 847 us against 18 us for 1 MiB, bench/NOTES.md
+    19.)"""
+    squares = measured_squares(array)
+    if squares is not None and np.isfinite(squares):
+        return True
+    return bool(np.isfinite(array).all())
 
 
-def finite_squares(array: np.ndarray) -> tuple[bool, float | None]:
-    """``all_finite``, and the array's sum of squares when that is what proved it (a large,
-    aligned float32/float64 array: one BLAS pass), else None: so a caller that needs both
-    (the shard's overflow guard, ``pscore.variables``) reads the array once, not twice."""
+def measured_squares(array: np.ndarray) -> float | None:
+    """``sum_squares`` of a large, aligned, contiguous float32/float64 array (what
+    ``all_finite`` measures it with); None for any other array, which is checked exactly."""
     if (
         array.size >= 1 << 16
         and array.dtype in (np.float32, np.float64)
         and array.flags.aligned
         and array.flags.c_contiguous
     ):
-        flat = array.reshape(-1)
-        with np.errstate(over="ignore", invalid="ignore"):
-            squares = float(np.dot(flat, flat))
-        if math.isfinite(squares):
-            return True, squares
-    return bool(np.isfinite(array).all()), None
+        return sum_squares(array)
+    return None
 
 
 def sum_squares(array: np.ndarray) -> float:
@@ -136,11 +135,14 @@ def check_tensor(
     array: np.ndarray,
     what: str,
     finite: bool = False,
-    measured: dict[str, float] | None = None,
-) -> None:
+) -> float | None:
     """Checks ``array`` against a variable's declared shape and dtype, and for NaN/Inf
-    (unless ``finite``: already known, e.g. from ``all_finite_together``). ``measured``: gets
-    ``name``'s sum of squares when the NaN/Inf check took it (see ``finite_squares``).
+    (unless ``finite``: already known, e.g. from ``all_finite_together``).
+
+    Returns:
+        The array's sum of squares when the finite check measured it (``measured_squares``),
+        so a caller that needs it (the optimizer's overflow guard) need not measure it
+        again; else None.
 
     Raises:
         InvalidRequestError: wrong dtype or non-finite floats.
@@ -156,12 +158,13 @@ def check_tensor(
             f"{tuple(array.shape)}"
         )
     if finite or array.dtype.kind != "f":
-        return
-    ok, squares = finite_squares(array)
-    if squares is not None and measured is not None:
-        measured[name] = squares
-    if not ok:
+        return None
+    squares = measured_squares(array)
+    if squares is not None and np.isfinite(squares):
+        return squares
+    if not np.isfinite(array).all():
         bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
         raise InvalidRequestError(
             f"variable '{name}': {what} has {bad} non-finite values (NaN or Inf)"
         )
+    return None

@@ -293,11 +293,19 @@ class Job:
             check_rows(spec.table, ids, None, "pull")
         return keys
 
-    def checked_grads(self, grads: Mapping[str, np.ndarray | RowSparse]) -> CheckedGrads:
+    def checked_grads(
+        self,
+        grads: Mapping[str, np.ndarray | RowSparse],
+        squares: dict[str, float] | None = None,
+    ) -> CheckedGrads:
         """A push's gradients, validated against the job; float16 gradients of float32
         variables (wire compression) widened to float32, so averaging and the optimizer run in
-        float32. (bfloat16 arrives already widened.) The sums of squares the checks measured
-        ride along (``CheckedGrads.squares``).
+        float32. (bfloat16 arrives already widened.) ``squares``, when given, holds sums of
+        squares of some of these very arrays already measured (a finite one proves its array
+        finite: not checked again) and receives those the finite check measures
+        (``check_tensor``), by key: a step applying these gradients passes them to
+        ``Variables.apply``, which then does not measure them again. The sums of squares
+        the checks measured also ride along (``CheckedGrads.squares``).
 
         Raises:
             UnknownVariableError: a gradient for a variable the job lacks.
@@ -327,8 +335,14 @@ class Job:
                 known = finite and batched(grad)
                 if grad.dtype == np.float16 and spec.dtype == "float32" and not spec.average:
                     grad = grad.astype(np.float32)
+                elif squares is not None and key in squares:
+                    known = known or bool(np.isfinite(squares[key]))
                 what = "buffer value" if spec.average else "gradient"
-                check_tensor(key, spec.shape, spec.dtype, grad, what, known, out.squares)
+                measured = check_tensor(key, spec.shape, spec.dtype, grad, what, known)
+                if measured is not None:
+                    out.squares[key] = measured
+                    if squares is not None:
+                        squares[key] = measured
             out[key] = grad
         return out
 

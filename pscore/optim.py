@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -21,6 +22,7 @@ from pswire.errors import ConfigError
 DEFAULT_BLOCK_ELEMENTS = 1 << 16
 
 _scratch_local = threading.local()
+_T = TypeVar("_T")
 
 # A derived bound (``Optimizer.result_bound``) allows this much per norm for rounding: 9
 # float32 roundings in a row scale a norm by at most (1 + 2**-24)**9 < 1 + 6e-7.
@@ -33,10 +35,11 @@ _PROVEN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 OPTIMIZER_THREADS = min(
     8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 )
-# Each thread gets at least this many pieces (512K elements): handing pieces to the pool and
-# waiting for them costs more than it saves below that (a 1M-param SGD momentum step, the
-# largest variable 10 pieces: 1.42 ms on one thread, 1.87 ms on two; bench/NOTES.md 28).
-MIN_PIECES_PER_THREAD = 8
+# Pieces each thread must have before another thread is woken: a wake-up and the pool's
+# hand-off cost as much as several pieces (far more on a loaded machine), so a small step (a
+# 4,096 x 64 table step is 4 pieces) runs in the calling thread: 262,144 elements took 279 us
+# on 1 thread and 433 us on 2 (bench/NOTES.md 25). 16 pieces is 1M elements.
+PIECES_PER_THREAD = 16
 _pool_lock = threading.Lock()
 _pool_executor: ThreadPoolExecutor | None = None
 
@@ -58,6 +61,18 @@ def _forget_pool() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_pool)
+
+
+def run_pieces(count: int, run: Callable[[int, int], _T]) -> list[_T]:
+    """``run(first, last)`` over pieces ``0..count-1``: whole in this thread, or, once each
+    thread would have ``PIECES_PER_THREAD`` pieces, as contiguous ranges on the optimizer
+    threads at once (numpy lets go of the GIL inside each call). The results in range order,
+    so whatever combines them does it in the same order whatever the threads."""
+    threads = min(OPTIMIZER_THREADS, count // PIECES_PER_THREAD) or 1
+    if threads == 1:
+        return [run(0, count)]
+    bounds = [count * i // threads for i in range(threads + 1)]
+    return list(_pool().map(run, bounds[:-1], bounds[1:]))
 
 
 def scratch(like: np.ndarray, index: int = 0) -> np.ndarray:
@@ -168,12 +183,7 @@ class Optimizer:
                     after = {k: v for k, v in sub.items() if k not in arrays and k not in made}
             return after, sums
 
-        threads = min(OPTIMIZER_THREADS, len(starts) // MIN_PIECES_PER_THREAD) or 1
-        bounds = [len(starts) * i // threads for i in range(threads + 1)]
-        if threads == 1:
-            done = [run(0, len(starts))]
-        else:  # numpy lets go of the GIL inside each call: the pieces run in parallel
-            done = list(_pool().map(run, bounds[:-1], bounds[1:]))
+        done = run_pieces(len(starts), run)
         state.update(done[-1][0])
         state.update({k: whole.reshape(param.shape) for k, whole in made.items()})
         if not measure:

@@ -9,6 +9,7 @@ result and only then scatters it back.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,13 +18,20 @@ from typing import Any
 import numpy as np
 
 from pscore.checks import all_finite
-from pscore.optim import Optimizer
+from pscore.optim import Optimizer, run_pieces, scratch
 from pscore.rowindex import RowIndex
-from pscore.tables import TableSlice, init_rows, scatter_rows, sum_duplicates
+from pscore.tables import TableSlice, gather_rows, init_rows, row_items, sum_duplicates
 from pswire.errors import InvalidRequestError
 
 # Arrays at least this large are reserved as anonymous memory in 4 KiB pages (see _reserve).
 _RESERVE_MIN_BYTES = 1 << 22
+# A row step's piece: 128 KiB of rows (512 of 64 float32). Gathered, stepped and stored while
+# in a core's cache: 4,096 x 64 took 589-703 us a step in 512-row pieces, 741-961 in 1,024,
+# 739-825 in 256 (an interleaved A/B, bench/NOTES.md 25).
+_PIECE_BYTES = 1 << 17
+# The thread's scratch blocks a row step's working rows use (pscore.optim.scratch): those
+# below are the optimizers' own intermediates.
+_WORK = 8
 
 
 @dataclass(frozen=True)
@@ -41,9 +49,11 @@ class RowStore:
     """The rows of one table slice and their optimizer state; not thread-safe (the shard
     holds its lock around every call).
 
-    Fixed slices are one array reserved at creation and filled row by row as rows are first
-    touched: a large table costs memory only as it is used (in 4 KiB pages; an export fills
-    the rest). Dynamic slices map ids to rows (``RowIndex``) of arrays that grow by doubling;
+    Fixed slices are one array reserved at creation and filled in the order rows are first
+    touched (``_slot``: each id's row there, plus one; 0 for an id not touched yet): a large
+    table costs memory only as it is used, and a batch of new rows fills whole pages in turn
+    instead of faulting in one page per row (an export fills the rest). Dynamic slices map ids
+    to rows (``RowIndex``) of arrays that grow by doubling;
     with a capacity, the least recently touched rows (pulled or pushed) are evicted and
     counted, and come back re-initialised if touched again.
     """
@@ -57,7 +67,8 @@ class RowStore:
         rows = self._index.size if self._index is not None else spec.local_rows
         # Fixed: reserved, not touched (the OS backs pages as rows are made); dynamic: small.
         self.values = _reserve((rows, spec.dim), spec.dtype)
-        self._made = np.zeros(0 if spec.dynamic else rows, dtype=bool)  # fixed rows drawn
+        self._slot = _reserve((0 if spec.dynamic else rows,), _slot_dtype(rows))
+        self._made = 0  # fixed rows drawn so far: they are values[:_made]
         kinds = self.optimizer.make_state(self.values[:0])
         self.slots = {
             k: _reserve(self.values.shape, spec.dtype)
@@ -79,7 +90,7 @@ class RowStore:
     def gather(self, ids: np.ndarray) -> np.ndarray:
         """Copies of rows ``ids`` (checked), creating rows on first touch."""
         rows = self._locate(ids)  # first: it may grow (replace) the arrays
-        return np.take(self.values, rows, axis=0, mode="clip")  # in range: checked
+        return gather_rows(self.values, rows)
 
     def apply(self, ids: np.ndarray, grad: np.ndarray, optimizer: Optimizer | None = None) -> bool:
         """One optimizer step on the touched rows (duplicates summed); others are untouched.
@@ -88,55 +99,79 @@ class RowStore:
 
         ``optimizer``: this update's hyper-parameters (a scheduler's lr, ...), with the slots
         of the one the store was made with; None: that one."""
-        store = self.step(ids, grad, optimizer)
-        if store is None:
-            return False
-        store()
-        return True
+        return self.step(ids, grad, optimizer) is not None
 
     def step(
         self, ids: np.ndarray, grad: np.ndarray, optimizer: Optimizer | None = None
     ) -> Callable[[], None] | None:
-        """``apply`` in two halves: computes the step, changing no row or slot, and returns
-        the call that stores it (to be made before this store's next step), or None when the
-        result would not be finite. So an update of several variables stores nothing until
-        every part of it is known to be finite."""
+        """``apply``, undoably: returns the call that puts every row and slot back as they
+        were (to be made before this store's next step, if at all), or None when the result
+        would not be finite (then nothing changed). So an update of several variables
+        changes nothing when any part of it is refused.
+
+        The step runs in cache-sized pieces of rows: each piece is gathered (its old rows
+        kept), stepped, measured and stored while it is in cache, where gathering every row,
+        stepping them all and storing them after took each row through memory three times
+        more (bench/NOTES.md 25). A piece whose result is not finite puts back every piece
+        stored before it."""
         ids, grad = sum_duplicates(ids, grad)
         rows = self._locate(ids)
         if not len(rows):
             return _nothing
-        part = self._gathered("values", self.values, rows)
-        sub = {
-            k: self._gathered(k, v, rows) if isinstance(v, np.ndarray) else v
-            for k, v in self.slots.items()
-        }
-        # In cache-sized pieces, the results measured as they are made (optim.py): a finite
-        # measure proves every result finite; else each is checked exactly.
-        with np.errstate(over="ignore", invalid="ignore"):  # non-finite results: refused
-            squares = (optimizer or self.optimizer).apply_blocked(
-                part, np.asarray(grad, self.values.dtype), sub, measure=True
-            )
-        arrays = [part, *(v for v in sub.values() if isinstance(v, np.ndarray))]
-        proven = squares is not None and bool(np.isfinite(squares))
-        if not proven and not all(all_finite(a) for a in arrays):
+        optimizer = optimizer or self.optimizer
+        grad = np.asarray(grad, self.values.dtype)
+        arrays = {"values": self.values}
+        arrays.update((k, v) for k, v in self.slots.items() if isinstance(v, np.ndarray))
+        scalars = {k: v for k, v in self.slots.items() if not isinstance(v, np.ndarray)}
+        kept = {k: self._kept(k, a, len(rows)) for k, a in arrays.items()}
+        size = max(1, _PIECE_BYTES // (self.spec.dim * self.values.itemsize))  # rows a piece
+        starts = range(0, len(rows), size)
+        # Each array as one item per row: a row moves as one block of bytes.
+        whole = {k: row_items(a) for k, a in arrays.items()}
+        old = {k: row_items(a) for k, a in kept.items()}
+
+        def run(first: int, last: int) -> tuple[dict[str, Any], slice, bool]:
+            """Pieces ``first`` to ``last`` in turn: (the scalar slots after, the rows
+            stored, whether every piece was finite: the first that is not ends the run)."""
+            after, begin = scalars, starts[first]
+            with np.errstate(over="ignore", invalid="ignore"):  # non-finite results: refused
+                for start in starts[first:last]:
+                    part = slice(start, start + size)
+                    at = rows[part]
+                    work = {}
+                    for index, key in enumerate(arrays):
+                        np.take(whole[key], at, out=old[key][part], mode="clip")
+                        work[key] = rows_now = scratch(kept[key][part], _WORK + index)
+                        np.copyto(rows_now, kept[key][part])
+                    sub = {**scalars, **work}
+                    optimizer.apply(sub.pop("values"), grad[part], sub)
+                    if not all(map(_finite, work.values())):
+                        return after, slice(begin, start), False
+                    for key, rows_now in work.items():
+                        whole[key][at] = row_items(rows_now)
+                    after = {k: sub[k] for k in scalars}
+            return after, slice(begin, min(starts[last - 1] + size, len(rows))), True
+
+        done = run_pieces(len(starts), run)
+        stored = [span for _, span, _ in done]
+
+        def undo() -> None:
+            for span in stored:
+                for key, items in whole.items():
+                    items[rows[span]] = old[key][span]
+            self.slots.update(scalars)
+
+        if not all(finite for _, _, finite in done):
+            undo()
             return None
-
-        def store() -> None:
-            scatter_rows(self.values, rows, part)
-            for key, value in sub.items():
-                if isinstance(self.slots[key], np.ndarray):
-                    scatter_rows(self.slots[key], rows, value)
-                else:
-                    self.slots[key] = value
-
-        return store
+        self.slots.update(done[-1][0])
+        return undo
 
     def export(self) -> TableState:
-        if self._index is None:
-            if not self._made.all():
-                self._locate(np.arange(self.spec.row_start, self.spec.row_end, dtype=np.int64))
-            slots = {k: _take(v, slice(None)) for k, v in self.slots.items()}
-            return TableState(None, self.values.copy(), slots, self.evictions)
+        if self._index is None:  # every row, in id order
+            rows = self._locate(np.arange(self.spec.row_start, self.spec.row_end, dtype=np.int64))
+            slots = {k: _take(v, rows) for k, v in self.slots.items()}
+            return TableState(None, gather_rows(self.values, rows), slots, self.evictions)
         rows = self._index.order()
         slots = {k: _take(v, rows) for k, v in self.slots.items()}
         return TableState(self._index.ids[rows], self.values[rows], slots, self.evictions)
@@ -159,7 +194,9 @@ class RowStore:
                 f"({expected}, {spec.dim})"
             )
         store.values = np.array(state.values, dtype=spec.dtype, copy=True)
-        store._made = np.ones(0 if spec.dynamic else len(store.values), dtype=bool)
+        fixed = 0 if spec.dynamic else len(store.values)  # held in id order
+        store._slot = np.arange(1, fixed + 1, dtype=_slot_dtype(fixed))
+        store._made = fixed
         store.slots = {k: _take(v, slice(None)) for k, v in state.slots.items()}
         store._index = None
         if spec.dynamic:
@@ -170,33 +207,38 @@ class RowStore:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _fresh(self, ids: np.ndarray) -> np.ndarray:
-        s = self.spec
-        return init_rows(ids, s.dim, s.dtype, s.init, s.init_scale, s.seed)
-
-    def _start(self, rows: np.ndarray, ids: np.ndarray) -> None:
+    def _start(self, rows: np.ndarray | slice, ids: np.ndarray) -> None:
         """Draws rows ``rows`` for ids ``ids`` and starts their optimizer state."""
-        self.values[rows] = fresh = self._fresh(ids)
+        s = self.spec
+        if isinstance(rows, slice):  # contiguous: drawn in place
+            init_rows(ids, s.dim, s.dtype, s.init, s.init_scale, s.seed, out=self.values[rows])
+        else:
+            self.values[rows] = init_rows(ids, s.dim, s.dtype, s.init, s.init_scale, s.seed)
         # Arrays where the dense optimizer makes them lazily (SGD's momentum buffer): a row's
         # buffer starts at zero, so its first step equals torch's buf = grad (dampening 0).
-        for k, v in self.optimizer.make_state(fresh).items():
+        for k, v in self.optimizer.make_state(self.values[:1]).items():
             if isinstance(self.slots.get(k), np.ndarray):
                 self.slots[k][rows] = 0 if v is None else v
 
     def _locate(self, ids: np.ndarray) -> np.ndarray:
         if self._index is None:
-            rows = ids - self.spec.row_start if self.spec.row_start else ids
-            if len(rows) and (rows.min() < 0 or rows.max() >= self.spec.local_rows):
+            local = ids - self.spec.row_start if self.spec.row_start else ids
+            if len(local) and (local.min() < 0 or local.max() >= self.spec.local_rows):
                 raise InvalidRequestError(
                     f"table '{self.spec.key}': ids outside [{self.spec.row_start}, "
                     f"{self.spec.row_end}) reached its rows"
                 )
-            made = self._made[rows]
-            if not made.all():  # first touch: draw the rows, start their optimizer state
-                first = np.unique(rows[~made])
-                self._start(first, first + self.spec.row_start)
-                self._made[first] = True
-            return rows
+            slots = self._slot[local]
+            if not slots.all():  # first touch: draw the rows, start their optimizer state
+                first = local[slots == 0]
+                if len(first) > 1 and not (first[1:] > first[:-1]).all():
+                    first = np.unique(first)  # not sorted, or an id twice
+                made = self._made + len(first)
+                self._slot[first] = np.arange(self._made + 1, made + 1, dtype=self._slot.dtype)
+                self._start(slice(self._made, made), first + self.spec.row_start)
+                self._made = made
+                slots = self._slot[local]
+            return slots.astype(np.intp) - 1
         rows, first = self._index.locate(ids)
         self._grow(self._index.size)
         if len(first):
@@ -214,24 +256,26 @@ class RowStore:
             k: _resized(v, size) if isinstance(v, np.ndarray) else v for k, v in self.slots.items()
         }
 
-    def _gathered(self, key: str, array: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """Rows ``rows`` of ``array`` copied into this store's scratch array for ``key``
-        (reused: a step allocates no row-sized arrays of its own)."""
+    def _kept(self, key: str, array: np.ndarray, count: int) -> np.ndarray:
+        """This store's scratch array for ``key``'s old rows in a step, ``count`` rows like
+        ``array``'s (reused: a step allocates no row-sized arrays of its own)."""
         buffer = self._scratch.get(key)
-        if buffer is None or len(buffer) < len(rows) or buffer.dtype != array.dtype:
-            buffer = np.empty((max(len(rows), 16), *array.shape[1:]), dtype=array.dtype)
+        if buffer is None or len(buffer) < count or buffer.dtype != array.dtype:
+            buffer = np.empty((max(count, 16), *array.shape[1:]), dtype=array.dtype)
             self._scratch[key] = buffer
-        out = buffer[: len(rows)]
-        np.take(array, rows, axis=0, out=out, mode="clip")  # in range: checked
-        return out
+        return buffer[:count]
 
 
-def _reserve(shape: tuple[int, int], dtype: str) -> np.ndarray:
+def _slot_dtype(rows: int) -> type:
+    return np.int32 if rows < 2**31 - 1 else np.int64
+
+
+def _reserve(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """Zeros that cost memory only where rows are written. Large ones are anonymous memory the
     kernel maps on first touch, in 4 KiB pages: numpy asks for 2 MiB pages for large arrays,
     and then the first touch of a row zeroes (and commits) 2 MiB, so a batch of random rows
     commits most of a table (bench/NOTES.md 20)."""
-    nbytes = shape[0] * shape[1] * np.dtype(dtype).itemsize
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     if nbytes < _RESERVE_MIN_BYTES:
         return np.zeros(shape, dtype=dtype)
     region = mmap.mmap(-1, nbytes)
@@ -250,5 +294,13 @@ def _take(value: Any, index: Any) -> Any:
     return value[index].copy() if isinstance(value, np.ndarray) else value
 
 
+def _finite(array: np.ndarray) -> bool:
+    """Whether a piece's result is finite (numpy's errors ignored by the caller): its sum of
+    squares proves it when finite (one pass in cache), else the exact check decides (finite
+    values can overflow the sum)."""
+    flat = array.reshape(-1)
+    return bool(np.isfinite(np.dot(flat, flat))) or all_finite(array)
+
+
 def _nothing() -> None:
-    """The store of a step that touched no row."""
+    """The undo of a step that touched no row."""

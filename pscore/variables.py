@@ -19,7 +19,7 @@ from pscore.checks import (
     check_tensor,
     sum_squares,
 )
-from pscore.job import CheckedGrads, Job
+from pscore.job import CheckedGrads, Job, VarSpec
 from pscore.optim import Optimizer
 from pscore.rowstore import RowStore, TableState
 from pscore.tables import RowSparse
@@ -74,6 +74,7 @@ class Variables:
         optimizers: tuple[Optimizer, ...] | None = None,
         skip: bool = False,
         summed: bool = True,
+        known_squares: Mapping[str, float] | None = None,
     ) -> None:
         """One optimizer step with ``update`` (gradients by key; rows for tables).
 
@@ -82,14 +83,16 @@ class Variables:
         buffers still take their values. A buffer (e.g. BatchNorm running stats) takes the
         pushed values (averaged over the round in sync mode) with no optimizer. ``summed``:
         the update sums several pushes (sync), so a table's rows may have overflowed; False:
-        it is one push, whose rows were checked as it arrived.
+        it is one push, whose rows were checked as it arrived. ``known_squares``: the sums
+        of squares of some of ``update``'s gradients, already measured (``Job.checked_grads``
+        of these very arrays), which are then not measured again.
 
         Nothing non-finite is ever stored, and a refused update changes nothing: one whose
         gradient is not finite (a sum that overflowed) is refused before anything changes;
-        tables' rows are computed first and stored last, once every result is known to be
-        finite; dense variables whose inputs are large enough that the optimizer could overflow
-        are computed with the old values kept, and restored when any result is not finite;
-        buffers take their values last.
+        tables' rows are stepped first, each table's old rows kept, and put back when any
+        later result is not finite; dense variables whose inputs are large enough that the
+        optimizer could overflow are computed with the old values kept, and restored when any
+        result is not finite; buffers take their values last.
 
         Raises:
             StepRefusedError: a gradient or a result is not finite; nothing changed (dense
@@ -114,10 +117,10 @@ class Variables:
         for key, values in checked:
             if small and batched(values):
                 continue
-            if key in known:  # finite: that is what the check proved
-                grad_squares[key] = known[key]
-                continue
-            squares = grad_squares[key] = sum_squares(values)
+            found = known.get(key)
+            if found is None and known_squares is not None:
+                found = known_squares.get(key)
+            squares = grad_squares[key] = found if found is not None else sum_squares(values)
             if not np.isfinite(squares) and not all_finite(values):
                 raise StepRefusedError(
                     f"the gradient to apply to '{key}' is not finite (a sum or average of "
@@ -128,16 +131,39 @@ class Variables:
             for k, g in update.items()
             if not skip and not isinstance(g, RowSparse) and not specs[k].average
         ]
-        # Tables first, computed but not stored: a refusal then changes nothing anywhere.
-        stores: list[Callable[[], None]] = []
+        # Tables first, each undoable: a refusal anywhere after puts their rows back.
+        undos: list[Callable[[], None]] = []
+        try:
+            self._step(groups, specs, update, trained, grad_squares, skip, undos)
+        except BaseException:
+            for undo in reversed(undos):
+                undo()
+            raise
+
+    def _step(
+        self,
+        groups: tuple[Optimizer, ...],
+        specs: Mapping[str, VarSpec],
+        update: Mapping[str, Any],
+        trained: list[str],
+        grad_squares: dict[str, float],
+        skip: bool,
+        undos: list[Callable[[], None]],
+    ) -> None:
+        """``apply`` once the gradients are checked: the tables' steps (each one's undo added
+        to ``undos``), then the dense variables', then the buffers' values.
+
+        Raises:
+            StepRefusedError: some result is not finite (the caller undoes the tables).
+        """
         refused: list[str] = []
         for key, grad in update.items():
             if isinstance(grad, RowSparse) and not skip and not specs[key].average:
-                store = self.tables[key].step(grad.ids, grad.values, groups[specs[key].group])
-                if store is None:
+                undo = self.tables[key].step(grad.ids, grad.values, groups[specs[key].group])
+                if undo is None:
                     refused.append(key)
                 else:
-                    stores.append(store)
+                    undos.append(undo)
         if refused:
             raise StepRefusedError(
                 f"the optimizer step made {refused} non-finite (values or optimizer state "
@@ -183,8 +209,6 @@ class Variables:
         for key, grad in update.items():
             if specs[key].average:
                 np.copyto(self.values[key], grad, casting="unsafe")
-        for store in stores:
-            store()
 
     def _risky(
         self,

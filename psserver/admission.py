@@ -169,6 +169,12 @@ class Admission:
 
     # -- bytes arriving ------------------------------------------------------------------------
 
+    @property
+    def inflight_bytes(self) -> int:
+        """The bytes the requests arriving now have reserved (read only)."""
+        with self._lock:
+            return self._inflight
+
     @contextlib.contextmanager
     def inflight(self) -> Iterator[Callable[[int], None]]:
         """A ``reserve(n)`` for one call's arriving tensors, all released when the call ends:

@@ -11,6 +11,7 @@ transport. TLS, mutual TLS and the token are Flight's own options and a server m
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -43,8 +44,16 @@ from pswire.security import ServerSecurity
 
 log = logging.getLogger(__name__)
 DEFAULT_PIECE_BYTES = fw.PIECE_BYTES
-# Each data command's step, in metrics, as the grpcio call doing the same.
-RPC_OF = {fw.PUSH_PULL: "PushPull", fw.PUSH: "Push", fw.PULL: "Pull", fw.STEP: "PushPull"}
+# Each data command's step, in metrics, as the grpcio call doing the same. A streamed step is
+# timed apart: its time runs from its header, sent at backward's first gradient, so it
+# includes the backward it overlapped.
+RPC_OF = {
+    fw.PUSH_PULL: "PushPull",
+    fw.STREAMED: "PushPullStreamed",
+    fw.PUSH: "Push",
+    fw.PULL: "Pull",
+    fw.STEP: "PushPull",
+}
 # A small step's request may pass the shard's byte limit on its tensors by this much: its
 # header, each tensor's framing, the row ids (``--max-request-bytes`` counts the tensors).
 STEP_FRAMING_BYTES = 1 << 20
@@ -97,7 +106,7 @@ class FlightShardService(flight.FlightServerBase):
                         raise CallCancelledError(f"{op.decode()}: the worker cancelled the call")
                     if self.stopping.is_set():  # an exchange kept open outlives the stop
                         raise UnavailableError(f"{op.decode()}: the shard is stopping")
-                    self._timed(op, step, first, reader, writer, held)
+                    self._timed(op, step, context, first, reader, writer, held)
         except Exception as exc:
             raise fw.to_flight_error(exc, f"DoExchange {op!r}") from None
 
@@ -121,12 +130,14 @@ class FlightShardService(flight.FlightServerBase):
     def _ops(self) -> dict[bytes, Any]:
         return {
             fw.PUSH_PULL: self._push_pull,
+            # Read as it arrives: see _read_push.
+            fw.STREAMED: functools.partial(self._push_pull, turn=False),
             fw.PUSH: self._push,
             fw.PULL: self._pull,
             fw.STEP: self._step,
         }
 
-    def _step(self, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
+    def _step(self, context: Any, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
         """A small step (``fw.STEP``): the step stream's request in the message's metadata,
         answered as the grpcio step stream answers it (``servicer.step_reply``), its reply's
         bytes in the metadata of one message back."""
@@ -155,20 +166,45 @@ class FlightShardService(flight.FlightServerBase):
             reply = step_reply(self.shard, request, timeout)
         writer.write_metadata(reply)
 
-    def _read_push(self, first: Any, reader: Any, where: str) -> tuple[Any, dict[str, Any]]:
-        """(the request, its gradients), every tensor checked against the manifest, the
-        shard's byte limit and the bytes arriving at once (``--max-inflight-bytes``, held
-        until the step is applied) before its bytes are read."""
+    def _read_push(
+        self, context: Any, first: Any, reader: Any, where: str, turn: bool = True
+    ) -> tuple[Any, dict[str, Any], float | None]:
+        """(the request, its gradients, what is left of the step's wait), every tensor checked
+        against the manifest, the shard's byte limit and the bytes arriving at once
+        (``--max-inflight-bytes``: reserved as each tensor begins, released once the push is
+        read) before its bytes are read. A whole push is read only on its turn
+        (``Shard.wait_turn``: a sync round reads one push at a time, in worker order); a
+        streamed one (``turn`` False) as it arrives, since its bytes come while its worker's
+        backward runs and holding them back would stall that backward's stream."""
+        arrived = time.monotonic()  # the step's one deadline counts from its header
         request = fw.parse(ps_pb2.PushPullRequest, first.app_metadata, where)
         limit = self.shard.limits.max_request_bytes
         fw.check_manifest(request.chunks, limit, where)
+        h = request.header
+        if turn:
+            self.shard.wait_turn(
+                h.worker_id,
+                h.step,
+                timeout=_left(request.timeout_ms, arrived),
+                incarnation=h.incarnation,
+                cancelled=context.is_cancelled,
+            )
         with self.admission.inflight() as reserve:
             assembler = ChunkAssembler(limit, reserve=reserve)
             fw.read_step(reader, first.data, request.chunks, assembler, where)
-            return request, assembled_grads(assembler)
+            grads = assembled_grads(assembler)
+        return request, grads, _left(request.timeout_ms, arrived)
 
-    def _push_pull(self, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
-        request, grads = self._read_push(first, reader, "push_pull")
+    def _push_pull(
+        self,
+        context: Any,
+        first: Any,
+        reader: Any,
+        writer: Any,
+        held: _Exchange,
+        turn: bool = True,
+    ) -> None:
+        request, grads, timeout = self._read_push(context, first, reader, "push_pull", turn)
         h = request.header
         if held.worker is None:  # the exchange's first step: it holds one of the worker's
             held.enter_context(self.admission.step_stream(h.worker_id))  # step streams
@@ -180,7 +216,7 @@ class FlightShardService(flight.FlightServerBase):
             h.step,
             grads,
             encode=lambda arrays, _: self._held(arrays, gathered),
-            timeout=fw.request_timeout(request.timeout_ms, DEADLINE_MARGIN_S),
+            timeout=timeout,
             incarnation=h.incarnation,
             take=True,  # the arrays were decoded for this call alone
             session=h.session,
@@ -189,14 +225,14 @@ class FlightShardService(flight.FlightServerBase):
         )
         self._reply(writer, push_response(result, self.shard.incarnation), held_reply, clock)
 
-    def _push(self, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
-        request, grads = self._read_push(first, reader, "push")
+    def _push(self, context: Any, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
+        request, grads, timeout = self._read_push(context, first, reader, "push")
         h = request.header
         result = self.shard.push(
             h.worker_id,
             h.step,
             grads,
-            timeout=fw.request_timeout(request.timeout_ms, DEADLINE_MARGIN_S),
+            timeout=timeout,
             incarnation=h.incarnation,
             take=True,
             session=h.session,
@@ -206,7 +242,7 @@ class FlightShardService(flight.FlightServerBase):
             writer, push_response(result, self.shard.incarnation), _Held([], []), result.clock
         )
 
-    def _pull(self, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
+    def _pull(self, context: Any, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
         if first.data is not None:
             raise InvalidRequestError("pull: a pull request carries no tensor bytes")
         request = fw.parse(ps_pb2.PullRequest, first.app_metadata, "pull")
@@ -256,6 +292,13 @@ class FlightShardService(flight.FlightServerBase):
             fw.write_step(writer, header, held.raws, self.piece_bytes, held.live.read)
         finally:
             held.live.release()
+
+
+def _left(timeout_ms: int, arrived: float) -> float | None:
+    """The shard's wait for a push whose header arrived at ``arrived``: its deadline counts
+    from there, as the worker's does (a push streamed from backward arrives over seconds)."""
+    wait = fw.request_timeout(timeout_ms, DEADLINE_MARGIN_S)
+    return None if wait is None else max(0.0, wait - (time.monotonic() - arrived))
 
 
 class _LiveReply:

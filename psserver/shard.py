@@ -46,6 +46,9 @@ from pswire.errors import (
 
 # No step is ever this large: a clock past it would overflow the wire's int64.
 MAX_STEP = 1 << 62
+# How often a wait for a push's turn asks whether its caller went away (a Flight call
+# cannot wake the shard when it is cancelled).
+TURN_TICK_S = 0.1
 
 
 class Shard:
@@ -341,6 +344,44 @@ class Shard:
                 self._capture_due()
                 self._cond.notify_all()
                 return self._result(True, "", worker_id, step)
+
+    def wait_turn(
+        self,
+        worker_id: int,
+        step: int,
+        timeout: float | None = None,
+        incarnation: str = "",
+        cancelled: Callable[[], bool] | None = None,
+    ) -> None:
+        """Returns once ``worker_id``'s push for ``step`` would be taken without being held
+        (``ConsistencyPolicy.turn``; in sync with three members or more: every lower worker
+        of the open round has pushed): a front end calls it before it reads a whole push's
+        bytes, so a round holds one push being read at a time instead of every worker's
+        (bench/NOTES.md 27; a push streamed from backward is read as it arrives). At once
+        for any other rule, and for a call the push itself will refuse.
+
+        ``cancelled``: asked every ``TURN_TICK_S`` while waiting (the caller gone: stop).
+
+        Raises:
+            WaitTimeoutError, StepRefusedError, UnavailableError, CallCancelledError: as
+                ``push``'s wait.
+        """
+        with self._cond:
+            job, policy = self._job, self._policy
+            if job is None or policy is None or not 0 <= worker_id < job.num_workers:
+                return  # the push refuses it, with the message it gives
+            if incarnation and incarnation != self.incarnation:
+                return
+            self._wait(
+                lambda: policy.turn(self._roster.clocks(), worker_id, step),
+                timeout,
+                cancelled,
+                lambda: (
+                    f"its turn: push by worker {worker_id} for step {step} is read once every "
+                    f"lower worker pushed; " + self._roster.waiting_for(policy, step)
+                ),
+                TURN_TICK_S,
+            )
 
     def push_pull(
         self,
@@ -893,10 +934,15 @@ class Shard:
         self,
         ready: Callable[[], bool],
         timeout: float | None,
-        cancelled: threading.Event | None,
+        cancelled: threading.Event | Callable[[], bool] | None,
         describe: Callable[[], str],
+        tick: float | None = None,
     ) -> None:
         """Waits (lock held) until ``ready()``, dropping silent workers meanwhile.
+
+        ``cancelled``: an event set (and ``wake`` called) when the caller goes away, or a
+        question asked at least every ``tick`` seconds (a front end that cannot wake the
+        shard); ``tick`` None: often enough to notice a worker passing its heartbeat timeout.
 
         Raises:
             WaitTimeoutError: not ready within the deadline; the message says what was missing.
@@ -908,7 +954,9 @@ class Shard:
         deadline = time.monotonic() + max(0.0, limit)
         # Wake up often enough to notice a worker passing its heartbeat timeout.
         hb = self.limits.heartbeat_timeout_s
-        tick = min(1.0, hb / 4) if hb > 0 else 1.0
+        every = min(1.0, hb / 4) if hb > 0 else 1.0
+        tick = every if tick is None else min(tick, every)
+        gone = cancelled.is_set if isinstance(cancelled, threading.Event) else cancelled
         while True:
             if self._failure:
                 raise StepRefusedError(self._failure)
@@ -916,7 +964,7 @@ class Shard:
                 return
             if self._closed:
                 raise UnavailableError(f"the shard is stopping; was waiting for {describe()}")
-            if cancelled is not None and cancelled.is_set():
+            if gone is not None and gone():
                 raise CallCancelledError(f"the caller went away while waiting for {describe()}")
             if self._expire():
                 continue

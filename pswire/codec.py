@@ -97,6 +97,8 @@ class ChunkAssembler:
         self._last: str | None = None
         self._bfloat16 = False
         self._ids: np.ndarray | None = None
+        self._in_place = False  # the tensor begun is decoded into its ``into`` array
+        self._placed: set[str] = set()
         # Row ids of the row-sparse tensors (those whose first chunk carried indices).
         self.indices: dict[str, np.ndarray] = {}
 
@@ -182,6 +184,7 @@ class ChunkAssembler:
             and target.flags.writeable
         ):
             self._buffer = target.reshape(-1).view(np.uint8)
+            self._in_place = True
             return False
         data = chunk.data
         if chunk.offset or len(data) != nbytes:
@@ -203,9 +206,16 @@ class ChunkAssembler:
             self.indices[self._name] = self._ids
             self._ids = None
         self._done[self._name] = bfloat16_to_float32(array) if self._bfloat16 else array
+        if self._in_place:
+            self._placed.add(self._name)
+            self._in_place = False
         self._last = self._name
         self._name = None
         self._buffer = None
+
+    def placed(self, name: str) -> bool:
+        """Whether tensor ``name`` is complete, decoded straight into its ``into`` array."""
+        return name in self._placed
 
     @property
     def pending(self) -> bool:

@@ -1,8 +1,9 @@
 """Tensor bytes on Arrow Flight: the DoExchange framing both ends share, and errors both ways.
 
 A data call is one Flight ``DoExchange`` whose descriptor command names the operation
-(``PUSH_PULL``, ``PUSH``, ``PULL``) and that carries any number of steps in turn. A step is a
-header and a byte stream:
+(``PUSH_PULL``, ``PUSH``, ``PULL``, or ``STREAMED``: a push_pull whose tensors follow as
+backward produces them) and that carries any number of steps in turn. A step is a header and
+a byte stream:
 
 - the header is the request's protobuf, as app metadata of the step's first message:
   ``PushPullRequest`` for a push, whose ``chunks`` are the tensors' manifest (name, dtype,
@@ -66,6 +67,9 @@ if not os.environ.get("ARROW_DEFAULT_MEMORY_POOL"):
 
 SCHEMA = pa.schema([pa.field("bytes", pa.uint8(), nullable=False)])
 PUSH_PULL = b"ps.push_pull/1"
+# A push_pull streamed from backward (overlap=True), framed as PUSH_PULL: the shard reads it as
+# it arrives, never holding it for its turn in a sync round (psserver/flight_service.py).
+STREAMED = b"ps.push_pull_streamed/1"
 PUSH = b"ps.push/1"
 PULL = b"ps.pull/1"
 # A small step: the step stream's own messages (a PushPullRequest with its tensors' bytes
@@ -73,7 +77,7 @@ PULL = b"ps.pull/1"
 # message each way, with no record batch: the shortest way a small model's step can travel
 # (bench/NOTES.md entry 29).
 STEP = b"ps.step/1"
-COMMANDS = (PUSH_PULL, PUSH, PULL, STEP)
+COMMANDS = (PUSH_PULL, STREAMED, PUSH, PULL, STEP)
 # A record batch's largest body: the bench's sweep (bench/flight.py --piece-mib) found 1-4 MiB
 # alike and 16 MiB slower (less overlap, larger buffers to fault in).
 PIECE_BYTES = 4 << 20
@@ -205,6 +209,18 @@ def encode_tensor(name: str, array: np.ndarray, ids: np.ndarray | None = None) -
     return entry, np.frombuffer(view, dtype=np.uint8)
 
 
+def manifest_entry(name: str, dtype: str, shape: Sequence[int]) -> Any:
+    """A tensor's manifest entry from its wire dtype and shape alone: a step streamed from
+    backward announces its tensors before they exist.
+
+    Raises:
+        InvalidRequestError: a dtype the wire does not carry, or a bad shape.
+    """
+    dims = [int(d) for d in shape]
+    nbytes = tensor_nbytes(name, dtype, dims)
+    return ps_pb2.TensorChunk(name=name, dtype=dtype, shape=dims, total_bytes=nbytes)
+
+
 def check_manifest(entries: Any, max_bytes: int | None, where: str) -> int:
     """Checks every tensor of a step before any of its bytes is read; returns the total bytes.
 
@@ -259,54 +275,94 @@ def write_step(
     step. gRPC may still hold a batch after ``write_batch`` returns, so a batch is never
     written from memory that changes.
     """
-    piece = max(1, piece_bytes)
-    pending: list[Span] = []  # small tensors waiting to be packed
-    size = 0
-    meta: bytes | None = header
+    step = StepWriter(writer, header, piece_bytes, read)
+    step.write(raws)
+    step.close()
 
-    def send(spans: list[Span]) -> None:
-        nonlocal meta
-        if read is not None:
-            data = read(spans)
+
+class StepWriter:
+    """One step written as its tensors come (``write_step`` writes them all at once): the
+    header, then each call's tensors in manifest order, batched as ``write_step`` describes
+    (a run of small tensors packed within one call), then ``close``. A step streamed from
+    backward sends ``header()`` first and each gradient's bytes as backward produces it; the
+    reader (``read_step``) cannot tell the difference."""
+
+    def __init__(
+        self,
+        writer: Any,
+        header: bytes,
+        piece_bytes: int,
+        read: Callable[[list[Span]], np.ndarray] | None = None,
+    ) -> None:
+        self._writer = writer
+        self._meta: bytes | None = header
+        self._piece = max(1, piece_bytes)
+        self._read = read
+        self._raws: list[np.ndarray] = []  # every tensor written so far: spans index it
+
+    def header(self) -> None:
+        """Sends the header now, alone (the tensors follow in later batches)."""
+        if self._meta is not None:
+            self._writer.write_metadata(self._meta)
+            self._meta = None
+
+    def write(self, raws: Sequence[np.ndarray]) -> None:
+        """Writes ``raws`` (uint8 arrays, the next tensors of the manifest) in order; a run of
+        small ones is packed into one batch, flushed before this returns."""
+        pending: list[Span] = []  # small tensors waiting to be packed
+        size = 0
+        for raw in raws:
+            i = len(self._raws)
+            self._raws.append(raw)
+            if not raw.nbytes:
+                continue
+            if raw.nbytes < PACK_BYTES:
+                if size + raw.nbytes > self._piece:
+                    self._send(pending)
+                    pending, size = [], 0
+                pending.append((i, 0, raw.nbytes))
+                size += raw.nbytes
+                continue
+            self._send(pending)
+            pending, size = [], 0
+            for offset in range(0, raw.nbytes, self._piece):
+                self._send([(i, offset, min(offset + self._piece, raw.nbytes))])
+        self._send(pending)
+
+    def close(self) -> None:
+        """Ends the step: the header alone if no batch carried it."""
+        self.header()
+
+    def _send(self, spans: list[Span]) -> None:
+        if not spans:
+            return
+        raws = self._raws
+        if self._read is not None:
+            data = self._read(spans)
         elif len(spans) == 1:
             i, start, end = spans[0]
             data = raws[i][start:end]
         else:
             data = np.concatenate([raws[i][start:end] for i, start, end in spans])
-        if meta is None:
-            writer.write_batch(as_batch(data))
+        if self._meta is None:
+            self._writer.write_batch(as_batch(data))
         else:
-            writer.write_with_metadata(as_batch(data), meta)
-            meta = None
-
-    def flush() -> None:
-        nonlocal pending, size
-        if pending:
-            send(pending)
-        pending, size = [], 0
-
-    for i, raw in enumerate(raws):
-        if not raw.nbytes:
-            continue
-        if raw.nbytes < PACK_BYTES:
-            if size + raw.nbytes > piece:
-                flush()
-            pending.append((i, 0, raw.nbytes))
-            size += raw.nbytes
-            continue
-        flush()
-        for offset in range(0, raw.nbytes, piece):
-            send([(i, offset, min(offset + piece, raw.nbytes))])
-    flush()
-    if meta is not None:
-        writer.write_metadata(meta)
+            self._writer.write_with_metadata(as_batch(data), self._meta)
+            self._meta = None
 
 
 def read_step(
-    reader: Any, first: Any, entries: Any, assembler: ChunkAssembler, where: str
+    reader: Any,
+    first: Any,
+    entries: Any,
+    assembler: ChunkAssembler,
+    where: str,
+    placed: Callable[[str], None] | None = None,
 ) -> dict[str, np.ndarray]:
     """Reads a step's tensors, in manifest order, from the stream of record batches that
-    began with ``first`` (the batch the header rode on, or None), into ``assembler``.
+    began with ``first`` (the batch the header rode on, or None), into ``assembler``;
+    ``placed(name)`` as each tensor is complete in its ``into`` array (the caller may use it
+    while the rest still arrives).
 
     Raises:
         InvalidRequestError: the stream ended mid-step, bytes left over after the last
@@ -346,6 +402,8 @@ def read_step(
             assembler.add(piece)
             received += len(take)
             if received >= e.total_bytes:
+                if placed is not None and assembler.placed(e.name):
+                    placed(e.name)
                 break
     if data:
         raise InvalidRequestError(

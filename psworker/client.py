@@ -30,6 +30,7 @@ from psworker.fanout import partial_failure
 from psworker.link import ShardLink, shard_status
 from psworker.outgoing import check_shards_agree, shard_jobs, split_push
 from psworker.placement import ShardMap, TableLayout, VarInfo, plan, tables_digest
+from psworker.push_stream import StepStreams
 from psworker.session import (
     AbsentWorkers,
     Heartbeats,
@@ -560,3 +561,44 @@ class PSClient:
             return bool(reply.skipped)
 
         return done
+
+    def stream_step(
+        self,
+        step: int,
+        order: Sequence[str],
+        buffers: Sequence[str],
+        out: Mapping[str, np.ndarray],
+        options: StepOptions | None = None,
+        placed: Callable[[str], None] | None = None,
+    ) -> StepStreams:
+        """A step whose push streams to the shards while backward produces it (overlap):
+        each shard whose step goes on its data port gets the manifest now (the gradients of
+        ``order``, in that order, then the ``buffers``), then each tensor as it is
+        ``add``-ed; the reply is decoded into ``out`` (arrays for every variable), and
+        ``placed`` told each piece key as it lands there (from the streams' threads). See
+        psworker/push_stream.py. Run each of its ``shards`` with ``run(shard)`` on a thread
+        of its own; the step counter is past ``step`` once each has returned.
+
+        Raises:
+            UnknownVariableError: a name not in the model.
+            InvalidRequestError: an ``out`` array of the wrong shape or dtype.
+        """
+        shard_map = self._require_map()
+        wanted = [v.name for v in shard_map.variables]
+        shard_map.check_out(out, wanted)
+        for name in [*order, *buffers]:
+            if name not in shard_map.infos:
+                raise not_in_model(name, shard_map.infos)
+        into = shard_map.destinations(wanted, out)
+        return StepStreams(
+            self.links,
+            shard_map,
+            step,
+            order,
+            buffers,
+            into,
+            options,
+            self.compression,
+            self._pushed,
+            placed,
+        )

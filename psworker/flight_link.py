@@ -83,6 +83,7 @@ class FlightLink:
         self._pending: tuple[Mapping[str, np.ndarray] | None, threading.Event, bool] | None = None
         self._early: Future[Any] | None = None  # its reply, read on a thread (``when_ended``)
         self._reading: ThreadPoolExecutor | None = None
+        self._streaming: FlightStream | None = None  # a step streamed from backward, if open
 
     def where(self, op: str) -> str:
         return f"{op} on shard {self.index} ({self.address}, Flight)"
@@ -210,6 +211,43 @@ class FlightLink:
             return WaitTimeoutError(f"{where}: no reply within {self.timeout:.1f}s")
         return _error(exc, where)
 
+    def begin_stream(
+        self,
+        step: int,
+        entries: Sequence[ps_pb2.TensorChunk],
+        into: Mapping[str, np.ndarray] | None = None,
+        incarnation: str = "",
+        options: StepOptions | None = None,
+        placed: Callable[[str], None] | None = None,
+    ) -> FlightStream:
+        """A step whose tensors follow as backward produces them: its header, with the
+        manifest ``entries`` (every tensor it will carry, in the order they will come), is
+        written now on an exchange of its own (``fw.STREAMED``: the shard reads it as it
+        arrives, not on its turn in a sync round), whose gRPC deadline is ``timeout`` from now on
+        both ends (a worker that stalls mid-step, or is paused, frees the shard when it
+        passes; the shard applies nothing before the last byte). The exchange kept open for
+        other steps is closed first: a worker holds at most two step streams on a shard.
+        ``placed(key)``: told as each tensor of the reply is decoded into ``into``.
+
+        Raises:
+            PSError: the exchange could not be opened, or the shard refused at once.
+        """
+        where = self.where("push_pull")
+        request = self._request(step, {}, incarnation, options)
+        request.chunks.extend(entries)
+        with self._lock:
+            self._close_open()
+            writer, reader = self._exchange(fw.STREAMED, self.timeout, where)
+        out = fw.StepWriter(writer, request.SerializeToString(), self.piece_bytes)
+        stream = FlightStream(self, writer, reader, out, into, where, placed)
+        self._streaming = stream
+        try:
+            out.header()
+        except BaseException as exc:
+            stream.close()
+            raise _error(exc, where) from None
+        return stream
+
     def push(
         self,
         step: int,
@@ -261,7 +299,11 @@ class FlightLink:
         return self._one_call(fw.PULL, run, where)  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        """Ends the open exchange and the connection."""
+        """Ends the open exchange, a streamed step's (cancelled: the shard applies nothing),
+        and the connection."""
+        streaming = self._streaming
+        if streaming is not None:
+            streaming.cancel()
         with self._lock:
             self._close_open()
             self._watchdog.stop()
@@ -330,10 +372,91 @@ class FlightLink:
             writer.close()
 
 
+class FlightStream:
+    """A streamed step's exchange (``FlightLink.begin_stream``): the tensors written in
+    manifest order as they come, then the reply. One thread writes and ends it; ``cancel``
+    may come from any thread (it unblocks a write the shard does not take)."""
+
+    def __init__(
+        self,
+        link: FlightLink,
+        writer: Any,
+        reader: Any,
+        out: fw.StepWriter,
+        into: Mapping[str, np.ndarray] | None,
+        where: str,
+        placed: Callable[[str], None] | None = None,
+    ) -> None:
+        self._link = link
+        self._placed = placed
+        self._writer = writer
+        self._reader = reader
+        self._out = out
+        self._into = into
+        self._where = where
+        self.deadline = time.monotonic() + link.timeout  # the exchange's gRPC deadline
+        self._ended = False  # the reply was read: nothing to cancel
+        self._closed = False
+
+    def write(self, raws: Sequence[np.ndarray]) -> None:
+        """The next tensors of the manifest (uint8 arrays, ``encode_tensor``'s).
+
+        Raises:
+            PSError: the exchange failed (the shard's status where it refused the step).
+        """
+        try:
+            self._out.write(raws)
+        except BaseException as exc:
+            raise _error(exc, self._where) from None
+
+    def end(self) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
+        """Ends the step (every manifest tensor written) and reads its reply, decoded into
+        ``into``; the shard has ended the call when this returns.
+
+        Raises:
+            PSError: as ``FlightLink.push_pull``.
+        """
+        try:
+            self._out.close()
+            self._writer.done_writing()
+            reply, arrays = _read_reply(self._reader, self._into, self._where, self._placed)
+            self._ended = True
+            # The shard ends the call once our side is done: wait for it, so the step stream
+            # it held is free before this worker opens the next.
+            with contextlib.suppress(StopIteration, *_FAILURES):
+                self._reader.read_chunk()
+            return reply.push, arrays
+        except BaseException as exc:
+            raise _error(exc, self._where) from None
+        finally:
+            self.close()
+
+    def cancel(self) -> None:
+        """Cancels the exchange: the shard reads a cut stream and applies nothing of it."""
+        with contextlib.suppress(*_FAILURES):
+            self._reader.cancel()
+
+    def close(self) -> None:
+        """Releases the exchange (cancelled first unless ``end`` finished it)."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._ended:
+            self.cancel()
+        with contextlib.suppress(*_FAILURES):
+            self._writer.close()
+        if self._link._streaming is self:
+            self._link._streaming = None
+
+
 def _read_reply(
-    reader: Any, into: Mapping[str, np.ndarray] | None, where: str
+    reader: Any,
+    into: Mapping[str, np.ndarray] | None,
+    where: str,
+    placed: Callable[[str], None] | None = None,
 ) -> tuple[ps_pb2.PushPullResponse, dict[str, np.ndarray]]:
-    """A step's reply: its header, then its tensors (into ``into`` where given).
+    """A step's reply: its header, then its tensors (into ``into`` where given; ``placed``
+    told of each as it lands there).
 
     Raises:
         UnavailableError: the shard ended the exchange without a reply.
@@ -344,7 +467,8 @@ def _read_reply(
     except StopIteration:
         raise UnavailableError(f"{where}: the shard ended the exchange without a reply") from None
     reply = fw.parse(ps_pb2.PushPullResponse, first.app_metadata, where)
-    arrays = fw.read_step(reader, first.data, reply.chunks, ChunkAssembler(into=into), where)
+    assembler = ChunkAssembler(into=into)
+    arrays = fw.read_step(reader, first.data, reply.chunks, assembler, where, placed)
     return reply, arrays
 
 

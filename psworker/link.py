@@ -13,7 +13,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import grpc
 import numpy as np
@@ -36,7 +36,7 @@ from psworker.session import JobIdentity, LinkConfig
 from psworker.transport import GrpcTransport, Reply, Transport, TransportFailure
 
 if TYPE_CHECKING:
-    from psworker.transport_flight import FlightTransport
+    from psworker.transport_flight import FlightTransport, StreamedStep
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -50,6 +50,14 @@ _RECOVERABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
 
 # A restarted worker's new process waits this long at most for the old one's claim to lapse.
 CLAIM_WAIT_S = 15.0
+
+
+class Abortable(Protocol):
+    """A step streamed from backward (psworker/push_stream.py), as the link sees it."""
+
+    def abort(self) -> None:
+        """Cancels it unless it was let go: the shard applies nothing of it."""
+        ...
 
 
 def backoff(attempt: int, rng: random.Random) -> float:
@@ -112,6 +120,7 @@ class ShardLink:
         self.flight_steps: FlightTransport | None = None  # its small steps (one message each)
         self.data_port = 0
         self._stepping: Transport = self.grpc  # the transport of the step last sent
+        self.streaming: Abortable | None = None  # a step streamed from backward, if open
         self._reply_bytes = 0  # the tensor bytes of the last reply: what the next may carry
 
     @property
@@ -145,9 +154,17 @@ class ShardLink:
         least = min(PACK_BYTES, self.config.grpc_below_bytes)
         return sum(n for n in (v.nbytes for v in tensors.values()) if n >= least)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
     def close(self) -> None:
-        """Ends the open calls, and any retrying call (it raises ClientClosedError)."""
+        """Ends the open calls (a streamed step is cancelled: the shard applies nothing of
+        it), and any retrying call (it raises ClientClosedError)."""
         self._closed.set()
+        streaming = self.streaming
+        if streaming is not None:
+            streaming.abort()
         self.grpc.close()
         if self.flight is not None:
             self.flight.close()
@@ -330,14 +347,7 @@ class ShardLink:
         nbytes = max(self._flight_bytes(pieces), self._flight_bytes(into or {}))
 
         def send() -> Transport:
-            # Chosen and built per attempt: a retry after a restart may find another data
-            # port, and carries the new incarnation.
-            transport = self._stepping = self.transport(nbytes, step=True)
-            transport.send_step(step, pieces, into, self.incarnation or "", options, rows)
-            return transport
-
-        def run(_: ParameterServerStub) -> Reply:
-            return send().receive_step()
+            return self._send_step(step, pieces, into, options, rows, nbytes)
 
         def finish() -> Reply:
             result = None
@@ -348,7 +358,7 @@ class ShardLink:
                     if exc.code() not in _RECOVERABLE:
                         raise self._failure(exc, "PushPull", 0.0, 1) from None
             if result is None:  # not sent, or unreachable: the retrying path starts over
-                result = self.call("PushPull", run)
+                result = self._retried_step(step, pieces, into, options, rows, nbytes)
             self.note_reply(result[0])
             self._replied(result[1])
             return result
@@ -358,6 +368,100 @@ class ShardLink:
             if not self._closed.is_set():
                 sent = send()
         return finish
+
+    def _send_step(
+        self,
+        step: int,
+        pieces: Mapping[str, np.ndarray | RowSparse],
+        into: Mapping[str, np.ndarray] | None,
+        options: StepOptions | None,
+        rows: Sequence[ps_pb2.RowQuery],
+        nbytes: int,
+    ) -> Transport:
+        # Chosen and built per attempt: a retry after a restart may find another data port,
+        # and carries the new incarnation.
+        transport = self._stepping = self.transport(nbytes, step=True)
+        transport.send_step(step, pieces, into, self.incarnation or "", options, rows)
+        return transport
+
+    def _retried_step(
+        self,
+        step: int,
+        pieces: Mapping[str, np.ndarray | RowSparse],
+        into: Mapping[str, np.ndarray] | None,
+        options: StepOptions | None,
+        rows: Sequence[ps_pb2.RowQuery] = (),
+        nbytes: int | None = None,
+    ) -> Reply:
+        """A step sent whole, retried as ``call`` retries (after its first try failed)."""
+        if nbytes is None:
+            nbytes = max(self._flight_bytes(pieces), self._flight_bytes(into or {}))
+
+        def run(_: ParameterServerStub) -> Reply:
+            return self._send_step(step, pieces, into, options, rows, nbytes).receive_step()
+
+        return self.call("PushPull", run)
+
+    # -- a step streamed from backward (psworker/push_stream.py drives these) ---------------
+
+    def streams(
+        self, entries: Sequence[ps_pb2.TensorChunk], into: Mapping[str, np.ndarray]
+    ) -> bool:
+        """Whether a step whose manifest is ``entries`` (its reply decoded into ``into``)
+        goes on the data port, where it can be streamed as backward produces it; steps under
+        ``grpc_below_bytes`` go whole on grpcio."""
+        least = min(PACK_BYTES, self.config.grpc_below_bytes)
+        sent = sum(e.total_bytes for e in entries if e.total_bytes >= least)
+        nbytes = max(sent, self._flight_bytes(into))
+        return self.flight is not None and self.transport(nbytes) is self.flight
+
+    def begin_stream(
+        self,
+        step: int,
+        entries: Sequence[ps_pb2.TensorChunk],
+        into: Mapping[str, np.ndarray],
+        options: StepOptions | None,
+        placed: Callable[[str], None] | None = None,
+    ) -> StreamedStep:
+        """Opens a streamed step on the data port, its header (the manifest) written;
+        ``placed(key)`` is told as each tensor of its reply lands in ``into``.
+
+        Raises:
+            grpc.RpcError: the data port failed or refused (a ``TransportFailure``).
+        """
+        if self.flight is None or self._closed.is_set():
+            raise TransportFailure(UnavailableError(f"{self.where('PushPull')}: no data port"))
+        self._stepping = self.flight
+        incarnation = self.incarnation or ""
+        return self.flight.begin_stream(step, entries, into, incarnation, options, placed)
+
+    def stream_ended(self, result: Reply) -> Reply:
+        """Learns from a streamed step's reply, as from any step's."""
+        self.note_reply(result[0])
+        self._replied(result[1])
+        return result
+
+    def resend_step(
+        self,
+        step: int,
+        pieces: Mapping[str, np.ndarray | RowSparse],
+        into: Mapping[str, np.ndarray],
+        options: StepOptions | None,
+    ) -> Reply:
+        """A step whose stream failed, sent whole (already in the replay log), retried as
+        ``push_pull`` retries: the shard applies it once, whatever the stream delivered.
+
+        Raises:
+            PSError: as ``push_pull``.
+        """
+        return self.stream_ended(self._retried_step(step, pieces, into, options))
+
+    def error(self, exc: grpc.RpcError, rpc: str) -> PSError:
+        """The PSError a call's first failure stands for (no retry made); a closed client's
+        is ClientClosedError."""
+        if self._closed.is_set():
+            return ClientClosedError(f"{self.where(rpc)}: the client was closed")
+        return self._failure(exc, rpc, 0.0, 1)
 
     def push_then_pull(
         self,

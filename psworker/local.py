@@ -124,9 +124,14 @@ class LocalClient:
         grads: Mapping[str, np.ndarray | RowSparse],
         step: int | None = None,
         options: StepOptions | None = None,
+        *,
+        known_squares: Mapping[str, float] | None = None,
     ) -> bool:
         """Applies one step's gradients (buffers: stores the values) at once, with
         ``options``' hyper-parameters; a skip (``options.skip``) stores buffers only.
+        ``known_squares``: sums of squares of some of these gradients, already measured (the
+        all-reduce's, as its ring wrote them), which the checks then trust instead of
+        measuring them again.
 
         Raises:
             UnknownVariableError, ShapeMismatchError, InvalidRequestError: as a shard would
@@ -145,10 +150,12 @@ class LocalClient:
                 wire[name] = RowSparse(ids, np.asarray(grad.values))
             else:
                 wire[name] = np.asarray(grad)
-        checked = job.checked_grads(wire)
+        # Measured by the ring or by the checks, and not again by the step.
+        squares = dict(known_squares or {})
+        checked = job.checked_grads(wire, squares)
         optimizers = job.step_optimizers(options)
         skip = bool(options and options.skip)
-        self._state.apply(job, checked, optimizers, skip=skip, summed=False)
+        self._state.apply(job, checked, optimizers, skip=skip, summed=False, known_squares=squares)
         self.step = step + 1
         self.last_skipped = skip
         return True

@@ -127,6 +127,13 @@ def compress(grad: np.ndarray, compression: str | None) -> np.ndarray:
     return float32_to_bfloat16(grad)
 
 
+def wire_dtype(dtype: str, compression: str | None) -> str:
+    """The dtype a gradient of ``dtype`` travels as (``compress``'s rule)."""
+    if compression is None or dtype != "float32":
+        return dtype
+    return "float16" if compression == "fp16" else "bfloat16"
+
+
 def split_rows(
     layout: TableLayout, grad: RowSparse, compression: str | None
 ) -> list[RowSparse | None]:

@@ -1,23 +1,27 @@
 """Communication overlapped with computation for ``DistributedOptimizer(..., overlap=True)``:
-each shard's push-pull starts from backward's post-accumulate-grad hooks as soon as every
-gradient that shard holds is ready, and the next forward waits, module by module (forward
-pre-hooks), only for the shards holding that module's weights.
+each shard's push-pull starts from backward's post-accumulate-grad hooks, and the next forward
+waits, module by module (forward pre-hooks, psworker/landing.py), only for the weights that
+module needs, decoded straight into the parameters' memory as each shard's reply arrives.
 
-A shard's round takes one push per worker per step (sync), so the unit of overlap is the shard:
-its push leaves while backward still runs through the layers before it, and its reply (the
-weights of step t+1) is decoded straight into the parameters' memory when it arrives.
+A shard's round takes one push per worker per step (sync). Where a shard's step goes on its
+Flight data port, its push streams from the step's first gradient (psworker/push_stream.py):
+the manifest in the previous step's order, each gradient written as backward produces it, the
+last held until ``step()`` has checked them, so the push leaves during backward even though the
+placement interleaves layers over the shards, and its reply lands tensor by tensor under the
+next forward. A step small enough for grpcio (``grpc_below_bytes``) goes whole once every
+gradient its shard holds is ready, and lands whole.
 
 The serial step stays the reference: overlap arms itself only after one serial step showed that
 nothing touches the gradients between ``backward()`` and ``step()`` (no ``clip_grad_norm_``, no
 GradScaler, no second ``backward()`` accumulating into them, no closure); a script that does
 keeps the serial step, with a warning saying why. A gradient changed after its shard's push left
-(a clip only on some steps) is an error, never a silently different step.
+(a clip only on some steps) is an error, never a silently different step; streamed pushes are
+then cancelled, so no shard applies any of that step.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any, Protocol, runtime_checkable
@@ -27,8 +31,12 @@ import torch
 
 from pscore.optspec import StepOptions
 from pswire.errors import ConfigError
+from psworker.landing import Landing
+from psworker.overlap_ring import BucketOverlap, BucketSteps
+from psworker.overlap_watch import GradWatch, Overlap
+from psworker.push_stream import StepStreams
 
-__all__ = ["ShardOverlap", "ShardSteps", "overlap_unsupported"]
+__all__ = ["ShardOverlap", "ShardSteps", "build_overlap", "overlap_unsupported"]
 
 # A landing waits at most this much beyond the client's own deadline (which bounds every call).
 _LANDING_SLACK_S = 60.0
@@ -54,15 +62,27 @@ class ShardSteps(Protocol):
         """Sends one shard its part of a step; the returned call waits for its reply."""
         ...
 
+    def stream_step(
+        self,
+        step: int,
+        order: Sequence[str],
+        buffers: Sequence[str],
+        out: Mapping[str, np.ndarray],
+        options: StepOptions | None = None,
+        placed: Callable[[str], None] | None = None,
+    ) -> StepStreams:
+        """Opens a step whose pushes stream from backward (``PSClient.stream_step``)."""
+        ...
+
 
 def overlap_unsupported(
     client: Any, targets: Mapping[str, torch.Tensor], receivers: Mapping[str, np.ndarray]
 ) -> str | None:
     """Why ``overlap=True`` cannot run with this client and model (None: it can)."""
-    if not isinstance(client, ShardSteps):
+    if not isinstance(client, ShardSteps | BucketSteps):
         return (
-            f"mode '{getattr(client, 'mode', '?')}' has no per-shard step (overlap runs in the "
-            "parameter-server modes sync, async and ssp)"
+            f"mode '{getattr(client, 'mode', '?')}' has no per-shard or per-bucket step (overlap "
+            "runs in the parameter-server modes sync, async and ssp, and in allreduce)"
         )
     if getattr(client, "min_workers", 0) or getattr(client, "max_workers", 0):
         return "an elastic job's membership changes between steps"
@@ -72,6 +92,22 @@ def overlap_unsupported(
     if missing:
         return f"tensors {missing[:3]} cannot be decoded in place (dtype without a numpy view)"
     return None
+
+
+def build_overlap(
+    model: torch.nn.Module,
+    client: ShardSteps | BucketSteps,
+    params: Mapping[str, torch.nn.Parameter],
+    buffers: Mapping[str, torch.Tensor],
+    receivers: Mapping[str, np.ndarray],
+    to_host: Callable[[dict[str, torch.Tensor]], dict[str, np.ndarray]],
+    changed_values: Callable[[], dict[int, dict[str, float]]],
+) -> Overlap:
+    """The overlap for ``client`` (checked by ``overlap_unsupported``): shard by shard
+    (``ShardOverlap``) or bucket by bucket over the ring (``BucketOverlap``)."""
+    if isinstance(client, BucketSteps):
+        return BucketOverlap(client, params, to_host)
+    return ShardOverlap(model, client, params, buffers, receivers, to_host, changed_values)
 
 
 class ShardOverlap:
@@ -107,51 +143,61 @@ class ShardOverlap:
             for shard in on:
                 self._names_on[shard].append(var.name)
         self._trainable = {n for n, p in self._params.items() if p.requires_grad}
-        self._pool = ThreadPoolExecutor(max_workers=shards, thread_name_prefix="ps-overlap")
+        # A call (or stream) per shard, and a cancelled stream's thread winding down beside the
+        # call that sends its step whole.
+        self._pool = ThreadPoolExecutor(max_workers=2 * shards, thread_name_prefix="ps-overlap")
         self._deadline = float(client.timeout) + _LANDING_SLACK_S
-        self.armed = False
-        self._off = False  # a serial step showed the script needs it: never armed
-        # This step's: name -> (id, version) of its gradient when backward reached it.
-        self._fired: dict[str, tuple[int, int]] = {}
-        self._twice: set[str] = set()  # reached twice: a second backward accumulated into it
+        self._watch = GradWatch()  # this step's gradients as backward left them; arming
         self._step: int | None = None  # the step being pushed (None: none started)
         self._values: dict[int, dict[str, float]] = {}
         self._waiting: list[set[str]] = []  # per shard: trainable names backward has not reached
-        self._sent: dict[int, tuple[Future[bool], list[str]]] = {}
+        self._sent: dict[int, tuple[Future[bool | None], list[str]]] = {}
         self._error: Exception | None = None
-        # The previous step's shards still landing: shard -> (its call, the names it stepped).
-        self._landing: dict[int, tuple[Future[bool], list[str]]] = {}
-        self._skipped = False
+        # The previous step's replies still landing, and the next forward's waits for them.
+        self._landing = Landing(
+            model,
+            {**self._params, **self._buffers},
+            shard_map,
+            self._deadline,
+            self._landed,
+        )
+        # Streamed pushes (shards on a data port): the gradients the last step pushed, in the
+        # order backward produced them (this step's manifest); this step's streams, their
+        # threads, and the gradients added to them from backward's hooks.
+        self._order: list[str] | None = None
+        self._streams: StepStreams | None = None
+        self._running: dict[int, Future[bool | None]] = {}
+        self._streamed: set[str] = set()
+        self._carried: set[int] = set()  # the shards whose stream carries this step
+        self.streamed = 0  # shard steps a stream carried (the others went whole)
         for name, p in self._params.items():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(partial(self._reached, name))
-        ids = {id(t): n for n, t in {**self._params, **self._buffers}.items()}
-        for module in model.modules():
-            own = [*module._parameters.values(), *module._buffers.values()]
-            needs = {s for t in own if id(t) in ids for s in self._shards_of[ids[id(t)]]}
-            if needs:
-                module.register_forward_pre_hook(partial(self._before_forward, frozenset(needs)))
-        # model.state_dict() (a checkpoint) reads the weights: they must have landed.
-        model.register_state_dict_pre_hook(lambda *_: self.wait())
 
     # -- hooks -------------------------------------------------------------------------------
 
+    @property
+    def armed(self) -> bool:
+        return self._watch.armed
+
     def _reached(self, name: str, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: notes the gradient; sends every shard it completes."""
-        if self._off:
-            return
         grad = param.grad
-        if grad is None:  # pragma: no cover - the hook fires after accumulating into .grad
+        if not self._watch.reached(name, grad) or self._error is not None:
             return
-        if name in self._fired:
-            self._twice.add(name)
-        self._fired[name] = (id(grad), grad._version)
-        if not self.armed or self._error is not None:
-            return
+        assert grad is not None  # reached() is False without one
         try:
             if self._step is None:
                 self._begin()
-            for shard in self._shards_of[name]:
+            on = self._shards_of[name]
+            streams = self._streams
+            if streams is not None and any(shard in streams.streams for shard in on):
+                with torch.no_grad():
+                    streams.add(name, self._to_host({name: grad})[name])
+                self._streamed.add(name)
+            for shard in on:
+                if streams is not None and shard in streams.streams:
+                    continue
                 waiting = self._waiting[shard]
                 waiting.discard(name)
                 if not waiting and shard not in self._sent:
@@ -159,19 +205,13 @@ class ShardOverlap:
         except Exception as exc:  # raised by step(): an error inside backward() loses context
             self._error = exc
 
-    def _before_forward(self, shards: frozenset[int], module: Any, args: Any) -> None:
-        """Forward pre-hook: waits only for the shards holding this module's tensors."""
-        if self._landing:
-            for shard in shards:
-                if shard in self._landing:
-                    self._land(shard)
-
     # -- the step ----------------------------------------------------------------------------
 
-    def step(self, grad_scaler: Any = None) -> None:
+    def step(self, grad_scaler: Any = None) -> bool:
         """Ends an overlapped step: checks nothing changed the gradients already sent, sends
         the shards backward did not complete (unused parameters, frozen ones, buffers only),
-        and returns without waiting: the next forward waits per module.
+        and returns (True: the step is done) without waiting: the next forward waits per
+        module.
 
         Raises:
             ValueError: a GradScaler, or gradients or hyper-parameters changed after their
@@ -181,15 +221,12 @@ class ShardOverlap:
         try:
             if self._error is not None:
                 raise self._error
-            if grad_scaler is not None:
-                raise ConfigError(
-                    "a GradScaler reached step() after overlap was armed: its unscale and "
-                    "inf-check need every gradient before any is sent; construct "
-                    "DistributedOptimizer(..., overlap=False) for AMP scripts"
-                )
+            self._watch.refuse_scaler(grad_scaler)
             if self._step is None:
                 self._begin()
-            self._check_sent()
+            sent = {n for _, names in self._sent.values() for n in names} | self._streamed
+            grads = {n: self._params[n].grad for n in sent}
+            self._watch.check_unchanged(sent, grads, "the shards hold")
             if self._changed_values() != self._values:
                 raise ConfigError(
                     "with overlap=True a parameter group's hyper-parameters changed between "
@@ -197,12 +234,21 @@ class ShardOverlap:
                     "change them before backward() (a scheduler's step() after opt.step() "
                     "does), or construct DistributedOptimizer(..., overlap=False)"
                 )
+            if self._streams is not None:
+                self._finish_streams(self._streams)
             for shard in range(len(self._names_on)):
                 if shard not in self._sent:
                     self._send(shard)
+        except BaseException:
+            if self._streams is not None:
+                self._streams.abort()  # no shard applies a streamed push of this step
+            raise
         finally:
-            self._landing.update(self._sent)  # landed (or their errors raised) by wait()
+            self._order = self._pushed_order()
+            for shard, (call, stepped) in self._sent.items():  # landed (or raised) by wait()
+                self._landing.add(shard, call, stepped, keyed=shard in self._carried)
             self._end()
+        return True
 
     def wait(self) -> None:
         """Lands every shard's reply still in flight (each call has the client's deadline).
@@ -210,49 +256,21 @@ class ShardOverlap:
         Raises:
             PSError: a shard's call failed.
         """
-        for shard in list(self._landing):
-            self._land(shard)
+        self._landing.wait()
 
     def observe(self, grads: Mapping[str, torch.Tensor], grad_scaler: Any, closure: Any) -> None:
-        """After a serial step: arms overlap when nothing touched the gradients between
-        ``backward()`` and ``step()``; else keeps the serial step for good, saying why."""
-        if self._off or self.armed:
-            return
-        reached = dict(self._fired)
-        twice = sorted(self._twice)
+        """After a serial step: arms overlap, or keeps the serial step (``GradWatch``); notes
+        the order backward produced the gradients in (the first streamed step's manifest)."""
+        if not (self._watch.off or self._watch.armed):
+            self._order = self._pushed_order()
+        self._watch.observe(grads, grad_scaler, closure)
         self._end()
-        if not reached:
-            return  # no backward hook fired (gradients set by hand): judge the next step
-        reasons = []
-        if grad_scaler is not None:
-            reasons.append("a GradScaler unscales and inf-checks every gradient in step()")
-        if closure is not None:
-            reasons.append("step(closure) runs backward inside step()")
-        changed = sorted(
-            n
-            for n, g in grads.items()
-            if n in reached and (id(g), g._version) != reached[n] and n not in twice
-        )
-        if changed and grad_scaler is None:
-            reasons.append(
-                f"gradients {changed[:3]} changed between backward() and step() "
-                "(clip_grad_norm_?), which needs every gradient before any is sent"
-            )
-        if twice:
-            reasons.append(f"gradients {twice[:3]} were accumulated by several backward() per step")
-        if reasons:
-            self._off = True
-            warnings.warn(
-                "DistributedOptimizer(overlap=True) keeps the serial step (pushes after "
-                f"backward): {'; '.join(reasons)}",
-                UserWarning,
-                stacklevel=3,
-            )
-        else:
-            self.armed = True
 
     def close(self) -> None:
-        """Stops the pool (calls in flight finish on their own deadline)."""
+        """Cancels this step's streamed pushes and stops the pool (calls in flight finish on
+        their own deadline)."""
+        if self._streams is not None:
+            self._streams.abort()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- internals ---------------------------------------------------------------------------
@@ -264,6 +282,53 @@ class ShardOverlap:
         self._values = self._changed_values()
         self._step = self._client.step
         self._waiting = [{n for n in names if n in self._trainable} for names in self._names_on]
+        if self._order is not None:  # the manifest: the last step's gradients, in its order
+            options = StepOptions(self._values, False)
+            streams = self._client.stream_step(
+                self._step,
+                self._order,
+                list(self._buffers),
+                self._out,
+                options,
+                self._landing.placed,
+            )
+            self._streams = streams
+            for shard in streams.shards:
+                self._running[shard] = self._pool.submit(streams.run, shard)
+
+    def _finish_streams(self, streams: StepStreams) -> None:
+        """``step()`` for the streamed shards: the push's tensors no hook added (buffers,
+        gradients backward did not reach this step) added now, then each stream's last tensor
+        let go; a stream whose tensors are not its manifest's is cancelled, and its shard's
+        step goes whole (``_send``)."""
+        late: dict[str, torch.Tensor] = {}
+        for shard in streams.shards:
+            for name in self._names_on[shard]:
+                if name in streams.added:
+                    continue
+                if name in self._buffers:
+                    late[name] = self._buffers[name]
+                elif (g := self._params[name].grad) is not None:
+                    late[name] = g
+        with torch.no_grad():
+            carried = streams.finish(self._to_host(late))
+        self.streamed += len(carried)
+        self._carried = carried
+        for shard in sorted(carried):
+            stepped = [
+                n
+                for n in self._names_on[shard]
+                if n in self._params and self._params[n].grad is not None
+            ]
+            self._sent[shard] = (self._running.pop(shard), stepped)
+
+    def _pushed_order(self) -> list[str]:
+        """The gradients a step pushes now, those backward reached first, in its order."""
+        pushed = [n for n, p in self._params.items() if p.grad is not None]
+        held = set(pushed)
+        reached = self._watch.order()
+        first = set(reached)
+        return [n for n in reached if n in held] + [n for n in pushed if n not in first]
 
     def _send(self, shard: int) -> None:
         """Starts ``shard``'s call in the pool: its gradients (those not None) and buffers."""
@@ -276,56 +341,27 @@ class ShardOverlap:
             arrays = self._to_host({**grads, **buffers})
         assert self._step is not None
         options = StepOptions(self._values, False)
-        future = self._pool.submit(self._call, shard, arrays, self._step, options)
+        future: Future[bool | None] = self._pool.submit(
+            self._call, shard, arrays, self._step, options
+        )
         self._sent[shard] = (future, list(grads))
 
     def _call(
         self, shard: int, arrays: dict[str, np.ndarray], step: int, options: StepOptions
-    ) -> bool:
+    ) -> bool | None:
         return self._client.start_shard_step(shard, arrays, step, self._out, options)()
 
-    def _land(self, shard: int) -> None:
-        """Waits for ``shard``'s reply (already decoded into the parameters) and marks its
-        stepped parameters changed in place for autograd, as ``torch.optim`` does.
-
-        Raises:
-            PSError: the shard's call failed.
-        """
-        future, stepped = self._landing.pop(shard)
-        self._skipped |= future.result(timeout=self._deadline)
-        with torch.no_grad():
-            for name in stepped:
-                torch.autograd.graph.increment_version(self._params[name])
-        if not self._landing:
-            self._client.last_skipped = self._skipped
-            self._skipped = False
-
-    def _check_sent(self) -> None:
-        """Raises when a gradient whose push already left changed since backward reached it.
-
-        Raises:
-            ValueError: naming the gradients and the likely cause.
-        """
-        changed = sorted(
-            n
-            for _, names in self._sent.values()
-            for n in names
-            if n in self._twice
-            or (g := self._params[n].grad) is None
-            or (id(g), g._version) != self._fired.get(n)
-        )
-        if changed:
-            raise ConfigError(
-                f"with overlap=True the gradients of {changed[:4]} changed after backward() "
-                "had sent them (clip_grad_norm_, a GradScaler's unscale_, or a second "
-                "backward() accumulating into them on this step only): the shards hold the "
-                "values backward left. Construct DistributedOptimizer(..., overlap=False) "
-                "for a script that changes gradients before step()"
-            )
+    def _landed(self, skipped: bool) -> None:
+        """Every shard's reply of a step landed: whether the step was skipped (a worker's
+        GradScaler), as the serial step tells the client."""
+        self._client.last_skipped = skipped
 
     def _end(self) -> None:
-        self._fired = {}
-        self._twice = set()
+        self._watch.reset()
         self._step = None
         self._sent = {}
         self._error = None
+        self._streams = None
+        self._running = {}
+        self._streamed = set()
+        self._carried = set()

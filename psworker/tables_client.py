@@ -31,15 +31,16 @@ class RowRead:
         ids = as_ids(layout.name, ids)
         layout.check_ids(ids, "pull")
         self.out = np.empty((len(ids), table.dim), dtype=table.dtype)
-        ordered = np.sort(ids)
         self._inverse: np.ndarray | None = None
         ask, rows, ask_sorted = ids, self.out, False
-        if len(ids) > 1 and not (ordered[1:] != ordered[:-1]).all():  # some id repeats
-            ask, inverse = np.unique(ids, return_inverse=True)
-            self._inverse = inverse.reshape(-1)
-            rows, ask_sorted = np.empty((len(ask), table.dim), dtype=table.dtype), True
-        elif len(ids) > 1 and np.array_equal(ordered, ids):
+        if len(ids) > 1 and (ids[1:] > ids[:-1]).all():  # sorted, none twice (np.unique's)
             ask_sorted = True
+        elif len(ids) > 1:
+            ordered = np.sort(ids)
+            if not (ordered[1:] != ordered[:-1]).all():  # some id repeats
+                ask, inverse = np.unique(ids, return_inverse=True)
+                self._inverse = inverse.reshape(-1)
+                rows, ask_sorted = np.empty((len(ask), table.dim), dtype=table.dtype), True
         self._rows = rows
         n = layout.num_shards
         self.ids: list[np.ndarray | None] = [None] * n  # what each shard is asked

@@ -17,7 +17,8 @@ from pscore.optspec import StepOptions
 from pscore.tables import RowSparse
 from pswire.errors import ConfigError
 from psworker.api import Client, Elastic
-from psworker.overlap import ShardOverlap, overlap_unsupported
+from psworker.overlap import build_overlap, overlap_unsupported
+from psworker.overlap_watch import Overlap
 from psworker.reports import StepLog
 from psworker.torch_optim import (
     changed_values,
@@ -82,11 +83,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     place for autograd. One model per client: two models with two optimizers (a GAN) are
     made together with ``for_models``.
 
-    ``overlap=True`` overlaps communication with computation (parameter-server modes, CPU
-    models): each shard's push starts from backward's hooks as soon as every gradient it holds
-    is ready, ``step()`` returns without waiting, and the next forward waits module by module
-    (forward pre-hooks) only for the weights that module needs, decoded into the parameters as
-    each shard's reply arrives. The math is the serial step's (bit-identical in ``sync``).
+    ``overlap=True`` overlaps communication with computation (CPU models). In the
+    parameter-server modes each shard's push leaves from backward's hooks (on a shard's Flight
+    data port it streams from the step's first gradient, each gradient written as backward
+    produces it, the last held until ``step()`` has checked them; a step small enough for
+    grpcio leaves once every gradient its shard holds is ready), ``step()`` returns without
+    waiting, and the next forward waits module by module (forward pre-hooks) only for the
+    weights that module needs, decoded into the parameters as each shard's reply arrives. In
+    ``allreduce`` (as DDP) each gradient bucket's ring all-reduce starts from backward's hooks
+    once it is full and every earlier bucket has started, and ``step()`` waits for the buckets
+    in flight, then applies the step locally; every rank must pass the same ``overlap``. The
+    math is the serial step's (bit-identical in ``sync`` and ``allreduce``).
     Overlap arms after one serial step showed that nothing touches the gradients between
     ``backward()`` and ``step()``; a script that clips (``clip_grad_norm_``), uses a GradScaler
     or a closure, or accumulates several ``backward()`` per step keeps the serial step, with a
@@ -135,7 +142,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         _init_together(client, [self])
         if overlap:
             targets = {**self._params, **self._buffers}
-            self._overlap: ShardOverlap | None = ShardOverlap(
+            self._overlap: Overlap | None = build_overlap(
                 model,
                 client,  # type: ignore[arg-type]  # checked by overlap_unsupported
                 self._params,
@@ -294,6 +301,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the rows embedding tables gathered since the last step."""
         for table in self._tables.values():
             table.forget()
+        overlap = getattr(self, "_overlap", None)  # DiLoCoOptimizer has none
+        if overlap is not None and not set_to_none:
+            # Zeroing in place would change gradients a push may still be sending.
+            overlap.wait()
         super().zero_grad(set_to_none)
 
     def step(  # type: ignore[override]
@@ -317,8 +328,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._overlap is not None and self._overlap.armed:
-            return self._overlapped_step(loss, grad_scaler)
+        if self._overlap is not None and self._overlap.armed and self._overlap.step(grad_scaler):
+            # The step left from backward's hooks (the shards' pushes): nothing more to send.
+            self._warn_stale({n: p.grad for n, p in self._params.items() if p.grad is not None})
+            self._inner._opt_called = True  # type: ignore[attr-defined]  # for its schedulers
+            return loss
         values = self._changed_values()
         # A table untouched this step is left out: it counts as zero, like a None grad.
         rows = {n: g for n, t in self._tables.items() if (g := t.take_grads()) is not None}
@@ -360,15 +374,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             _found_inf(grad_scaler, self)  # another worker skipped: back off as it does
         if self._overlap is not None:
             self._overlap.observe(grads, grad_scaler, closure)
-        self._inner._opt_called = True  # type: ignore[attr-defined]  # for its schedulers
-        return loss
-
-    def _overlapped_step(self, loss: Any, grad_scaler: Any) -> Any:
-        """``step()`` with overlap armed: the shards backward completed are on their way;
-        psworker/overlap.py sends the rest and the next forward lands them."""
-        assert self._overlap is not None
-        self._warn_stale({n: p.grad for n, p in self._params.items() if p.grad is not None})
-        self._overlap.step(grad_scaler)
         self._inner._opt_called = True  # type: ignore[attr-defined]  # for its schedulers
         return loss
 

@@ -19,7 +19,7 @@ from pswire import flightwire as fw
 from pswire.errors import PSError, WaitTimeoutError
 from pswire.proto import ps_pb2
 from pswire.security import ClientSecurity
-from psworker.flight_link import FlightLink
+from psworker.flight_link import FlightLink, FlightStream
 from psworker.transport import Pieces, Reply, TransportFailure
 
 
@@ -105,5 +105,47 @@ class FlightTransport:
     def when_ended(self, fn: Callable[[], None]) -> None:
         self.link.when_ended(fn)
 
+    def begin_stream(
+        self,
+        step: int,
+        entries: Sequence[ps_pb2.TensorChunk],
+        into: Mapping[str, np.ndarray] | None,
+        incarnation: str,
+        options: StepOptions | None,
+        placed: Callable[[str], None] | None = None,
+    ) -> StreamedStep:
+        """A step streamed as backward produces its tensors (``FlightLink.begin_stream``)."""
+        with _failures(self.link, "push_pull", self.where):
+            stream = self.link.begin_stream(step, entries, into, incarnation, options, placed)
+        return StreamedStep(self.link, stream, self.where)
+
     def close(self) -> None:
         self.link.close()
+
+
+class StreamedStep:
+    """``FlightStream`` with its failures as ``TransportFailure``, as the other calls."""
+
+    def __init__(self, link: FlightLink, stream: FlightStream, where: str) -> None:
+        self._link = link
+        self._stream = stream
+        self._where = where
+
+    @property
+    def deadline(self) -> float:
+        """When the exchange's deadline passes (``time.monotonic()``)."""
+        return self._stream.deadline
+
+    def write(self, raws: Sequence[np.ndarray]) -> None:
+        with _failures(self._link, "push_pull", self._where):
+            self._stream.write(raws)
+
+    def end(self) -> Reply:
+        with _failures(self._link, "push_pull", self._where):
+            return self._stream.end()
+
+    def cancel(self) -> None:
+        self._stream.cancel()
+
+    def close(self) -> None:
+        self._stream.close()

@@ -104,5 +104,11 @@ class ConsistencyPolicy:
         """Re-evaluates after workers leave; returns a gradient to apply if that completes one."""
         return None
 
+    def turn(self, clocks: Clocks, worker: int, step: int) -> bool:
+        """Whether ``worker``'s push for ``step``, arriving now, would be taken without being
+        held for another push first (a front end reads its bytes only then). Always, unless
+        the rule holds pushes."""
+        return True
+
     def pending_bytes(self) -> int:
         return 0

@@ -5,10 +5,16 @@ less any that leave or are dropped before pushing it. In an elastic job a worker
 step t is open trains from step t + 1; one joining before t opens trains from t (the two-phase
 join in ``psserver/elastic.py`` makes every shard agree on which).
 
-The round's pushes are held under the shard's lock; the push that completes it averages them
-in worker order (so the result is bit-identical whatever order they arrived in, and a replayed
-round reproduces it exactly), and the shard applies once and advances its clock, which
-releases pulls waiting for the next step. An open round holds one gradient per pushed worker.
+A round sums its pushes in worker order as they arrive: a push is added to the round's sum
+once every lower worker id that may still push this step has been added (in a job of fixed
+size every lower id, since a dropped worker may come back into the open step; in an elastic
+job the step's lower members, since one that left or was dropped cannot). A push that arrives
+before its turn is held until then, and the push that completes the round adds whatever is
+held, in order. So the sum is the same additions in the same order as summing every push in
+worker order at the close: bit-identical whatever order the pushes arrived in, and a replayed
+round reproduces it exactly. The shard then applies once and advances its clock, which
+releases pulls waiting for the next step. An open round holds the sum and the pushes that
+came before their turn (bench/NOTES.md 27), not one gradient per pushed worker.
 """
 
 from __future__ import annotations
@@ -30,8 +36,11 @@ class SyncPolicy(ConsistencyPolicy):
 
     def __init__(self, quorum: int = 0) -> None:
         self.quorum = quorum
-        self._pushes: dict[int, Mapping[str, Any]] = {}
-        self._owned: set[int] = set()  # workers whose pushed arrays are ours to change
+        self._pushed: set[int] = set()  # the workers whose push is in the open round
+        self._held: dict[int, Mapping[str, Any]] = {}  # pushes that came before their turn
+        self._owned: set[int] = set()  # held workers whose arrays are ours to change
+        self._sum: dict[str, np.ndarray] = {}  # dense gradients added so far, in worker order
+        self._rows: dict[str, list[RowSparse]] = {}  # table rows added so far, in order
 
     def push_ready(self, clocks: Clocks, worker: int, step: int) -> bool:
         # A push for a later step waits for the current round to close.
@@ -41,18 +50,18 @@ class SyncPolicy(ConsistencyPolicy):
         return clocks.updates >= step
 
     def waiting_for(self, clocks: Clocks, step: int) -> str:
-        missing = [w for w in clocks.members(clocks.updates) if w not in self._pushes]
+        missing = [w for w in clocks.members(clocks.updates) if w not in self._pushed]
         need = f"{self.quorum} pushes" if self.quorum else "every live worker's push"
         return (
             f"sync barrier: step {step} needs round {clocks.updates} complete ({need}); "
-            f"pushed: {sorted(self._pushes)}, still waiting for workers {missing}"
+            f"pushed: {sorted(self._pushed)}, still waiting for workers {missing}"
         )
 
     def classify(self, clocks: Clocks, worker: int, step: int) -> str | None:
         if step < clocks.updates:
             # The step already closed: a retry if this worker was in it, else a late push.
             return "duplicate" if step < clocks.finished.get(worker, 0) else "late"
-        if step == clocks.updates and worker in self._pushes:
+        if step == clocks.updates and worker in self._pushed:
             return "duplicate"
         return None
 
@@ -75,13 +84,16 @@ class SyncPolicy(ConsistencyPolicy):
         grads: Mapping[str, Any],
         owned: bool = False,
     ) -> Mapping[str, Any] | None:
-        self._pushes[worker] = grads
+        self._pushed.add(worker)
+        self._held[worker] = grads
         if owned:
             self._owned.add(worker)
+        self._add_in_turn(clocks)
         return self._close_if_complete(clocks)
 
     def membership_changed(self, clocks: Clocks) -> Mapping[str, Any] | None:
-        if self._pushes:
+        if self._pushed:
+            self._add_in_turn(clocks)  # a lower member gone: pushes after it may be added
             return self._close_if_complete(clocks)
         if clocks.joined and clocks.live and not clocks.members(clocks.updates):
             # Elastic: every member of the open step left before pushing it, and the members
@@ -89,36 +101,71 @@ class SyncPolicy(ConsistencyPolicy):
             return {}
         return None
 
+    def turn(self, clocks: Clocks, worker: int, step: int) -> bool:
+        # Every lower worker the open round waits for has pushed. Not with quorum: the round's
+        # pushes are whichever come first. A lower worker that is not live (dropped) is not
+        # waited for: it may never come back (if it does, the rule holds what came after it).
+        if self.quorum or step != clocks.updates:
+            return True
+        members = clocks.members(clocks.updates) if clocks.joined else sorted(clocks.live)
+        if len(members) <= 2:
+            # Two pushes: the round's peak holds both whatever the order (on its turn the
+            # second is read while the first is the sum; before it, the second is read and
+            # held while the first arrives), so a wait would only serialise the reads.
+            return True
+        return all(w in self._pushed for w in members if w < worker)
+
+    def _add_in_turn(self, clocks: Clocks) -> None:
+        """Adds the held pushes whose turn has come, lowest worker first."""
+        while self._held:
+            worker = min(self._held)
+            if not self._turn(clocks, worker):
+                return
+            self._add(worker)
+
+    def _turn(self, clocks: Clocks, worker: int) -> bool:
+        """Whether no lower worker id can still push into the open round before ``worker``."""
+        if clocks.joined:  # elastic: the step's members; one gone cannot come back into it
+            return all(m in self._pushed for m in clocks.members(clocks.updates) if m < worker)
+        return all(w in self._pushed for w in range(worker))
+
+    def _add(self, worker: int) -> None:
+        """Adds ``worker``'s held push to the round's sum (every lower one is in already)."""
+        grads = self._held.pop(worker)
+        mine = worker in self._owned
+        self._owned.discard(worker)
+        for key, grad in grads.items():
+            if isinstance(grad, RowSparse):
+                self._rows.setdefault(key, []).append(grad)
+                continue
+            acc = self._sum.get(key)
+            if acc is None:
+                # The first push's own array when it is ours to change: one model copy less
+                # while a step is open (the same additions, in the same order).
+                flags = grad.flags
+                self._sum[key] = (
+                    grad if mine and flags.writeable and flags.c_contiguous else (grad.copy())
+                )
+            else:
+                with np.errstate(over="ignore"):  # an overflow is refused when applied
+                    acc += grad
+
     def _close_if_complete(self, clocks: Clocks) -> Mapping[str, Any] | None:
-        pushed = self._pushes.keys()
+        pushed = self._pushed
         enough = self.quorum > 0 and len(pushed) >= self.quorum
         if not (enough or self._all_pushed(clocks)):
             return None
-        count = len(self._pushes)
-        mean: dict[str, np.ndarray] = {}
-        rows: dict[str, list[RowSparse]] = {}
-        for worker in sorted(self._pushes):
-            for key, grad in self._pushes[worker].items():
-                if isinstance(grad, RowSparse):
-                    rows.setdefault(key, []).append(grad)
-                    continue
-                acc = mean.get(key)
-                if acc is None:
-                    # The first push's own array when it is ours to change: one model copy
-                    # less while a step is open (the same additions, in the same order).
-                    flags = grad.flags
-                    mine = worker in self._owned and flags.writeable and flags.c_contiguous
-                    mean[key] = grad if mine else grad.copy()
-                else:
-                    with np.errstate(over="ignore"):  # an overflow is refused when applied
-                        acc += grad
+        while self._held:  # no other push joins this round: the rest in worker order
+            self._add(min(self._held))
+        count = len(pushed)
+        mean = self._sum
         for key, acc in mean.items():
             if acc.dtype.kind == "f":
                 acc /= acc.dtype.type(count)
             else:  # integer buffers such as BatchNorm's num_batches_tracked
                 mean[key] = acc // count
         update: dict[str, Any] = dict(mean)
-        for key, parts in rows.items():
+        for key, parts in self._rows.items():
             # A row only some workers touched averages with zeros from the rest, exactly as a
             # dense gradient would.
             with np.errstate(over="ignore"):  # an overflow is refused when applied
@@ -128,16 +175,18 @@ class SyncPolicy(ConsistencyPolicy):
                 )
                 values /= values.dtype.type(count)
             update[key] = RowSparse(ids, values)
-        self._pushes = {}
-        self._owned = set()
+        self._pushed, self._held, self._owned = set(), {}, set()
+        self._sum, self._rows = {}, {}
         return update
 
     def _all_pushed(self, clocks: Clocks) -> bool:
         """Every member of the open step has pushed it (a job of fixed size: every live one)."""
-        pushed = self._pushes.keys()
+        pushed = self._pushed
         if not clocks.joined:
             return clocks.live <= pushed
         return all(w in pushed for w in clocks.members(clocks.updates))
 
     def pending_bytes(self) -> int:
-        return sum(g.nbytes for grads in self._pushes.values() for g in grads.values())
+        held = sum(g.nbytes for grads in self._held.values() for g in grads.values())
+        rows = sum(p.nbytes for parts in self._rows.values() for p in parts)
+        return held + rows + sum(a.nbytes for a in self._sum.values())

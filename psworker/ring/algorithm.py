@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -23,6 +24,9 @@ _F16 = np.dtype(np.float16)
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
 _BF16_BITS = np.dtype(np.uint16)
+# A chunk is measured as it is written in pieces of this many elements (256 KiB of float32),
+# each dotted while it is still in cache.
+_MEASURE_PIECE = 1 << 16
 
 
 def segment_bounds(length: int, world_size: int) -> np.ndarray:
@@ -76,6 +80,26 @@ def check_sum_dtype(dtype: np.dtype, bfloat16: bool = False) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Part:
+    """One buffer of ``allreduce_many``, with its own options (as ``allreduce``'s arguments).
+
+    Each part keeps its own segments (``segment_bounds`` of its own length), so each element is
+    summed in the same order as by ``allreduce`` of that buffer alone: the same bits.
+    """
+
+    buffer: np.ndarray
+    bfloat16: bool = False
+    divisor: int = 1
+    source: np.ndarray | None = None
+    chunk_bytes: int = RING_CHUNK_BYTES
+    # When given (float32/float64 parts), the result's sum of squares is appended to it: each
+    # piece dotted with itself as it is written (in cache, no pass of its own), the pieces'
+    # sums added in the buffer's order, so every rank gets the same value. (A finite value
+    # proves the result finite: the caller's checks need not read it again.)
+    measure: list[float] | None = None
+
+
 def allreduce(
     peer: Peer,
     buffer: np.ndarray,
@@ -122,69 +146,177 @@ def allreduce(
             dtype (ranks disagree on the buffer).
         PSError: whatever the peer raises (``WaitTimeoutError`` for a silent neighbour).
     """
-    _check_buffer(buffer, writeable=True)
-    if chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-    check_sum_dtype(buffer.dtype, bfloat16)
-    if divisor < 1:
-        raise ValueError(f"divisor must be >= 1, got {divisor}")
-    src = buffer
-    if source is not None:
-        _check_buffer(source, writeable=False)
-        if source.shape != buffer.shape or source.dtype != buffer.dtype:
-            raise ValueError(
-                f"source is {source.shape} {source.dtype}, the buffer {buffer.shape} "
-                f"{buffer.dtype}: they must match"
-            )
-        src = source
+    part = Part(buffer, bfloat16, divisor, source, chunk_bytes)
+    allreduce_many(peer, [part], timeout=timeout)
+    return buffer
+
+
+def allreduce_many(
+    peer: Peer, parts: Sequence[Part], *, timeout: float = DEFAULT_TIMEOUT_S, first: int = 0
+) -> list[np.ndarray]:
+    """``allreduce`` of several buffers in one pass of the ring: each ring step passes every
+    part's chunks before the next step, so the pipeline never drains between buffers, and a
+    caller pays one collective's start and end for a step's buckets, flags and digest together.
+
+    Each part is cut into its own segments and summed exactly as ``allreduce`` of it alone
+    would (the same bits, whatever the other parts). Part ``first + i`` tags its segment ``s``
+    as ``(first + i) * world_size + s``, so parts of one collective never share a tag, and a
+    collective's parts may also be run a few at a time, in order (``first`` counts those
+    already run): the same exchange and the same bits. Every rank must run them alike (all at
+    once, or in the same turns): a rank that runs step s of every part before step s+1 waits
+    for the next part's step s while a rank in turns waits for this part's step s+1. Every
+    part is checked before anything is sent.
+
+    Returns:
+        Each part's buffer, now holding its sum (divided by its divisor), in ``parts``' order.
+
+    Raises:
+        As ``allreduce``, for any part.
+    """
     world, rank = peer.world_size, peer.rank
-    if world == 1 or buffer.size == 0:
-        if src is not buffer:
-            np.copyto(buffer, src)
-        if divisor != 1 and buffer.size:
-            _divide(buffer, 0, buffer.size, divisor, bfloat16)
-        return buffer
-    acc: np.ndarray  # where partial sums are made
-    own: np.ndarray  # this rank's values, in acc's dtype
-    if bfloat16:
-        acc = own = bfloat16_to_float32(src)
-    elif buffer.dtype == _F16:
-        acc = own = src.astype(_F32)
-    else:
-        acc, own = buffer, src  # summed in its own precision, into the buffer
-
-    def finish(lo: int, hi: int) -> None:
-        if divisor != 1:
-            np.divide(acc[lo:hi], acc.dtype.type(divisor), out=acc[lo:hi])
-        if acc is buffer:
-            return
-        buffer[lo:hi] = float32_to_bfloat16(acc[lo:hi]) if bfloat16 else acc[lo:hi]
-
-    bounds = segment_bounds(buffer.size, world)
-    chunk = max(1, chunk_bytes // acc.itemsize)
+    plans = [_Reduction(part, world, first + i) for i, part in enumerate(parts)]
+    if world == 1:
+        for plan in plans:
+            plan.alone()
+            plan.report()
+        return [part.buffer for part in parts]
     last_step = 2 * world - 3
     # Reduce-scatter: step s receives segment r-s-1, adds it, and passes it on at step s+1.
-    for k, lo, hi in _chunks(bounds, rank, chunk):
-        peer.send_to_right(Tag(0, rank, k), own[lo:hi])
+    for plan in plans:
+        for tag, lo, hi in plan.chunks(0, rank):
+            peer.send_to_right(tag, plan.own[lo:hi])
     for step in range(world - 1):
         segment = (rank - step - 1) % world
-        for k, lo, hi in _chunks(bounds, segment, chunk):
-            got = _receive(peer, Tag(step, segment, k), timeout, hi - lo, acc.dtype)
-            np.add(own[lo:hi], got, out=acc[lo:hi])
-            if step < world - 2:
-                peer.send_to_right(Tag(step + 1, segment, k), acc[lo:hi])
-            else:
-                # segment == r+1 is complete here: store it and start its all-gather at once.
-                finish(lo, hi)
-                peer.send_to_right(Tag(world - 1, segment, k), buffer[lo:hi])
+        for plan in plans:
+            acc, own = plan.acc, plan.own
+            for tag, lo, hi in plan.chunks(step, segment):
+                got = _receive(peer, tag, timeout, hi - lo, acc.dtype)
+                np.add(own[lo:hi], got, out=acc[lo:hi])
+                if step < world - 2:
+                    peer.send_to_right(tag._replace(step=step + 1), acc[lo:hi])
+                else:
+                    # segment == r+1 is complete here: store it and start its all-gather at once.
+                    plan.finish(tag, lo, hi)
+                    peer.send_to_right(tag._replace(step=world - 1), plan.buffer[lo:hi])
     # All-gather: step world-1+j receives finished segment r-j and passes it on.
     for step in range(world - 1, last_step + 1):
         segment = (rank - (step - world + 1)) % world
-        for k, lo, hi in _chunks(bounds, segment, chunk):
-            buffer[lo:hi] = _receive(peer, Tag(step, segment, k), timeout, hi - lo, buffer.dtype)
-            if step < last_step:
-                peer.send_to_right(Tag(step + 1, segment, k), buffer[lo:hi])
-    return buffer
+        for plan in plans:
+            buffer = plan.buffer
+            for tag, lo, hi in plan.chunks(step, segment):
+                plan.store(tag, lo, hi, _receive(peer, tag, timeout, hi - lo, buffer.dtype))
+                if step < last_step:
+                    peer.send_to_right(tag._replace(step=step + 1), buffer[lo:hi])
+    for plan in plans:
+        plan.report()
+    return [part.buffer for part in parts]
+
+
+class _Reduction:
+    """One part's working state in ``allreduce_many``: its accumulator, its own values, its
+    segments and chunk size, and its place among the collective's parts (its tags)."""
+
+    def __init__(self, part: Part, world: int, index: int) -> None:
+        """Checks the part (nothing is sent before every part passed).
+
+        Raises:
+            ValueError, InvalidRequestError: as ``allreduce``.
+        """
+        buffer = part.buffer
+        _check_buffer(buffer, writeable=True)
+        if part.chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {part.chunk_bytes}")
+        check_sum_dtype(buffer.dtype, part.bfloat16)
+        if part.divisor < 1:
+            raise ValueError(f"divisor must be >= 1, got {part.divisor}")
+        if part.measure is not None and (part.bfloat16 or buffer.dtype not in (_F32, _F64)):
+            raise ValueError(f"measure sums float32 or float64 squares, not {buffer.dtype}")
+        src = buffer
+        if part.source is not None:
+            _check_buffer(part.source, writeable=False)
+            if part.source.shape != buffer.shape or part.source.dtype != buffer.dtype:
+                raise ValueError(
+                    f"source is {part.source.shape} {part.source.dtype}, the buffer "
+                    f"{buffer.shape} {buffer.dtype}: they must match"
+                )
+            src = part.source
+        self.buffer, self.src = buffer, src
+        self.bfloat16, self.divisor = part.bfloat16, part.divisor
+        self.acc: np.ndarray = buffer  # where partial sums are made
+        self.own: np.ndarray = src  # this rank's values, in acc's dtype
+        if world > 1 and buffer.size:
+            if part.bfloat16:
+                self.acc = self.own = bfloat16_to_float32(src)
+            elif buffer.dtype == _F16:
+                self.acc = self.own = src.astype(_F32)
+        self.bounds = segment_bounds(buffer.size, world)
+        self.chunk = max(1, part.chunk_bytes // self.acc.itemsize)
+        self.world, self.index = world, index
+        self.measure = part.measure
+        # Each chunk's sum of squares, in the buffer's order (segment by segment, chunk by
+        # chunk): every rank writes every chunk once, so every rank fills every entry.
+        self._first: list[int] = []
+        self._dots = np.zeros(0, np.float64)
+        if self.measure is not None:
+            sizes = np.diff(self.bounds)
+            counts = -(-sizes // self.chunk)
+            self._first = (np.cumsum(counts) - counts).tolist()
+            self._dots = np.zeros(int(counts.sum()), np.float64)
+
+    def alone(self) -> None:
+        """A ring of one: the result is this rank's values (divided)."""
+        buffer = self.buffer
+        if self.src is not buffer:
+            np.copyto(buffer, self.src)
+        if self.divisor != 1 and buffer.size:
+            _divide(buffer, 0, buffer.size, self.divisor, self.bfloat16)
+        if self.measure is not None:
+            for segment in range(self.world):
+                for k, lo, hi in _chunks(self.bounds, segment, self.chunk):
+                    self._dots[self._first[segment] + k] = _dot(buffer[lo:hi])
+
+    def report(self) -> None:
+        """Appends the result's sum of squares to ``measure`` (when asked)."""
+        if self.measure is not None:
+            with np.errstate(over="ignore", invalid="ignore"):
+                self.measure.append(float(np.sum(self._dots)))
+
+    def store(self, tag: Tag, lo: int, hi: int, got: np.ndarray) -> None:
+        """Writes a finished chunk received in the all-gather (and measures it, a cache-sized
+        piece at a time, as it is written)."""
+        buffer = self.buffer
+        if self.measure is None:
+            buffer[lo:hi] = got
+            return
+        total = 0.0
+        for start in range(lo, hi, _MEASURE_PIECE):
+            end = min(start + _MEASURE_PIECE, hi)
+            piece = buffer[start:end]
+            piece[...] = got[start - lo : end - lo]
+            total += _dot(piece)
+        self._dots[self._first[tag.segment % self.world] + tag.chunk] = total
+
+    def chunks(self, step: int, segment: int) -> Iterator[tuple[Tag, int, int]]:
+        """``(tag, lo, hi)`` of each chunk of ``segment`` at ring step ``step``."""
+        named = self.index * self.world + segment
+        for k, lo, hi in _chunks(self.bounds, segment, self.chunk):
+            yield Tag(step, named, k), lo, hi
+
+    def finish(self, tag: Tag, lo: int, hi: int) -> None:
+        """A completed chunk: divided, and stored in the buffer's own dtype (and measured)."""
+        acc, buffer = self.acc, self.buffer
+        if self.divisor != 1:
+            np.divide(acc[lo:hi], acc.dtype.type(self.divisor), out=acc[lo:hi])
+        if acc is not buffer:
+            buffer[lo:hi] = float32_to_bfloat16(acc[lo:hi]) if self.bfloat16 else acc[lo:hi]
+        if self.measure is not None:
+            self._dots[self._first[tag.segment % self.world] + tag.chunk] = _dot(buffer[lo:hi])
+
+
+def _dot(piece: np.ndarray) -> float:
+    """``piece``'s sum of squares (inf or NaN when it holds a non-finite value)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return float(np.dot(piece, piece))
 
 
 def _divide(buffer: np.ndarray, lo: int, hi: int, divisor: int, bfloat16: bool) -> None:

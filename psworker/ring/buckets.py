@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -53,7 +54,8 @@ class BucketPlan:
         specs: Mapping[str, tuple[Sequence[int], DTypeLike]],
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> BucketPlan:
-        """Plans buckets of at most ``bucket_bytes`` (a larger tensor gets a bucket alone).
+        """Plans buckets of at most ``bucket_bytes`` (a larger tensor gets a bucket alone),
+        sorted by dtype, then name: the same plan whatever order each worker lists them in.
 
         Args:
             specs: name -> (shape, dtype).
@@ -62,31 +64,31 @@ class BucketPlan:
         Raises:
             ValueError: ``bucket_bytes`` < 1 or a negative dim.
         """
-        if bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-        entries = []
-        for name, (shape, dtype) in specs.items():
-            dims = tuple(int(d) for d in shape)
-            if any(d < 0 for d in dims):
-                raise ValueError(f"tensor '{name}' has a negative dim in shape {dims}")
-            entries.append((np.dtype(dtype), name, dims))
+        entries = _entries(specs, bucket_bytes)
         entries.sort(key=lambda e: (e[0].str, e[1]))
-        buckets: list[Bucket] = []
-        slots: list[Slot] = []
-        size = 0
-        current: np.dtype | None = None
-        for dtype, name, dims in entries:
-            count = int(np.prod(dims, dtype=np.int64))
-            full = size > 0 and (size + count) * dtype.itemsize > bucket_bytes
-            if current is not None and (dtype != current or full):
-                buckets.append(Bucket(current, tuple(slots), size))
-                slots, size = [], 0
-            current = dtype
-            slots.append(Slot(name, dims, size, count))
-            size += count
-        if current is not None:
-            buckets.append(Bucket(current, tuple(slots), size))
-        return cls(tuple(buckets))
+        return cls(_pack(entries, bucket_bytes))
+
+    @classmethod
+    def in_order(
+        cls,
+        specs: Mapping[str, tuple[Sequence[int], DTypeLike]],
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> BucketPlan:
+        """Plans buckets as ``build``, but in ``specs``' own order (a new bucket also where
+        the dtype changes): DDP's plan, the tensors in the order backward makes their
+        gradients, so the first bucket fills first. Workers must list them alike (the same
+        model gives the same order; ``digest`` tells plans apart).
+
+        Raises:
+            ValueError: ``bucket_bytes`` < 1 or a negative dim.
+        """
+        return cls(_pack(_entries(specs, bucket_bytes), bucket_bytes))
+
+    def digest(self) -> str:
+        """The plan (each bucket's dtype and tensors: names, shapes, places) as a short
+        digest, equal on workers whose plans are equal."""
+        text = repr([(b.dtype.str, b.slots) for b in self.buckets])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @classmethod
     def for_arrays(
@@ -187,3 +189,45 @@ class BucketPlan:
                     f"bucket {i} is {buffer.shape} {buffer.dtype}, the plan expects "
                     f"({bucket.size},) {bucket.dtype}"
                 )
+
+
+def _entries(
+    specs: Mapping[str, tuple[Sequence[int], DTypeLike]], bucket_bytes: int
+) -> list[tuple[np.dtype, str, tuple[int, ...]]]:
+    """``specs`` as (dtype, name, dims), checked.
+
+    Raises:
+        ValueError: ``bucket_bytes`` < 1 or a negative dim.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    entries = []
+    for name, (shape, dtype) in specs.items():
+        dims = tuple(int(d) for d in shape)
+        if any(d < 0 for d in dims):
+            raise ValueError(f"tensor '{name}' has a negative dim in shape {dims}")
+        entries.append((np.dtype(dtype), name, dims))
+    return entries
+
+
+def _pack(
+    entries: Sequence[tuple[np.dtype, str, tuple[int, ...]]], bucket_bytes: int
+) -> tuple[Bucket, ...]:
+    """Fills buckets in ``entries``' order: a new one where the dtype changes or the next
+    tensor would take it past ``bucket_bytes``."""
+    buckets: list[Bucket] = []
+    slots: list[Slot] = []
+    size = 0
+    current: np.dtype | None = None
+    for dtype, name, dims in entries:
+        count = int(np.prod(dims, dtype=np.int64))
+        full = size > 0 and (size + count) * dtype.itemsize > bucket_bytes
+        if current is not None and (dtype != current or full):
+            buckets.append(Bucket(current, tuple(slots), size))
+            slots, size = [], 0
+        current = dtype
+        slots.append(Slot(name, dims, size, count))
+        size += count
+    if current is not None:
+        buckets.append(Bucket(current, tuple(slots), size))
+    return tuple(buckets)

@@ -11,14 +11,22 @@ import numpy as np
 from pscore.optim import Optimizer
 from pscore.optspec import StepOptions, group_optimizers, resolve_groups
 from pscore.tables import RowSparse, Table
-from pswire.codec import COMPRESSIONS, bfloat16_to_float32, float32_to_bfloat16
-from pswire.errors import ConfigError, InvalidRequestError, ModelMismatchError, not_in_model
+from pswire.codec import COMPRESSIONS
+from pswire.errors import (
+    ConfigError,
+    InvalidRequestError,
+    ModelMismatchError,
+    NotInitializedError,
+    PSError,
+    not_in_model,
+)
 from pswire.security import ClientSecurity
 from psworker.api import push_then_pull
 from psworker.local import LocalClient
 from psworker.ring import agreement
 from psworker.ring.algorithm import DEFAULT_TIMEOUT_S
 from psworker.ring.buckets import DEFAULT_BUCKET_BYTES, BucketPlan
+from psworker.ring.reduction import StepReduction
 from psworker.ring.ring import Ring, RingServer
 
 # The skip flag travels in the gradients' all-reduce as one more tensor: a step any worker's
@@ -27,6 +35,9 @@ SKIP_KEY = "\x00skip"
 # One flag per variable: which names any worker pushed this step (the others are left as they
 # are, as the shards leave a variable no worker pushed: another model's, a None gradient's).
 PUSHED_KEY = "\x00pushed"
+# The gradients' bucket plan is one of the settings ranks agree on: it follows init's order of
+# the variables, which ranks could list differently.
+_PLAN_SETTING = "gradient buckets (init's order of the variables)"
 _NO_TABLES = (
     "embedding tables {} live on parameter-server shards; mode 'allreduce' has none "
     "(use sync, async, ssp or local)"
@@ -72,9 +83,7 @@ class AllReduceClient:
         self._rendezvous = rendezvous
         self._local = LocalClient()
         self._buffers: set[str] = set()
-        self._plan: BucketPlan | None = None
-        self._buckets: list[np.ndarray] = []  # the plan's buffers, reused every step
-        self._ring_means: list[bool] = []  # per bucket: whether the ring itself averages it
+        self._reduction: StepReduction | None = None  # the step's buckets, from init
         self._specs: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
         self._optimizers: tuple[Optimizer, ...] = ()  # each parameter group's, from init
         self._groups = ""  # agreement.groups_digest of init's groups
@@ -99,6 +108,8 @@ class AllReduceClient:
 
     def close(self) -> None:
         """Stops this worker's ring server; later calls raise ClientClosedError."""
+        if self._reduction is not None:
+            self._reduction.close()
         self.ring.close()
         self._local.close()
         self._rendezvous = None
@@ -132,6 +143,16 @@ class AllReduceClient:
         self._buffers = set(buffers)
         self._optimizers = optimizers
         self._groups = agreement.groups_digest(group)
+        extras = {
+            SKIP_KEY: (1,),
+            PUSHED_KEY: (len(self._specs),),
+            agreement.AGREE_KEY: (self.num_workers, agreement.DIGEST_BYTES),
+        }
+        if self._reduction is not None:
+            self._reduction.close()
+        self._reduction = StepReduction(
+            self.ring, self._specs, self._buffers, extras, self.compression, self.bucket_bytes
+        )
 
     def pull(
         self, names: Sequence[str] | None = None, out: Mapping[str, np.ndarray] | None = None
@@ -160,33 +181,47 @@ class AllReduceClient:
 
         A variable no worker pushed this step is left as it is (no optimizer step, as in
         torch for a ``None`` gradient, and as on the shards); one that some workers pushed
-        counts as zeros from the others.
+        counts as zeros from the others. The gradients, the step's flags, the buffers and the
+        agreement digest travel in one collective; buckets ``start_bucket`` already sent are
+        waited for and not sent again.
 
         Raises:
             UnknownVariableError: a name not in the model.
+            ShapeMismatchError, InvalidRequestError: a gradient of another shape or dtype
+                than its variable.
+            ConfigError: a gradient appeared or went after ``start_bucket`` sent its bucket.
             HyperParameterMismatchError: ranks apply other optimizer settings or step
                 hyper-parameters (named with their values); nothing was applied.
             WaitTimeoutError, UnavailableError: a peer is silent or gone (named).
         """
-        for name, grad in grads.items():
-            if isinstance(grad, RowSparse):
-                raise InvalidRequestError(_NO_TABLES.format([name]))
-            if name not in self._specs:
-                raise not_in_model(name, self._specs)
-        # Shapes from init, not a pull: a pull would copy the whole model every step.
+        reduction = self._require_reduction()
+        try:
+            for name, grad in grads.items():
+                if isinstance(grad, RowSparse):
+                    raise InvalidRequestError(_NO_TABLES.format([name]))
+                if name not in self._specs:
+                    raise not_in_model(name, self._specs)
+        except PSError as exc:
+            reduction.abandon(exc)
+            raise
         skip = bool(options and options.skip)
-        full = {
-            name: np.asarray(grads[name])
-            if name in grads and (not skip or name in self._buffers)
-            else np.zeros(shape, dtype)
-            for name, (shape, dtype) in self._specs.items()
-        }
-        full[SKIP_KEY] = np.array([1.0 if skip else 0.0], dtype=np.float32)
-        full[PUSHED_KEY] = np.array([n in grads for n in self._specs], dtype=np.float32)
+        dense = {n: np.asarray(g) for n, g in grads.items() if not isinstance(g, RowSparse)}
+        sent = {n: g for n, g in dense.items() if n not in self._buffers and not skip}
         described = agreement.settings(group_optimizers(self._optimizers, options), self._groups)
+        described[_PLAN_SETTING] = reduction.plan.digest()
         rank, world = self.worker_id, self.num_workers
-        full[agreement.AGREE_KEY] = agreement.agreement_tensor(rank, world, described)
-        mean = self._average(full, sums={agreement.AGREE_KEY})
+        extras = {
+            SKIP_KEY: np.array([1.0 if skip else 0.0], dtype=np.float32),
+            PUSHED_KEY: np.array([n in grads for n in self._specs], dtype=np.float32),
+            agreement.AGREE_KEY: agreement.agreement_tensor(rank, world, described),
+            **{n: g for n, g in dense.items() if n in self._buffers},
+        }
+        mean = reduction.reduce(
+            sent,
+            extras,
+            sums={agreement.AGREE_KEY},
+            present=[n for n in grads if n not in self._buffers],
+        )
         summed = mean.pop(agreement.AGREE_KEY)
         agreement.check(
             self.ring, rank, world, summed, described, self.step if step is None else step
@@ -197,7 +232,60 @@ class AllReduceClient:
             values = options.values if options is not None else {}
             options = StepOptions(values, skip=True)
             mean = {k: v for k, v in mean.items() if k in self._buffers}
-        return self._local.push(mean, step, options)
+        # The ring measured the large means as it wrote them: the step's checks reuse that.
+        return self._local.push(mean, step, options, known_squares=reduction.measured)
+
+    def gradient_buckets(self) -> list[list[str]]:
+        """The variables of each gradient bucket, in the order buckets are reduced (the
+        reverse of init's order, as backward makes gradients; buffers travel at ``push``).
+
+        Raises:
+            NotInitializedError: before ``init``.
+        """
+        plan = self._require_reduction().plan
+        return [[slot.name for slot in bucket.slots] for bucket in plan.buckets]
+
+    def reduce_in_turns(self) -> None:
+        """From the next step on, sums each gradient bucket (then the step's own part) one
+        after another, which lets ``start_bucket`` send them from backward's hooks: the same
+        bits as summing them all at once. Every rank must call it before the same step (the
+        ring waits for the parts in the order each rank runs them).
+
+        Raises:
+            NotInitializedError: before ``init``.
+        """
+        self._require_reduction().in_turns = True
+
+    def start_bucket(self, index: int, grads: Mapping[str, np.ndarray]) -> None:
+        """Sends gradient bucket ``index`` (``gradient_buckets``) now, in the background, for
+        the step the next ``push`` ends (overlap: backward's hooks start each bucket as it
+        fills). Buckets start in order; a bucket's absent gradients go as zeros, and must stay
+        absent at ``push`` (which checks). A lone tensor in its bucket is read in place: it
+        must not change until ``push`` returns.
+
+        Raises:
+            NotInitializedError: before ``init``.
+            ConfigError: before ``reduce_in_turns``, or not the next bucket.
+            ShapeMismatchError, InvalidRequestError: a gradient of another shape or dtype.
+        """
+        reduction = self._require_reduction()
+        try:
+            reduction.start(index, grads)
+        except PSError as exc:
+            reduction.abandon(exc)
+            raise
+
+    def abandon_step(self, error: Exception) -> None:
+        """Gives up a step whose buckets ``start_bucket`` sent but that will not be pushed
+        (``error``, e.g. its gradients changed): the ring fails with ``error`` on every rank
+        at once, rather than the others waiting out their timeout."""
+        if self._reduction is not None:
+            self._reduction.abandon(error)
+
+    def _require_reduction(self) -> StepReduction:
+        if self._reduction is None:
+            raise NotInitializedError("init() must run before the first push")
+        return self._reduction
 
     def push_pull(
         self,
@@ -256,77 +344,6 @@ class AllReduceClient:
                 if isinstance(slot_state[name], np.ndarray):
                     slot_state[name] = agreed.pop(f"{key}\x00{name}")
         self._local.load_state(agreed, state)
-
-    def _average(
-        self, tensors: dict[str, np.ndarray], sums: set[str] | frozenset[str] = frozenset()
-    ) -> dict[str, np.ndarray]:
-        """The mean of each tensor over the ranks (the sum for names in ``sums``).
-
-        Tensors travel in the plan's buckets, which live across steps (their memory is faulted
-        in once). A bucket whose tensors all travel in their own float dtype is averaged by the
-        ring itself (each rank divides the segment it completes) and its tensors come back as
-        views of it, valid until the next call; other buckets (16-bit compression, integer
-        buffers) are summed and divided here.
-        """
-        wire = {name: self._encode(name, t) for name, t in tensors.items()}
-        if self._plan is None:
-            self._plan = BucketPlan.for_arrays(wire, self.bucket_bytes)
-            self._buckets = self._plan.empty()
-            self._ring_means = [
-                all(
-                    tensors[slot.name].dtype == bucket.dtype and bucket.dtype.kind == "f"
-                    for slot in bucket.slots
-                )
-                for bucket in self._plan.buckets
-            ]
-        # A bucket of one tensor is read from the tensor itself: no copy into the bucket.
-        sources = self._plan.flatten(wire, out=self._buckets, sources=True)
-        n = self.num_workers
-        for bucket, source, mean in zip(self._buckets, sources, self._ring_means, strict=True):
-            self.ring.allreduce(
-                bucket,
-                inplace=True,
-                bfloat16=bucket.dtype == np.uint16,
-                divisor=n if mean else 1,
-                source=None if source is bucket else source,
-            )
-        summed = self._plan.unflatten(self._buckets)
-        averaged = {
-            s.name
-            for b, m in zip(self._plan.buckets, self._ring_means, strict=True)
-            if m
-            for s in b.slots
-        }
-        out = {}
-        for name, original in tensors.items():
-            total = summed[name]
-            if name in averaged:
-                # The ring divided: a sum is the mean times n (exact for the agreement's bytes
-                # and n a power of two, else equal wherever the sums are, which is what counts).
-                out[name] = total * original.dtype.type(n) if name in sums else total
-                continue
-            if total.dtype == np.uint16:
-                total = bfloat16_to_float32(total)
-            if name in sums:
-                out[name] = total.astype(original.dtype)
-            elif original.dtype.kind == "f":
-                out[name] = (total.astype(original.dtype) / original.dtype.type(n)).astype(
-                    original.dtype
-                )
-            else:  # integer buffers (BatchNorm's num_batches_tracked), carried as float64
-                out[name] = (total // n).astype(original.dtype)
-        return out
-
-    def _encode(self, name: str, tensor: np.ndarray) -> np.ndarray:
-        if tensor.dtype.kind != "f":
-            return tensor.astype(np.float64)
-        if name in self._buffers or self.compression is None:
-            return tensor
-        if self.compression == "fp16":
-            return tensor.astype(np.float16)
-        if self.compression == "bf16":
-            return float32_to_bfloat16(tensor.astype(np.float32))
-        raise InvalidRequestError(f"unknown compression {self.compression!r}")  # pragma: no cover
 
     def heartbeat(self) -> None:
         """No servers to tell."""

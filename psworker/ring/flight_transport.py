@@ -326,6 +326,19 @@ class RingServer:
         detail = f"{self.describe(sender)} disconnected from {me} during collective {op}"
         self.mailbox.fail(Failure(UnavailableError(detail), CERTAIN, sender, detail))
 
+    def closed(self, sender: int | None, op: int) -> None:
+        """The left neighbour's stream ended cleanly (its worker closed its client or left;
+        a killed process's socket may end so too): a wait for anything it did not send fails
+        at once, naming it, rather than timing out."""
+        if self._stopped or sender is None:
+            return
+        me = self.describe_self()
+        detail = (
+            f"{self.describe(sender)} disconnected from {me} (its stream ended after "
+            f"collective {op}: its worker closed its client, left the job, or died)"
+        )
+        self.mailbox.end(Failure(UnavailableError(detail), CERTAIN, sender, detail))
+
     def refused(self, sender: int | None, error: PSError) -> None:
         """A malformed or unwanted chunk: fail this rank's waits at once, naming the sender."""
         who = self.describe(sender) if sender is not None else "a peer"
@@ -357,7 +370,8 @@ class _RingService(flight.FlightServerBase):
             try:
                 chunk = reader.read_chunk()
             except StopIteration:
-                return  # the left neighbour closed its stream: a clean end
+                owner.closed(sender, op)  # a clean end: what it sent stays readable
+                return
             except _FAILURES as exc:
                 owner.broke(sender, op, exc)
                 return

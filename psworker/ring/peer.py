@@ -79,6 +79,7 @@ class Mailbox:
         self._cond = threading.Condition()
         self._items: dict[Hashable, collections.deque[np.ndarray]] = {}
         self._failure: Failure | None = None
+        self._ended: Failure | None = None  # nothing more will be filed (``end``)
         self._nbytes = 0
 
     @property
@@ -107,6 +108,15 @@ class Mailbox:
             self._cond.notify_all()
             return True
 
+    def end(self, failure: Failure) -> None:
+        """Nothing more will be filed (the sender closed its stream): what is filed stays
+        readable, and a ``get`` of anything else raises ``failure``'s error at once instead of
+        waiting out its timeout."""
+        with self._cond:
+            if self._ended is None:
+                self._ended = failure
+            self._cond.notify_all()
+
     @property
     def failure(self) -> Failure | None:
         with self._cond:
@@ -127,7 +137,8 @@ class Mailbox:
         """Takes the oldest array under ``key``, waiting up to ``timeout`` s; None on timeout.
 
         Raises:
-            PSError: the mailbox was failed (the recorded error).
+            PSError: the mailbox was failed (the recorded error), or ended with nothing filed
+                under ``key``.
         """
         deadline = time.monotonic() + timeout
         with self._cond:
@@ -141,6 +152,8 @@ class Mailbox:
                     if not queue:
                         del self._items[key]
                     return array
+                if self._ended is not None:
+                    raise self._ended.error
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None

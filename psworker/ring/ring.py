@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import numpy as np
 
@@ -96,6 +98,97 @@ class _OpPeer:
         """
         if self._ring._link is not None:
             self._ring._link.flush(self._op, timeout)
+
+
+class Collective:
+    """One collective of a ``Ring`` (``Ring.open_collective``), whose parts may be summed a
+    few at a time, in order, from one thread at a time; ``close`` ends it. A failure in any
+    part settles it as ``Ring`` settles a collective (the neighbours told, the ring failed for
+    good) and ends it; so does ``abort``, for a rank that must give up between parts.
+    """
+
+    def __init__(self, ring: Ring, peer: _OpPeer) -> None:
+        self._ring = ring
+        self._peer = peer
+        self._parts = 0  # parts summed so far: the next part's index among the tags
+        self._open = True
+        self._ending = threading.Lock()  # ``abort`` may come from another thread
+
+    @property
+    def open(self) -> bool:
+        return self._open
+
+    def allreduce(self, parts: Sequence[algorithm.Part]) -> None:
+        """Sums these parts, the collective's next ones (as ``Ring.allreduce_many``).
+
+        Raises:
+            As ``Ring.allreduce_many``; the collective is then ended.
+        """
+        world, chunk = self._ring.world_size, self._ring.chunk_bytes
+        chunked = [
+            dataclasses.replace(
+                part, chunk_bytes=pipeline_chunk(chunk, part.buffer.nbytes // world)
+            )
+            for part in parts
+        ]
+        first, self._parts = self._parts, self._parts + len(chunked)
+        timeout = self._ring.timeout
+        self.run(lambda peer: algorithm.allreduce_many(peer, chunked, timeout=timeout, first=first))
+
+    def run(self, body: Callable[[Peer], T]) -> T:
+        """Runs one algorithm over this collective's links.
+
+        Raises:
+            ClientClosedError: the collective was ended.
+            PSError: what the algorithm raised (or a better verdict from upstream).
+        """
+        if not self._open:
+            raise ClientClosedError("this collective has ended")
+        try:
+            return body(self._peer)
+        except Exception as exc:
+            self._fail(exc)
+
+    def close(self) -> None:
+        """Waits until the right neighbour holds every chunk sent, then frees the ring.
+
+        Raises:
+            WaitTimeoutError, PSError: as ``RightLink.flush``.
+        """
+        if not self._open:
+            return
+        try:
+            self._peer.finish(self._ring.timeout)
+        except Exception as exc:
+            self._fail(exc)
+        self._end()
+
+    def abort(self, error: Exception) -> None:
+        """Gives up this collective (and the ring) with ``error``, telling the neighbours, so
+        their waits end with it instead of timing out. Does nothing once ended. It may be
+        called from another thread than the one running a part, which then fails with it."""
+        if not self._open:
+            return
+        with contextlib.suppress(Exception):  # the caller raises its own error
+            self._fail(error)
+
+    def _fail(self, exc: Exception) -> NoReturn:
+        """Settles the failure, ends the collective and raises the verdict."""
+        ring = self._ring
+        try:
+            failure = ring._settle(self._peer, exc)
+            ring._failure = failure
+        finally:
+            self._end()
+        if failure.error is exc:
+            raise exc
+        raise failure.error from exc
+
+    def _end(self) -> None:
+        with self._ending:
+            if self._open:
+                self._open = False
+                self._ring._lock.release()
 
 
 class Ring:
@@ -243,18 +336,54 @@ class Ring:
         if divisor < 1:
             raise ValueError(f"divisor must be >= 1, got {divisor}")
         buffer = self._flat(arr, inplace)
-        self._collective(
-            lambda peer: algorithm.allreduce(
-                peer,
-                buffer,
-                timeout=self.timeout,
-                chunk_bytes=pipeline_chunk(self.chunk_bytes, buffer.nbytes // self.world_size),
-                bfloat16=bfloat16,
-                divisor=divisor,
-                source=None if source is None else np.asarray(source).reshape(-1),
-            )
-        )
+        flat_source = None if source is None else np.asarray(source).reshape(-1)
+        self.allreduce_many([algorithm.Part(buffer, bfloat16, divisor, flat_source)])
         return arr if inplace else buffer.reshape(arr.shape)
+
+    def allreduce_many(self, parts: Sequence[algorithm.Part]) -> None:
+        """Sums every part's flat buffer in place (each as ``allreduce(inplace=True)`` with
+        the part's options would, bit for bit) in one collective: one start and one flush for
+        all of them, and the pipeline kept full from one buffer to the next.
+
+        Args:
+            parts: ``algorithm.Part`` each: a contiguous, writeable 1-D buffer, and its
+                ``bfloat16``, ``divisor`` and ``source``; ``chunk_bytes`` is the ring's (each
+                part's segments cut into a few pipelined chunks, as ``allreduce``'s).
+
+        Raises:
+            ValueError, InvalidRequestError, WaitTimeoutError, UnavailableError: as
+                ``allreduce``, for any part (checked before anything is sent).
+        """
+        collective = self.open_collective()
+        collective.allreduce(parts)
+        collective.close()
+
+    def open_collective(self) -> Collective:
+        """Starts a collective whose parts are summed a few at a time (``Collective``): the
+        same exchange, tag for tag, as ``allreduce_many`` of all of them, so ranks may run one
+        step's buckets as each is ready while another sums them all at once. Until its
+        ``close`` the ring runs nothing else (another collective waits for it, up to
+        ``timeout``).
+
+        Raises:
+            ClientClosedError: the ring was closed.
+            PSError: the ring failed earlier.
+            WaitTimeoutError: another collective held the ring for ``timeout`` seconds.
+        """
+        if not self._lock.acquire(timeout=self.timeout):
+            raise WaitTimeoutError(
+                f"{self.describe(self.rank)}: another collective held the ring for "
+                f"{self.timeout:g} s"
+            )
+        try:
+            self._check_usable()
+            op = self._next_op
+            self._next_op += 1
+            self._server.current_op = op  # the server takes chunks of this and the next one
+        except BaseException:
+            self._lock.release()
+            raise
+        return Collective(self, _OpPeer(self, op))
 
     def broadcast(self, array: np.ndarray, root: int = 0, *, inplace: bool = False) -> np.ndarray:
         """``root``'s ``array`` on every rank, bit for bit (e.g. to start replicas identical).
@@ -327,26 +456,17 @@ class Ring:
         return arr.reshape(-1)
 
     def _collective(self, body: Callable[[Peer], T]) -> T:
-        with self._lock:
-            if self._closed:
-                raise ClientClosedError("the ring is closed: this worker's client was closed")
-            if self._failure is not None:
-                cls = type(self._failure.error)
-                raise cls(f"the ring failed earlier and cannot be used: {self._failure.error}")
-            op = self._next_op
-            self._next_op += 1
-            self._server.current_op = op  # the server takes chunks of this and the next one
-            peer = _OpPeer(self, op)
-            try:
-                result = body(peer)
-                peer.finish(self.timeout)
-                return result
-            except Exception as exc:
-                failure = self._settle(peer, exc)
-                self._failure = failure
-                if failure.error is exc:
-                    raise
-                raise failure.error from exc
+        collective = self.open_collective()
+        result = collective.run(body)
+        collective.close()
+        return result
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ClientClosedError("the ring is closed: this worker's client was closed")
+        if self._failure is not None:
+            cls = type(self._failure.error)
+            raise cls(f"the ring failed earlier and cannot be used: {self._failure.error}")
 
     def _settle(self, peer: _OpPeer, exc: Exception) -> Failure:
         """Agrees on the best explanation of a failure and passes it to the right neighbour.

@@ -101,8 +101,10 @@ def test_example_trains_while_a_worker_is_added_and_one_killed(procs: Processes)
 
     # The same run, elastic: a third worker is added after the first epoch (it joins a few
     # epochs in, once python and torch are up), and worker 1 is killed (SIGKILL, no goodbye)
-    # once the third has trained an epoch. Each step is paced so both happen mid-training.
-    paced = [*command, "--pace", "0.05"]
+    # once the third has trained an epoch. Each step is paced so both happen mid-training:
+    # 12 epochs of 24 steps at 0.12 s leave the added worker ~30 s to start python and torch
+    # (at 0.05 s, on a machine at load 13, the founders finished before it joined).
+    paced = [*command, "--pace", "0.12"]
     proc = procs.start([*args, "--elastic", "2:4", *paced], env)
     lines: list[str] = []
     pids: dict[str, int] = {}

@@ -250,6 +250,47 @@ class FaultyTransport:
     def when_ended(self, fn) -> None:
         self.inner.when_ended(fn)
 
+    def begin_stream(self, step, entries, into, incarnation, options, placed=None):
+        """A step streamed from backward (``overlap=True``) counts as a step: ``drop`` fails
+        it at its header (nothing written), ``lose_reply`` loses its reply once the shard
+        has applied it, ``delay`` holds its end (its deadline runs meanwhile); a stream cannot
+        be sent twice, so ``duplicate`` leaves it as it is."""
+        action = self._action("PushPullStream")
+        if action == "drop":
+            raise self._unavailable("drop of a streamed step")
+        stream = self.inner.begin_stream(step, entries, into, incarnation, options, placed)
+        return _FaultyStream(stream, action, self._delay) if action else stream
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class _FaultyStream:
+    """A streamed step (psworker/transport_flight.py ``StreamedStep``) with its fault."""
+
+    def __init__(self, inner, action: str, delay_s: float) -> None:
+        self.inner = inner
+        self.action = action
+        self.delay_s = delay_s
+
+    @property
+    def deadline(self) -> float:
+        return self.inner.deadline
+
+    def write(self, raws) -> None:
+        self.inner.write(raws)
+
+    def end(self):
+        if self.action == "delay":
+            time.sleep(self.delay_s)
+        reply = self.inner.end()
+        if self.action == "lose_reply":
+            raise FaultyTransport._unavailable("lose_reply of a streamed step")
+        return reply
+
+    def cancel(self) -> None:
+        self.inner.cancel()
+
     def close(self) -> None:
         self.inner.close()
 

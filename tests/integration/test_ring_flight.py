@@ -301,6 +301,21 @@ def test_stopped_peer_is_named_by_every_other_rank() -> None:
         assert o.seconds < FAIL_TIMEOUT + MARGIN
 
 
+def test_a_neighbour_that_closed_is_named_at_once_and_what_it_sent_stays_readable() -> None:
+    with cluster(2, timeout=30) as rings:
+        # Rank 1, the root, finishes its broadcast (rank 0's port took every chunk) and
+        # closes before rank 0 has read any of it.
+        data = np.arange(300_000, dtype=np.float32)
+        rings[1].broadcast(data, root=1)
+        rings[1].close(grace=0.2)
+        got = rings[0].broadcast(np.zeros_like(data), root=1)
+        assert np.array_equal(got, data)
+        # Then rank 0 waits for nothing: rank 1's stream ended, so it fails at once.
+        with pytest.raises(UnavailableError, match=r"disconnected.*stream ended") as caught:
+            rings[0].allreduce(np.ones(10, np.float32))
+        assert_names(caught.value, rings[0], 1)
+
+
 def test_unreachable_neighbour_fails_the_rendezvous() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

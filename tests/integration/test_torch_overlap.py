@@ -4,7 +4,9 @@ gradients before step() keep the serial step, or get an error, never a different
 
 from __future__ import annotations
 
+import threading
 import warnings
+from typing import Any
 
 import pytest
 
@@ -13,7 +15,9 @@ torch = pytest.importorskip("torch")
 from workers import run_workers  # noqa: E402
 
 import psworker  # noqa: E402
-from pswire.errors import ConfigError  # noqa: E402
+from pswire.errors import ConfigError, PSError, WaitTimeoutError  # noqa: E402
+from psworker.ring.client import AllReduceClient  # noqa: E402
+from psworker.ring.ring import RingServer  # noqa: E402
 from psworker.torch import DistributedOptimizer  # noqa: E402
 
 STEPS, BATCH = 6, 8
@@ -155,3 +159,157 @@ def test_overlap_is_refused_where_there_is_no_per_shard_step():
         model = make_model(0)
         with pytest.raises(ConfigError, match="overlap=True is not supported here: mode 'local'"):
             DistributedOptimizer(model, client, two_groups(model), overlap=True)
+
+
+# -- allreduce: buckets from backward's hooks, as DDP ------------------------------------------
+
+
+class Branchy(torch.nn.Module):
+    """make_model's net with an extra layer before the head, used only on even steps (its
+    gradient is None on odd ones: its bucket completes at step(), and the buckets after it in
+    the plan with it; the head's two buckets before it still leave from backward)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.net = make_model(seed)
+        self.extra = torch.nn.Linear(10, 10)
+        self.head = torch.nn.Linear(10, 600)  # each of its tensors a bucket of its own
+        self.use_extra = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.net(x)
+        return self.head(self.extra(h) if self.use_extra else h)
+
+
+def ring_train(
+    workers: int,
+    overlap: bool,
+    clip_at: frozenset[int] = frozenset(),
+    stop: dict[int, int] | None = None,
+    timeout: float = 20,
+    failed: threading.Event | None = None,
+) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, Any], dict[int, BaseException]]:
+    """Each rank's final state_dict, its optimizer, and its error, after STEPS allreduce steps
+    (``stop``: rank -> the step before which it closes its client, as a rank that died;
+    ``failed`` is set when a rank fails)."""
+    servers = [RingServer("127.0.0.1:0") for _ in range(workers)]
+    peers = [s.address for s in servers]
+    x, y = data(STEPS * workers * BATCH)
+    models = {i: Branchy(i) for i in range(workers)}
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    opts: dict[int, Any] = {}
+    errors: dict[int, BaseException] = {}
+
+    def run(i: int) -> None:
+        model = models[i]
+        try:
+            with psworker.connect(
+                peers,
+                worker_id=i,
+                mode="allreduce",
+                server=servers[i],
+                timeout=timeout,
+                bucket_bytes=2048,
+            ) as client:
+                convs = [p for n, p in model.named_parameters() if n.startswith(("net.0", "net.1"))]
+                rest = [p for p in model.parameters() if all(p is not c for c in convs)]
+                groups = [{"params": convs, "lr": 0.05}, {"params": rest}]
+                inner = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+                opt = DistributedOptimizer(model, client, inner, overlap=overlap)
+                sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+                opts[i] = opt
+                for t in range(STEPS):
+                    if stop is not None and stop.get(i) == t:
+                        return
+                    a = (t * workers + i) * BATCH
+                    model.use_extra = t % 2 == 0
+                    opt.zero_grad()
+                    loss = torch.nn.functional.cross_entropy(
+                        model(x[a : a + BATCH]), y[a : a + BATCH]
+                    )
+                    loss.backward()
+                    if t in clip_at:
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+                    opt.step()
+                    sched.step()
+                states[i] = {k: v.clone() for k, v in model.state_dict().items()}
+        except BaseException as exc:
+            errors[i] = exc
+            if failed is not None:
+                failed.set()
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return states, opts, errors
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_allreduce_with_overlap_is_bit_identical_to_the_serial_step(workers, monkeypatch):
+    started: list[int] = []
+    real = AllReduceClient.start_bucket
+
+    def counting(self: AllReduceClient, index: int, grads: Any) -> None:
+        started.append(index)
+        real(self, index, grads)
+
+    monkeypatch.setattr(AllReduceClient, "start_bucket", counting)
+    serial, _, errors = ring_train(workers, overlap=False)
+    assert not errors and not started
+    overlapped, opts, errors = ring_train(workers, overlap=True)
+    assert not errors, errors
+    assert all(opt._overlap is not None and opt._overlap.armed for opt in opts.values())
+    buckets = opts[0].client.gradient_buckets()
+    assert len(buckets) >= 3
+    # Every bucket left from backward on even steps; on odd ones only those before extra's.
+    assert buckets[:2] == [["head.bias"], ["head.weight"]] and "extra.bias" in buckets[2]
+    assert started.count(len(buckets) - 1) == workers * (STEPS // 2 - 1)  # not on step 0
+    assert started.count(1) == workers * (STEPS - 1)
+    for i in range(workers):
+        assert_identical(serial[i], overlapped[i])
+    assert_identical(overlapped[0], overlapped[workers - 1])
+
+
+def test_allreduce_clipping_keeps_the_serial_step_with_a_warning():
+    every = frozenset(range(STEPS))
+    serial, _, errors = ring_train(2, overlap=False, clip_at=every)
+    assert not errors
+    with pytest.warns(UserWarning, match="keeps the serial step.*clip_grad_norm_"):
+        overlapped, opts, errors = ring_train(2, overlap=True, clip_at=every)
+    assert not errors
+    assert not opts[0]._overlap.armed
+    assert_identical(serial[0], overlapped[0])
+
+
+def test_allreduce_clip_after_overlap_armed_fails_every_rank_with_the_reason():
+    _, _, errors = ring_train(2, overlap=True, clip_at=frozenset({2}), timeout=60)
+    for i in (0, 1):
+        assert isinstance(errors[i], PSError), errors
+        # Each rank finds its own clip, or hears of the other's (not its 60 s timeout).
+        assert "changed after backward() had sent them" in str(errors[i])
+
+
+def test_allreduce_overlap_with_a_dead_rank_raises_instead_of_hanging():
+    _, opts, errors = ring_train(2, overlap=True, stop={1: 3})
+    assert set(errors) == {0} and opts[0]._overlap.armed
+    assert isinstance(errors[0], PSError) and not isinstance(errors[0], WaitTimeoutError)
+    assert "rank 1" in str(errors[0])
+
+
+def test_allreduce_overlap_with_a_silent_rank_times_out_naming_it(monkeypatch):
+    failed = threading.Event()
+    real = DistributedOptimizer.step
+
+    def stalls(self: DistributedOptimizer, *args: Any, **kwargs: Any) -> Any:
+        # Rank 1 stops answering at step 3 (a paused process) until rank 0 gave up.
+        if self.client.worker_id == 1 and self.client.step == 3:
+            assert failed.wait(60)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DistributedOptimizer, "step", stalls)
+    _, opts, errors = ring_train(2, overlap=True, timeout=2, failed=failed)
+    assert opts[0]._overlap.armed
+    assert isinstance(errors[0], WaitTimeoutError) and "rank 1" in str(errors[0])

@@ -92,6 +92,35 @@ def test_a_large_tensor_is_a_view_of_the_received_buffer() -> None:
     assert raws["w"].ctypes.data == first.data.column(0).buffers()[1].address  # nor on sending
 
 
+@pytest.mark.parametrize("piece_bytes", [13, 50_000])
+def test_a_step_written_over_time_reads_as_one_written_at_once(piece_bytes: int) -> None:
+    # A streamed push: the header alone first, then the tensors a few at a time.
+    entries, raws = fw.encode_tensors(TENSORS)
+    pipe = Loopback()
+    step = fw.StepWriter(pipe, b"header", piece_bytes)
+    step.header()
+    arrays = list(raws.values())
+    for start in range(0, len(arrays), 3):
+        step.write(arrays[start : start + 3])
+    step.close()
+    first = pipe.read_chunk()
+    assert first.data is None and first.app_metadata.to_pybytes() == b"header"
+    assert all(item.app_metadata is None for item in pipe.items)  # one header per step
+    got = fw.read_step(pipe, first.data, entries, ChunkAssembler(), "test")
+    for name, want in TENSORS.items():
+        np.testing.assert_array_equal(got[name], want)
+
+
+def test_a_manifest_entry_made_ahead_matches_the_tensors_own() -> None:
+    for name, array in [("w", np.ones((3, 4), np.float32)), ("h", np.ones(5, np.float16))]:
+        made = fw.manifest_entry(name, array.dtype.name, array.shape)
+        assert made == fw.encode_tensor(name, array)[0]
+    bits = float32_to_bfloat16(np.ones(6, np.float32))
+    assert fw.manifest_entry("b", "bfloat16", (6,)) == fw.encode_tensor("b", bits)[0]
+    with pytest.raises(InvalidRequestError, match="dtype"):
+        fw.manifest_entry("x", "complex64", (2,))
+
+
 def test_rows_and_bfloat16_keep_their_labels() -> None:
     ids = np.array([3, 1], np.int64)
     values = np.ones((2, 4), np.float32)

@@ -86,6 +86,7 @@ def test_threads_change_no_bit_of_the_result(
     whole = param.copy()
     whole_state, blocked_state = optimizer.make_state(whole), optimizer.make_state(param)
     monkeypatch.setattr(optim, "OPTIMIZER_THREADS", threads)
+    monkeypatch.setattr(optim, "PIECES_PER_THREAD", 1)  # 16 pieces: every thread takes some
     for grad in grads:
         optimizer.apply(whole, grad, whole_state)
         optimizer.apply_blocked(param, grad, blocked_state, block=64)  # 16 pieces, 1 short
@@ -95,6 +96,30 @@ def test_threads_change_no_bit_of_the_result(
             assert value.tobytes() == blocked_state[key].tobytes(), key
         else:
             assert value == blocked_state[key], key
+
+
+def test_a_step_of_a_few_pieces_runs_in_the_calling_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Waking a pool thread cost more than the pieces it took (a 4,096 x 64 table step is 4
+    # pieces); a step gets a second thread only once each has PIECES_PER_THREAD pieces.
+    monkeypatch.setattr(optim, "OPTIMIZER_THREADS", 8)
+    used: list[int] = []
+
+    class Pool:
+        def map(self, fn: Any, *args: Any) -> Any:
+            used.append(len(args[0]))
+            return map(fn, *args)
+
+    monkeypatch.setattr(optim, "_pool", Pool)
+    opt = SGD(lr=0.1, momentum=0.9)
+    small, grads = arrays(4 * DEFAULT_BLOCK_ELEMENTS)
+    opt.apply_blocked(small, grads[0], opt.make_state(small))
+    assert used == []
+    pieces = 2 * optim.PIECES_PER_THREAD
+    large, grads = arrays(pieces * DEFAULT_BLOCK_ELEMENTS)
+    opt.apply_blocked(large, grads[0], opt.make_state(large))
+    assert used == [2]  # two threads, each PIECES_PER_THREAD pieces
 
 
 @pytest.mark.parametrize("optimizer", [SGD(lr=0.1, momentum=0.9), Adam(lr=0.01)], ids=str)
@@ -181,6 +206,7 @@ def test_a_forked_child_runs_its_own_optimizer_threads(monkeypatch: pytest.Monke
     # The parent's pool threads do not survive a fork: a child using the parent's pool object
     # would wait forever for them.
     monkeypatch.setattr(optim, "OPTIMIZER_THREADS", 4)
+    monkeypatch.setattr(optim, "PIECES_PER_THREAD", 1)
     param, grads = arrays(16 * 64)
     opt = Adam(lr=0.01)
     state = opt.make_state(param)
@@ -222,7 +248,7 @@ def test_the_pool_takes_a_variable_only_with_enough_pieces_per_thread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Handing pieces to threads costs more than it saves on a small variable: each thread
-    # gets at least MIN_PIECES_PER_THREAD pieces, else the calling thread runs them all.
+    # gets at least PIECES_PER_THREAD pieces, else the calling thread runs them all.
     used: list[int] = []
 
     class Pool:
@@ -233,7 +259,7 @@ def test_the_pool_takes_a_variable_only_with_enough_pieces_per_thread(
     monkeypatch.setattr(optim, "OPTIMIZER_THREADS", 4)
     monkeypatch.setattr(optim, "_pool", Pool)
     opt = SGD(lr=0.1, momentum=0.9)
-    per = optim.MIN_PIECES_PER_THREAD
+    per = optim.PIECES_PER_THREAD
     for pieces, threads in ((2 * per - 1, None), (2 * per, 2), (3 * per, 3), (9 * per, 4)):
         used.clear()
         param, grads = arrays(pieces * 64)

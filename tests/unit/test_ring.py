@@ -577,3 +577,123 @@ def test_flatten_with_sources_views_a_lone_tensor_instead_of_copying() -> None:
     lone = [g for g in got if g.size == 1000]
     assert len(lone) == 1 and np.shares_memory(lone[0], tensors["big"])
     np.testing.assert_array_equal(plan.unflatten(plan.flatten(tensors))["big"], tensors["big"])
+
+
+# -- several buffers in one collective ---------------------------------------------------------
+
+
+def _parts_for(rank: int, world: int, seed: int) -> list[ring.Part]:
+    """Every kind of part: float16, bfloat16, float32 (out of place), float64, an empty one,
+    and a divisor on some."""
+    rng = np.random.default_rng(seed * 100 + rank)
+    f32 = rng.standard_normal(37).astype(np.float32)
+    return [
+        ring.Part(rng.standard_normal(29).astype(np.float16), chunk_bytes=12),
+        ring.Part(
+            codec.float32_to_bfloat16(rng.standard_normal(41).astype(np.float32)),
+            bfloat16=True,
+            divisor=world,
+            chunk_bytes=20,
+        ),
+        ring.Part(np.full_like(f32, 7), divisor=world, source=f32, chunk_bytes=16),
+        ring.Part(np.zeros(0, np.float32)),
+        ring.Part(rng.standard_normal(53), divisor=3, chunk_bytes=40),
+    ]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 6])
+def test_allreduce_many_equals_each_buffer_summed_alone_bit_for_bit(world: int) -> None:
+    def alone(peer: LocalPeer) -> list[np.ndarray]:
+        out = []
+        for p in _parts_for(peer.rank, world, world):
+            out.append(
+                ring.allreduce(
+                    peer,
+                    p.buffer,
+                    timeout=TIMEOUT,
+                    chunk_bytes=p.chunk_bytes,
+                    bfloat16=p.bfloat16,
+                    divisor=p.divisor,
+                    source=p.source,
+                )
+            )
+        return out
+
+    def together(peer: LocalPeer) -> list[np.ndarray]:
+        return ring.allreduce_many(peer, _parts_for(peer.rank, world, world), timeout=TIMEOUT)
+
+    def in_turns(peer: LocalPeer) -> list[np.ndarray]:
+        # The same collective run a part or two at a time, as overlap does.
+        parts = _parts_for(peer.rank, world, world)
+        out = ring.allreduce_many(peer, parts[:2], timeout=TIMEOUT)
+        out += ring.allreduce_many(peer, parts[2:3], timeout=TIMEOUT, first=2)
+        return out + ring.allreduce_many(peer, parts[3:], timeout=TIMEOUT, first=3)
+
+    expected = run_local(world, alone)  # type: ignore[arg-type]
+    for body in (together, in_turns):
+        got = run_local(world, body, copy=False)  # type: ignore[arg-type]
+        for rank in range(world):
+            for a, b in zip(expected[rank], got[rank], strict=True):
+                assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def test_allreduce_many_checks_every_part_before_it_sends_anything() -> None:
+    log: list[tuple[int, str, Tag]] = []
+    lock = threading.Lock()
+    (peer, _) = local_peers(2)
+    good = ring.Part(np.ones(8, np.float32))
+    for bad, message in [
+        (ring.Part(np.ones(8, np.int32)), "float16, bfloat16, float32 or float64"),
+        (ring.Part(np.ones(8), divisor=0), "divisor must be >= 1"),
+        (ring.Part(np.ones(8), source=np.ones(9)), "must match"),
+        (ring.Part(np.ones(8), chunk_bytes=0), "chunk_bytes must be >= 1"),
+    ]:
+        with pytest.raises((ValueError, InvalidRequestError), match=message):
+            ring.allreduce_many(RecordingPeer(peer, log, lock), [good, bad])  # type: ignore[arg-type]
+    assert log == []
+
+
+def test_allreduce_many_tags_each_part_apart() -> None:
+    log: list[tuple[int, str, Tag]] = []
+    lock = threading.Lock()
+    world = 3
+
+    def body(peer: LocalPeer) -> list[np.ndarray]:
+        parts = [ring.Part(np.ones(6, np.float32)), ring.Part(np.ones(3, np.float64))]
+        return ring.allreduce_many(RecordingPeer(peer, log, lock), parts, first=4)  # type: ignore[arg-type]
+
+    results = run_local(world, body)  # type: ignore[arg-type]
+    assert all(np.all(a == world) for r in results for a in r)
+    segments = {tag.segment for _, kind, tag in log if kind == "send"}
+    # Part first+i tags segment s as (first + i) * world + s.
+    assert segments == {4 * world + s for s in range(world)} | {5 * world + s for s in range(world)}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_measured_part_reports_the_results_sum_of_squares_alike_on_every_rank(
+    world: int, dtype: str
+) -> None:
+    xs = inputs(world, 1000, dtype, world)
+    if world == 3:
+        xs[0][7] = np.inf
+
+    def body(peer: LocalPeer) -> list[float]:
+        measure: list[float] = []
+        part = ring.Part(xs[peer.rank].copy(), divisor=world, chunk_bytes=200, measure=measure)
+        (result,) = ring.allreduce_many(peer, [part], timeout=TIMEOUT)
+        return [*measure, float(np.dot(result.astype(np.float64), result))]
+
+    got = run_local(world, body)  # type: ignore[arg-type]
+    assert all(len(g) == 2 for g in got)
+    assert len({g[0] for g in got}) == 1  # the same bits on every rank
+    if world == 3:
+        assert np.isinf(got[0][0])  # an inf in the result: not finite
+    else:
+        assert got[0][0] == pytest.approx(got[0][1], rel=1e-5)
+
+
+def test_measure_is_refused_for_16_bit_parts() -> None:
+    (peer,) = local_peers(1)
+    with pytest.raises(ValueError, match="measure sums float32 or float64"):
+        ring.allreduce_many(peer, [ring.Part(np.ones(4, np.float16), measure=[])])

@@ -108,7 +108,9 @@ def test_a_fixed_table_costs_memory_only_for_the_rows_it_touched():
     # 2000 rows touched in 4 KiB pages: ~16 MiB at most; 2 MiB pages or slots written in full
     # at creation would commit hundreds of MiB.
     assert grown < 64 << 20, f"RSS grew by {grown >> 20} MiB"
-    assert np.array_equal(store.gather(ids[:3]), store.values[ids[:3]])
+    expected = init_rows(ids[:3], 64, "float32", "uniform", 1.0, 0)
+    Adagrad(lr=0.1).apply(expected, np.ones_like(expected), Adagrad(lr=0.1).make_state(expected))
+    assert np.array_equal(store.gather(ids[:3]), expected)
 
 
 def _rss() -> int:
