@@ -18,17 +18,6 @@ from pswire.errors import InvalidRequestError, TooLargeError, UnknownVariableErr
 Grads = dict[str, np.ndarray | RowSparse]
 
 
-class CheckedGrads(dict[str, np.ndarray | RowSparse]):
-    """A push's gradients as ``Job.checked_grads`` passed them, with ``squares``: each dense
-    gradient's sum of squares where the finiteness check took it (a large float array), so
-    the step's overflow guard (``Variables.apply``) need not read the gradient again. Valid
-    while the arrays are unchanged: a sync round's sum is a new mapping, measured anew."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.squares: dict[str, float] = {}
-
-
 OBSERVER = -1  # worker_id of a reader that is not one of the job's workers
 # Consistency modes a parameter-server job runs in (psserver/consistency has one rule each).
 MODES = ("sync", "async", "ssp")
@@ -297,22 +286,21 @@ class Job:
         self,
         grads: Mapping[str, np.ndarray | RowSparse],
         squares: dict[str, float] | None = None,
-    ) -> CheckedGrads:
+    ) -> Grads:
         """A push's gradients, validated against the job; float16 gradients of float32
         variables (wire compression) widened to float32, so averaging and the optimizer run in
         float32. (bfloat16 arrives already widened.) ``squares``, when given, holds sums of
         squares of some of these very arrays already measured (a finite one proves its array
         finite: not checked again) and receives those the finite check measures
         (``check_tensor``), by key: a step applying these gradients passes them to
-        ``Variables.apply``, which then does not measure them again. The sums of squares
-        the checks measured also ride along (``CheckedGrads.squares``).
+        ``Variables.apply``, which then does not measure them again.
 
         Raises:
             UnknownVariableError: a gradient for a variable the job lacks.
             ShapeMismatchError, InvalidRequestError: wrong shape or dtype, non-finite values,
                 dense rows for a table or rows for a dense variable, bad row ids.
         """
-        out = CheckedGrads()
+        out: Grads = {}
         finite = all_finite_together(grads.values())  # many small ones: at once
         for key, grad in grads.items():
             spec = self.specs.get(key)
@@ -339,10 +327,8 @@ class Job:
                     known = known or bool(np.isfinite(squares[key]))
                 what = "buffer value" if spec.average else "gradient"
                 measured = check_tensor(key, spec.shape, spec.dtype, grad, what, known)
-                if measured is not None:
-                    out.squares[key] = measured
-                    if squares is not None:
-                        squares[key] = measured
+                if squares is not None and measured is not None:
+                    squares[key] = measured
             out[key] = grad
         return out
 

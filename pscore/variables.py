@@ -19,7 +19,7 @@ from pscore.checks import (
     check_tensor,
     sum_squares,
 )
-from pscore.job import CheckedGrads, Job, VarSpec
+from pscore.job import Job, VarSpec
 from pscore.optim import Optimizer
 from pscore.rowstore import RowStore, TableState
 from pscore.tables import RowSparse
@@ -85,7 +85,8 @@ class Variables:
         the update sums several pushes (sync), so a table's rows may have overflowed; False:
         it is one push, whose rows were checked as it arrived. ``known_squares``: the sums
         of squares of some of ``update``'s gradients, already measured (``Job.checked_grads``
-        of these very arrays), which are then not measured again.
+        of these very arrays), which are then not measured again; ignored when ``summed``
+        (a sum's arrays are not those its pushes' checks measured).
 
         Nothing non-finite is ever stored, and a refused update changes nothing: one whose
         gradient is not finite (a sum that overflowed) is refused before anything changes;
@@ -110,16 +111,15 @@ class Variables:
         small = all_finite_together([values for _, values in checked])
         # One pass over each gradient measures it for both checks: finite (a finite sum of
         # squares proves it; else the exact check decides) and the risk of overflow below.
-        # A push's own gradients were measured as they were checked (``Job.checked_grads``):
-        # those sums serve (a sync round's sum is another array: measured here).
-        known = update.squares if isinstance(update, CheckedGrads) and not summed else {}
+        # A push's own gradients were measured as they were checked (``known_squares``, from
+        # ``Job.checked_grads``): those sums serve. A sum of pushes is measured here: its
+        # arrays are new, or were summed into since their checks.
+        known = {} if summed or known_squares is None else known_squares
         grad_squares: dict[str, float] = {}
         for key, values in checked:
             if small and batched(values):
                 continue
             found = known.get(key)
-            if found is None and known_squares is not None:
-                found = known_squares.get(key)
             squares = grad_squares[key] = found if found is not None else sum_squares(values)
             if not np.isfinite(squares) and not all_finite(values):
                 raise StepRefusedError(

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pscore.variables as variables_module
-from pscore.job import CheckedGrads, Job, VarSpec
+from pscore.job import Job, VarSpec
 from pscore.optim import DEFAULT_BLOCK_ELEMENTS, ROUNDING, SGD, Adam, Optimizer
 from pscore.variables import HYPER_SAFE, SAFE_SUM_SQUARES, Variables
 from pswire.errors import StepRefusedError
@@ -207,18 +207,19 @@ def test_a_push_is_read_once_for_its_checks_and_the_overflow_guard(
 
     state, job = installed(Adam(lr=0.01), np.zeros(BIG, np.float32))
     monkeypatch.setattr(variables_module, "sum_squares", counting)
-    checked = job.checked_grads({"w": np.full(BIG, 0.5, np.float32)})
-    assert isinstance(checked, CheckedGrads)
-    assert checked.squares["w"] == pytest.approx(0.25 * BIG)
-    state.apply(job, checked, summed=False)
+    squares: dict[str, float] = {}
+    checked = job.checked_grads({"w": np.full(BIG, 0.5, np.float32)}, squares)
+    assert squares["w"] == pytest.approx(0.25 * BIG)
+    state.apply(job, checked, summed=False, known_squares=squares)
     assert BIG not in calls  # the checks' sum served the guard
     # A sync round's sum is measured anew (the arrays may have been summed into).
-    state.apply(job, checked, summed=True)
+    state.apply(job, checked, summed=True, known_squares=squares)
     assert BIG in calls
     # A sum the checks took is used as measured: a huge one makes the step run with a backup.
     calls.clear()
-    checked = job.checked_grads({"w": np.full(BIG, 0.5, np.float32)})
-    checked.squares["w"] = 2 * SAFE_SUM_SQUARES
+    squares = {}
+    checked = job.checked_grads({"w": np.full(BIG, 0.5, np.float32)}, squares)
+    squares["w"] = 2 * SAFE_SUM_SQUARES
     backups: list[list[str]] = []
     backup = Variables._backup
 
@@ -227,7 +228,7 @@ def test_a_push_is_read_once_for_its_checks_and_the_overflow_guard(
         return backup(self, keys)
 
     monkeypatch.setattr(Variables, "_backup", spy)
-    state.apply(job, checked, summed=False)
+    state.apply(job, checked, summed=False, known_squares=squares)
     assert backups == [["w"]] and BIG not in calls
 
 
