@@ -129,7 +129,7 @@ def measure(quick: bool, steps: int | None = None) -> Table:
             "steps (ps.step/1); "
             "torch RPC PS: one fused update_and_fetch RPC; echoes: 4 KB each way, a unary "
             "call, or one message each way on an open bidirectional stream (grpcio's floor; "
-            "Flight's open exchange is ~half of it, bench/NOTES.md 29).",
+            "Flight's open exchange is ~half of it, bench/NOTES.md 36).",
             "peer/ours time > 1: ours faster.",
         ],
         ratios=ratios,

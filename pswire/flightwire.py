@@ -75,7 +75,7 @@ PULL = b"ps.pull/1"
 # A small step: the step stream's own messages (a PushPullRequest with its tensors' bytes
 # inline, as pswire.write frames it, and the PushPullResponse) as the app metadata of one
 # message each way, with no record batch: the shortest way a small model's step can travel
-# (bench/NOTES.md entry 29).
+# (bench/NOTES.md entry 36).
 STEP = b"ps.step/1"
 COMMANDS = (PUSH_PULL, STREAMED, PUSH, PULL, STEP)
 # A record batch's largest body: the bench's sweep (bench/flight.py --piece-mib) found 1-4 MiB
@@ -103,7 +103,7 @@ def tune_malloc(environ: Mapping[str, str] | None = None) -> bool:
     copies a message that arrived in pieces into one; freed, glibc unmaps such blocks or trims
     them off its heaps, and the next message faults every page in again (and the kernel
     zeroes it). At 25M params a worker took 12,000-22,000 page faults per step, ~40 ms of its
-    CPU (bench/NOTES.md entry 27). Process-wide, once: the worker's first Flight link and the
+    CPU (bench/NOTES.md entry 34). Process-wide, once: the worker's first Flight link and the
     shard daemon call it. Left alone without glibc, with ``$PS_TUNE_MALLOC=0``, or where the
     process chose these settings itself (``MALLOC_MMAP_THRESHOLD_``,
     ``MALLOC_TRIM_THRESHOLD_``, or ``GLIBC_TUNABLES`` naming either).

@@ -133,7 +133,7 @@ class ShardLink:
         as the last reply brought back, if more; both counted by ``_flight_bytes``): the data
         port where the shard has one, this worker uses it and the call is not under
         ``grpc_below_bytes``; a ``step`` under it on the data port too, in one message each
-        way (``flight_steps``: half grpcio's time on an open stream, bench/NOTES.md 29); else
+        way (``flight_steps``: half grpcio's time on an open stream, bench/NOTES.md 36); else
         grpcio."""
         size = max(nbytes, self._reply_bytes)
         if self.flight is not None and size >= self.config.grpc_below_bytes:

@@ -29,7 +29,7 @@ DATA_PLANES = ("auto", "grpc")
 # grpcio step stream; a lone push or pull on grpcio), larger ones as record batches on the
 # Flight data port: where each measured faster (`python -m bench.transport_sizes`, one shard,
 # loaded 2-core machine: grpcio's form 3-11% faster from 4 KB to 128 KB, batches 2-6% faster
-# from 256 KB to 16 MB; bench/NOTES.md 29 for the step exchange). The client setting
+# from 256 KB to 16 MB; bench/NOTES.md 36 for the step exchange). The client setting
 # ``grpc_below_bytes`` (``$PS_GRPC_BELOW_BYTES``) overrides it (0: batches for every size).
 GRPC_BELOW_BYTES = 256 << 10
 
