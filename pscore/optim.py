@@ -36,9 +36,11 @@ OPTIMIZER_THREADS = min(
     8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 )
 # Pieces each thread must have before another thread is woken: a wake-up and the pool's
-# hand-off cost as much as several pieces (far more on a loaded machine), so a small step (a
-# 4,096 x 64 table step is 4 pieces) runs in the calling thread: 262,144 elements took 279 us
-# on 1 thread and 433 us on 2 (bench/NOTES.md 25). 16 pieces is 1M elements.
+# hand-off cost as much as several pieces (far more on a loaded machine), so a small step runs
+# in the calling thread: 262,144 elements took 279 us on 1 thread and 433 us on 2 (NOTES.md
+# 25); a 1M-param model's 10-piece embedding 1.42 ms on 1, 1.87 ms on 2 (NOTES.md 35). 16
+# pieces is 1M elements; at 8, variables of 16-31 pieces took 2 threads and were slower
+# than on one in 9 of 10 interleaved pairs (SGD momentum, Adam, rows: bench/NOTES.md 37).
 PIECES_PER_THREAD = 16
 _pool_lock = threading.Lock()
 _pool_executor: ThreadPoolExecutor | None = None
