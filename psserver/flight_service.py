@@ -140,7 +140,10 @@ class FlightShardService(flight.FlightServerBase):
     def _step(self, context: Any, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
         """A small step (``fw.STEP``): the step stream's request in the message's metadata,
         answered as the grpcio step stream answers it (``servicer.step_reply``), its reply's
-        bytes in the metadata of one message back."""
+        bytes in the metadata of one message back. Its bytes count towards
+        ``--max-inflight-bytes`` while they are read, as a push's do (``_read_push``): a push
+        waiting for its sync round holds none, or the round's last push could be refused for
+        the bytes of those waiting for it."""
         if first.data is not None:
             raise InvalidRequestError("step: a small step carries no record batch")
         raw = first.app_metadata
@@ -158,13 +161,12 @@ class FlightShardService(flight.FlightServerBase):
                 request = read.parse_request(raw.to_pybytes())
             except (ValueError, DecodeError) as exc:
                 raise InvalidRequestError(f"step: undecodable PushPullRequest: {exc}") from None
-            h = request.header
-            if held.worker is None:  # the exchange's first step: it holds one of the worker's
-                held.enter_context(self.admission.step_stream(h.worker_id))  # step streams
-                held.worker = h.worker_id
-            timeout = fw.request_timeout(request.timeout_ms, DEADLINE_MARGIN_S)
-            reply = step_reply(self.shard, request, timeout)
-        writer.write_metadata(reply)
+        h = request.header
+        if held.worker is None:  # the exchange's first step: it holds one of the worker's
+            held.enter_context(self.admission.step_stream(h.worker_id))  # step streams
+            held.worker = h.worker_id
+        timeout = fw.request_timeout(request.timeout_ms, DEADLINE_MARGIN_S)
+        writer.write_metadata(step_reply(self.shard, request, timeout))
 
     def _read_push(
         self, context: Any, first: Any, reader: Any, where: str, turn: bool = True

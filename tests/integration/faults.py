@@ -183,8 +183,9 @@ class _FaultyReplies:
 class FaultyTransport:
     """A shard link's data-port transport (psworker/transport.py) with ``plans`` applied, as
     ``FaultPlan`` applies them to grpcio calls: ``Push`` and ``Pull`` count calls,
-    ``PushPullStream`` counts steps (the data port's push_pull exchange). A hit call's fault
-    reaches the link as UNAVAILABLE, as a broken connection would."""
+    ``PushPullStream`` counts steps (the data port's push_pull exchange, its step exchange's
+    small steps, streamed steps). A hit call's fault reaches the link as UNAVAILABLE, as a
+    broken connection would."""
 
     def __init__(self, inner, plans: Iterable[FaultPlan]) -> None:
         self.inner = inner

@@ -5,6 +5,9 @@ with state unchanged), also against a raw pyarrow.flight client sending garbage.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -329,6 +332,42 @@ def test_the_byte_limits_hold_on_the_data_port(servers) -> None:
         err = send_raw(server.data_port, fw.STEP, step)
         assert isinstance(err, ShardBusyError) and "--max-inflight-bytes" in str(err), err
         assert state(server) == before
+
+
+def test_a_small_step_waiting_for_its_sync_round_holds_no_inflight_bytes(
+    servers, monkeypatch
+) -> None:
+    # A small step's bytes count towards --max-inflight-bytes while they are read, not while
+    # its push waits for the round: else worker 0's push, waiting, would hold the bytes
+    # worker 1's needs, and worker 1's would be refused (ShardBusyError) instead of closing
+    # the round.
+    monkeypatch.delenv("PS_GRPC_BELOW_BYTES")  # the default rule: small steps, one message
+    model = {"w": np.zeros(1024, np.float32)}
+    server = servers(max_inflight_bytes=6 << 10)  # one 4 KiB step at a time, not two
+    options = {"num_workers": 2, "mode": "sync", "timeout": 20.0}
+    with contextlib.ExitStack() as stack:
+        c0, c1 = (
+            stack.enter_context(psworker.connect([server.address], worker_id=i, **options))
+            for i in range(2)
+        )
+        c0.init(model, psworker.SGD(lr=0.5))
+        c1.init(model, psworker.SGD(lr=0.5))
+        first: dict[int, dict[str, np.ndarray]] = {}
+        waiting = threading.Thread(
+            target=lambda: first.setdefault(0, c0.push_pull({"w": np.zeros(1024, np.float32)}))
+        )
+        waiting.start()
+        deadline = time.monotonic() + 10.0
+        while server.shard.status().workers.get(0, (0, 0.0))[0] < 1:  # taken; it waits
+            assert time.monotonic() < deadline, "worker 0's push never reached the shard"
+            time.sleep(0.01)
+        out = c1.push_pull({"w": np.ones(1024, np.float32)})
+        waiting.join(10.0)
+        assert not waiting.is_alive()
+        assert [c.links[0].steps.name for c in (c0, c1)] == ["flight-step", "flight-step"]
+        # The round's mean, (0 + 1) / 2, at lr 0.5.
+        for got in (first[0], out):
+            np.testing.assert_array_equal(got["w"], np.full(1024, -0.25, np.float32))
 
 
 def test_a_worker_holds_at_most_its_step_streams_on_the_data_port(servers) -> None:
