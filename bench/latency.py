@@ -125,9 +125,11 @@ def measure(quick: bool, steps: int | None = None) -> Table:
         rows=rows,
         notes=[
             f"{rounds} interleaved steps after 5 warm-up. ours: client.push_pull, one "
-            "PushPullRequest and its reply on a PushPullStream call kept open across steps; "
+            "PushPullRequest and its reply on the data port's step exchange kept open across "
+            "steps (ps.step/1); "
             "torch RPC PS: one fused update_and_fetch RPC; echoes: 4 KB each way, a unary "
-            "call, or one message each way on an open bidirectional stream (the floor for ours).",
+            "call, or one message each way on an open bidirectional stream (grpcio's floor; "
+            "Flight's open exchange is ~half of it, bench/NOTES.md 36).",
             "peer/ours time > 1: ours faster.",
         ],
         ratios=ratios,

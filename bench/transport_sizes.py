@@ -2,9 +2,11 @@
 stream, same shard daemons, same run, interleaved, over step sizes from 1,000 parameters up.
 
 ``PYTHONPATH=. python -m bench.transport_sizes [--rounds N]``. Two clients of one async job
-take turns: one moves tensors on Flight (the default), the other has its links' data port
-switched off, so it moves them on grpcio. ``GRPC_BELOW_BYTES`` (psworker/session.py) is
-chosen from this table: the size below which grpcio is faster.
+take turns: one moves tensors on Flight (the default: under ``GRPC_BELOW_BYTES`` a step in one
+message each way on the data port's step exchange, from it record batches), the other has its
+links' data port switched off, so it moves them on grpcio's step stream.
+``PS_GRPC_BELOW_BYTES=0`` makes the first use record batches at every size: ``GRPC_BELOW_BYTES``
+(psworker/session.py) is chosen from that table, the size below which batches are slower.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                 for link in clients[1].links:  # this one moves tensors on grpcio
                     if link.flight is not None:
                         link.flight.close()
-                        link.flight = None
+                        link.flight = link.flight_steps = None
                 outs = [{"w": np.empty(size, np.float32)} for _ in clients]
 
                 def step(c: psworker.Client, o: dict[str, np.ndarray], g: dict) -> None:

@@ -17,6 +17,7 @@ from pswire.errors import InvalidRequestError, TooLargeError, UnknownVariableErr
 
 Grads = dict[str, np.ndarray | RowSparse]
 
+
 OBSERVER = -1  # worker_id of a reader that is not one of the job's workers
 # Consistency modes a parameter-server job runs in (psserver/consistency has one rule each).
 MODES = ("sync", "async", "ssp")

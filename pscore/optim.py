@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -23,6 +24,11 @@ DEFAULT_BLOCK_ELEMENTS = 1 << 16
 _scratch_local = threading.local()
 _T = TypeVar("_T")
 
+# A derived bound (``Optimizer.result_bound``) allows this much per norm for rounding: 9
+# float32 roundings in a row scale a norm by at most (1 + 2**-24)**9 < 1 + 6e-7.
+ROUNDING = 1.0 + 1e-6
+_PROVEN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
 # Threads that apply a large variable's pieces at once (torch.optim's elementwise kernels use
 # every core too); each piece is the same elementwise step, so the result does not depend on
 # the count.
@@ -30,9 +36,11 @@ OPTIMIZER_THREADS = min(
     8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 )
 # Pieces each thread must have before another thread is woken: a wake-up and the pool's
-# hand-off cost as much as several pieces (far more on a loaded machine), so a small step (a
-# 4,096 x 64 table step is 4 pieces) runs in the calling thread: 262,144 elements took 279 us
-# on 1 thread and 433 us on 2 (bench/NOTES.md 25). 16 pieces is 1M elements.
+# hand-off cost as much as several pieces (far more on a loaded machine), so a small step runs
+# in the calling thread: 262,144 elements took 279 us on 1 thread and 433 us on 2 (NOTES.md
+# 25); a 1M-param model's 10-piece embedding 1.42 ms on 1, 1.87 ms on 2 (NOTES.md 35). 16
+# pieces is 1M elements; at 8, variables of 16-31 pieces took 2 threads and were slower
+# than on one in 9 of 10 interleaved pairs (SGD momentum, Adam, rows: bench/NOTES.md 37).
 PIECES_PER_THREAD = 16
 _pool_lock = threading.Lock()
 _pool_executor: ThreadPoolExecutor | None = None
@@ -104,7 +112,9 @@ class Optimizer:
                 raise ConfigError(f"invalid {key}: {value} (expected {low} <= {key} < {high})")
 
     def params(self) -> dict[str, float]:
-        return {k: float(v) for k, v in asdict(self).items()}
+        # Fields read directly: asdict deep-copies each value, a measurable part of a small
+        # step (the shard's overflow guard reads them every update).
+        return {f.name: float(getattr(self, f.name)) for f in fields(self)}
 
     def make_state(self, param: np.ndarray) -> dict[str, Any]:
         return {}
@@ -117,6 +127,18 @@ class Optimizer:
     def apply(self, param: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> None:
         """Updates ``param`` in place from ``grad``; ``state`` is this variable's slot dict."""
         raise NotImplementedError
+
+    def result_bound(self, dtype: np.dtype, squares: float, grad_squares: float) -> float | None:
+        """An upper bound on the largest sum of squares among one ``apply``'s results (the
+        variable and each array slot), from ``squares`` (one on the inputs': the variable's
+        and its slots') and ``grad_squares`` (the gradient's), for a step the caller found
+        safe: finite inputs, every sum of squares at most 1e30, every hyper-parameter at
+        most 1e6 in size (``pscore.variables``' ``SAFE_SUM_SQUARES``, ``HYPER_SAFE``). Only
+        for an optimizer whose results are then finite by proof: the caller skips measuring
+        them and keeps the bound for the next step's overflow guard. None (the default):
+        the results must be measured (a division or square root can make NaN or inf from
+        finite inputs, e.g. Adam's 0 / (0 + eps) with eps 0)."""
+        return None
 
     def apply_blocked(
         self,
@@ -195,6 +217,40 @@ class SGD(Optimizer):
 
     def layout(self) -> tuple:
         return (self.momentum != 0,)
+
+    def result_bound(self, dtype: np.dtype, squares: float, grad_squares: float) -> float | None:
+        """SGD's results are finite, and bounded, from the inputs alone (float32, float64).
+
+        Proof of finiteness. The step (``apply``) is products and sums only: d = g + wd*p;
+        b' = m*b + (1 - dampening)*d (b' = d on the first step); n = d + m*b' with nesterov,
+        else n = b'; p' = p - lr*n. No division, square root or inf - inf: with finite
+        operands a result is NaN or inf only when a magnitude passes the dtype's largest
+        finite value (float32: 3.4e38). Safe inputs have |p|, |b|, |g| <= 1e15 (a value's
+        square is at most its array's sum of squares, 1e30) and every hyper-parameter,
+        dampening included, at most 1e6 in size. Then |d| <= 1e15 + 1e6 * 1e15 < 1.01e21;
+        without nesterov |b'| <= 1e6 * 1e15 + (1 + 1e6) * 1.01e21 < 1.02e27 and |p'| <=
+        1e15 + 1e6 * 1.02e27 < 1.03e33; with nesterov (dampening 0) |b'| < 2.02e21, |n| <
+        1.01e21 + 1e6 * 2.02e21 < 2.03e27 and |p'| < 2.04e33. Every intermediate is a term
+        of these sums, so below 2.1e33: a factor 1.6e5 under float32's limit, room for the
+        roundings (1 + 2**-24 each) and for a measured sum of squares that underestimates
+        its array by a factor up to 1e10 (the results scale with the inputs' magnitudes, the
+        square root of that). Hence every result is finite.
+
+        The bound: Minkowski's inequality line by line, ||x|| = sqrt(sum of squares), S
+        bounding ||p||^2 and ||b||^2, G = ||g||^2: ||d|| <= sqrt(G) + wd sqrt(S); ||b'|| <=
+        m sqrt(S) + max(1, |1 - dampening|) ||d||; ||n|| <= ||d|| + m ||b'|| (nesterov) or
+        ||b'||; ||p'|| <= sqrt(S) + lr ||n||; a rounded operation scales a norm by at most
+        1 + 2**-24 (at most 9 in a row: ``ROUNDING``). float16 (largest value 65504) and
+        other dtypes get None, as does a subclass with an ``apply`` of its own: measured."""
+        if dtype not in _PROVEN_DTYPES or type(self).apply is not SGD.apply:
+            return None  # the proof is of SGD.apply's math, in float32 or float64
+        x, grad = math.sqrt(squares), math.sqrt(grad_squares)
+        d = grad + self.weight_decay * x
+        if not self.momentum:
+            return ((x + self.lr * d) * ROUNDING) ** 2
+        b = self.momentum * x + max(1.0, abs(1.0 - self.dampening)) * d
+        n = d + self.momentum * b if self.nesterov else b
+        return (max(x + self.lr * n, b) * ROUNDING) ** 2
 
     def apply(self, param: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> None:
         t = param.dtype.type

@@ -85,7 +85,8 @@ class Variables:
         the update sums several pushes (sync), so a table's rows may have overflowed; False:
         it is one push, whose rows were checked as it arrived. ``known_squares``: the sums
         of squares of some of ``update``'s gradients, already measured (``Job.checked_grads``
-        of these very arrays), which are then not measured again.
+        of these very arrays), which are then not measured again; ignored when ``summed``
+        (a sum's arrays are not those its pushes' checks measured).
 
         Nothing non-finite is ever stored, and a refused update changes nothing: one whose
         gradient is not finite (a sum that overflowed) is refused before anything changes;
@@ -110,12 +111,16 @@ class Variables:
         small = all_finite_together([values for _, values in checked])
         # One pass over each gradient measures it for both checks: finite (a finite sum of
         # squares proves it; else the exact check decides) and the risk of overflow below.
+        # A push's own gradients were measured as they were checked (``known_squares``, from
+        # ``Job.checked_grads``): those sums serve. A sum of pushes is measured here: its
+        # arrays are new, or were summed into since their checks.
+        known = {} if summed or known_squares is None else known_squares
         grad_squares: dict[str, float] = {}
         for key, values in checked:
             if small and batched(values):
                 continue
-            known = known_squares.get(key) if known_squares is not None else None
-            squares = grad_squares[key] = known if known is not None else sum_squares(values)
+            found = known.get(key)
+            squares = grad_squares[key] = found if found is not None else sum_squares(values)
             if not np.isfinite(squares) and not all_finite(values):
                 raise StepRefusedError(
                     f"the gradient to apply to '{key}' is not finite (a sum or average of "
@@ -166,15 +171,27 @@ class Variables:
             )
         risky = bool(trained) and self._risky(groups, update, trained, grad_squares)
         backup = self._backup(trained) if risky else None
-        # A large variable's results are measured piece by piece as the step makes them.
+        # A large variable's results are measured piece by piece as the step makes them;
+        # those of an optimizer whose safe steps are finite by proof are bounded instead
+        # (``Optimizer.result_bound``: one pass over each result less).
         measured: dict[str, float] = {}
         with np.errstate(over="ignore", invalid="ignore"):  # non-finite results: see below
             for key in trained:
                 optimizer = groups[specs[key].group]
+                value = self.values[key]
+                bound = None
+                if not risky and key in grad_squares:
+                    bound = optimizer.result_bound(
+                        value.dtype, self._squares[key], grad_squares[key]
+                    )
+                if bound is not None and not bound <= SAFE_SUM_SQUARES:
+                    bound = None  # measured now, so a loose bound never makes a step risky
                 result = optimizer.apply_blocked(
-                    self.values[key], update[key], self.slots[key], measure=True
+                    value, update[key], self.slots[key], measure=bound is None
                 )
-                if result is not None:
+                if bound is not None:
+                    measured[key] = bound
+                elif result is not None:
                     measured[key] = result
         failed = set(self._measure_all([k for k in trained if k not in measured]))
         failed.update(k for k, squares in measured.items() if not self._record(k, squares))

@@ -23,17 +23,20 @@ from typing import Any, NamedTuple
 import grpc
 import numpy as np
 import pyarrow.flight as flight
+from google.protobuf.message import DecodeError
 
 from psserver.admission import DEFAULT_THREADS, Admission
 from psserver.metrics import ShardMetrics
-from psserver.servicer import DEADLINE_MARGIN_S, push_response, row_query
+from psserver.servicer import DEADLINE_MARGIN_S, push_response, row_query, step_reply
 from psserver.shard import Shard
 from pswire import flightwire as fw
+from pswire import read
 from pswire.codec import ChunkAssembler, assembled_grads, header_options
 from pswire.errors import (
     CallCancelledError,
     InvalidRequestError,
     PSError,
+    TooLargeError,
     UnavailableError,
 )
 from pswire.proto import ps_pb2
@@ -49,7 +52,11 @@ RPC_OF = {
     fw.STREAMED: "PushPullStreamed",
     fw.PUSH: "Push",
     fw.PULL: "Pull",
+    fw.STEP: "PushPull",
 }
+# A small step's request may pass the shard's byte limit on its tensors by this much: its
+# header, each tensor's framing, the row ids (``--max-request-bytes`` counts the tensors).
+STEP_FRAMING_BYTES = 1 << 20
 
 
 class _Exchange(contextlib.ExitStack):
@@ -127,7 +134,39 @@ class FlightShardService(flight.FlightServerBase):
             fw.STREAMED: functools.partial(self._push_pull, turn=False),
             fw.PUSH: self._push,
             fw.PULL: self._pull,
+            fw.STEP: self._step,
         }
+
+    def _step(self, context: Any, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
+        """A small step (``fw.STEP``): the step stream's request in the message's metadata,
+        answered as the grpcio step stream answers it (``servicer.step_reply``), its reply's
+        bytes in the metadata of one message back. Its bytes count towards
+        ``--max-inflight-bytes`` while they are read, as a push's do (``_read_push``): a push
+        waiting for its sync round holds none, or the round's last push could be refused for
+        the bytes of those waiting for it."""
+        if first.data is not None:
+            raise InvalidRequestError("step: a small step carries no record batch")
+        raw = first.app_metadata
+        if raw is None or not raw.size:
+            raise InvalidRequestError("step: expected a PushPullRequest, got none")
+        limit = self.shard.limits.max_request_bytes
+        if raw.size > limit + STEP_FRAMING_BYTES:
+            raise TooLargeError(
+                f"step: a request of {raw.size} bytes, over the limit of {limit} bytes of "
+                f"tensors and {STEP_FRAMING_BYTES} of framing"
+            )
+        with self.admission.inflight() as reserve:
+            reserve(raw.size)
+            try:
+                request = read.parse_request(raw.to_pybytes())
+            except (ValueError, DecodeError) as exc:
+                raise InvalidRequestError(f"step: undecodable PushPullRequest: {exc}") from None
+        h = request.header
+        if held.worker is None:  # the exchange's first step: it holds one of the worker's
+            held.enter_context(self.admission.step_stream(h.worker_id))  # step streams
+            held.worker = h.worker_id
+        timeout = fw.request_timeout(request.timeout_ms, DEADLINE_MARGIN_S)
+        writer.write_metadata(step_reply(self.shard, request, timeout))
 
     def _read_push(
         self, context: Any, first: Any, reader: Any, where: str, turn: bool = True

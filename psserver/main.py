@@ -18,6 +18,7 @@ from psserver.server import start_server
 from psserver.shard import Shard
 from pswire import envnames
 from pswire.errors import PSError
+from pswire.flightwire import tune_malloc
 
 log = logging.getLogger("psserver")
 # mallopt's M_ARENA_MAX, and the arenas a shard keeps (see limit_malloc_arenas).
@@ -46,6 +47,7 @@ def limit_malloc_arenas(count: int = MALLOC_ARENAS) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``psserver`` / ``python -m psserver``; returns the exit code."""
     limit_malloc_arenas()  # before any thread allocates
+    tune_malloc()  # Flight's message buffers reused, not faulted in again per message
     config = parse_config(argv)
     configure_logging(config.log_level, config.log_format)
     envnames.warn_unknown(who="psserver")

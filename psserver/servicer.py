@@ -73,6 +73,42 @@ def push_response(result: PushResult, incarnation: str) -> ps_pb2.PushResponse:
     )
 
 
+def step_reply(
+    shard: Shard,
+    request: ps_pb2.PushPullRequest | read.StepRequest,
+    timeout: float | None,
+    cancelled: threading.Event | None = None,
+) -> bytes:
+    """One step in the step stream's message form, as both front ends take it (this
+    servicer's ``PushPullStream``, the data port's small steps): the request's gradients into
+    one ``Shard.push_pull``, its reply's bytes (the weights a snapshot taken under the lock).
+
+    Raises:
+        PSError: as ``Shard.push_pull``, and bad gradients or row ids.
+    """
+    header = request.header
+    rows = row_query(request)
+    gathered = frozenset(table for table, _ in rows)  # copies made for this reply
+
+    def encode(arrays: Mapping[str, np.ndarray], clock: int) -> write.ReplyTensors:
+        return write.reply_tensors(arrays, gathered)  # under the lock: the snapshot
+
+    result, tensors, clock = shard.push_pull(
+        header.worker_id,
+        header.step,
+        push_pull_grads(request, shard.limits.max_request_bytes),
+        timeout=timeout,
+        incarnation=header.incarnation,
+        take=True,
+        encode=encode,
+        session=header.session,
+        cancelled=cancelled,
+        options=header_options(header),
+        rows=rows,
+    )
+    return write.reply(push_response(result, shard.incarnation), tensors, clock)
+
+
 def _timeout(context: grpc.ServicerContext) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None else max(0.0, remaining - DEADLINE_MARGIN_S)
@@ -313,27 +349,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         timeout: float | None,
         cancelled: threading.Event,
     ) -> bytes | ps_pb2.PushPullResponse:
-        header = request.header
-        rows = row_query(request)
-        gathered = frozenset(table for table, _ in rows)  # copies made for this reply
-
-        def encode(arrays: Mapping[str, np.ndarray], clock: int) -> write.ReplyTensors:
-            return write.reply_tensors(arrays, gathered)  # under the lock: the snapshot
-
-        result, tensors, clock = self.shard.push_pull(
-            header.worker_id,
-            header.step,
-            push_pull_grads(request, self.shard.limits.max_request_bytes),
-            timeout=timeout,
-            incarnation=header.incarnation,
-            take=True,
-            encode=encode,
-            session=header.session,
-            cancelled=cancelled,
-            options=header_options(header),
-            rows=rows,
-        )
-        return write.reply(self._push_response(result), tensors, clock)
+        return step_reply(self.shard, request, timeout, cancelled)
 
     def _push_response(self, result: PushResult) -> ps_pb2.PushResponse:
         return push_response(result, self.shard.incarnation)

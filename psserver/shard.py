@@ -305,7 +305,8 @@ class Shard:
         """
         with observed(self.observer, "Push", grads):
             job = self._check_call(worker_id, step, incarnation, "push")
-            grads = job.checked_grads(grads)
+            squares: dict[str, float] = {}  # what the checks measured: the step reuses them
+            grads = job.checked_grads(grads, squares)
             optimizers = job.step_optimizers(options)
             with self._cond:
                 self._roster.members.check(worker_id, session)
@@ -338,7 +339,10 @@ class Shard:
                 self._roster.open(step)
                 update = policy.submit(self._roster.clocks(), worker_id, step, grads, owned=take)
                 if update is not None:
-                    self._apply(update, sync_round=policy.name == "sync")
+                    # The push itself (applied on arrival, not summed into a round): its
+                    # gradients were measured by its checks, and are not read again.
+                    known = squares if update is grads else None
+                    self._apply(update, sync_round=policy.name == "sync", known_squares=known)
                 self._progress.reach(worker_id, step + 1)
                 self._progress.counters["applied"] += 1
                 self._capture_due()
@@ -797,9 +801,16 @@ class Shard:
         durable = self._marks.durable_step(worker_id)
         return PushResult(applied, reason, clock, durable, after, absent, self.job_id)
 
-    def _apply(self, update: Mapping[str, Any], sync_round: bool) -> None:
+    def _apply(
+        self,
+        update: Mapping[str, Any],
+        sync_round: bool,
+        known_squares: Mapping[str, float] | None = None,
+    ) -> None:
         """Applies an update (lock held). A sync round that cannot be applied has been consumed
         (its pushes are gone), so the refusal is kept: every later step fails with it.
+        ``known_squares``: sums of squares of ``update``'s own arrays already measured
+        (``Variables.apply``).
 
         Raises:
             StepRefusedError: the update's result would not be finite; nothing applied.
@@ -807,7 +818,14 @@ class Shard:
         optimizers, skip = self._optim.steps.pop(self._progress.updates)
         try:
             self._changing()
-            self._state.apply(self._require_job(), update, optimizers, skip, summed=sync_round)
+            self._state.apply(
+                self._require_job(),
+                update,
+                optimizers,
+                skip,
+                summed=sync_round,
+                known_squares=known_squares,
+            )
         except StepRefusedError as exc:
             if sync_round:
                 self._failure = (

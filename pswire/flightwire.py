@@ -14,6 +14,9 @@ a byte stream:
   rest carry no metadata. A large tensor travels in batches over its own memory (no copy,
   ``pa.py_buffer``); small tensors share one batch, so a small step is one message each way.
 
+A small step (``STEP``) is framed otherwise: the step stream's own request and reply
+(pswire/write.py, pswire/read.py) as the app metadata of one message each way.
+
 A received batch is read as a view of the buffer gRPC received into; the shared
 ``ChunkAssembler`` checks and assembles each tensor's bytes exactly as it does for the grpcio
 messages.
@@ -26,6 +29,7 @@ the class and the message, so the worker raises the very class the shard raised.
 
 from __future__ import annotations
 
+import ctypes
 import hmac
 import logging
 import os
@@ -68,7 +72,12 @@ PUSH_PULL = b"ps.push_pull/1"
 STREAMED = b"ps.push_pull_streamed/1"
 PUSH = b"ps.push/1"
 PULL = b"ps.pull/1"
-COMMANDS = (PUSH_PULL, STREAMED, PUSH, PULL)
+# A small step: the step stream's own messages (a PushPullRequest with its tensors' bytes
+# inline, as pswire.write frames it, and the PushPullResponse) as the app metadata of one
+# message each way, with no record batch: the shortest way a small model's step can travel
+# (bench/NOTES.md entry 36).
+STEP = b"ps.step/1"
+COMMANDS = (PUSH_PULL, STREAMED, PUSH, PULL, STEP)
 # A record batch's largest body: the bench's sweep (bench/flight.py --piece-mib) found 1-4 MiB
 # alike and 16 MiB slower (less overlap, larger buffers to fault in).
 PIECE_BYTES = 4 << 20
@@ -76,6 +85,57 @@ PIECE_BYTES = 4 << 20
 # than copying a few KiB, and a small model's step is then one message each way.
 PACK_BYTES = 64 << 10
 _SEP = b"\x00"
+# glibc's mallopt parameters, and what ``tune_malloc`` sets them to: blocks up to two batches
+# come from the heap (larger ones, such as a model's arrays, are still mapped and unmapped
+# alone), and up to 16 batches of free heap stay mapped for the next message.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+MALLOC_MMAP_BYTES = 2 * PIECE_BYTES
+MALLOC_TRIM_BYTES = 16 * PIECE_BYTES
+_tuned: bool | None = None
+
+
+def tune_malloc(environ: Mapping[str, str] | None = None) -> bool:
+    """Keeps the blocks every Flight message passes through in glibc's heap, for the next
+    message to reuse, instead of unmapped and faulted back in (whether it took effect).
+
+    Receiving a message, gRPC reads the socket into buffers of up to a few MiB and Arrow
+    copies a message that arrived in pieces into one; freed, glibc unmaps such blocks or trims
+    them off its heaps, and the next message faults every page in again (and the kernel
+    zeroes it). At 25M params a worker took 12,000-22,000 page faults per step, ~40 ms of its
+    CPU (bench/NOTES.md entry 34). Process-wide, once: the worker's first Flight link and the
+    shard daemon call it. Left alone without glibc, with ``$PS_TUNE_MALLOC=0``, or where the
+    process chose these settings itself (``MALLOC_MMAP_THRESHOLD_``,
+    ``MALLOC_TRIM_THRESHOLD_``, or ``GLIBC_TUNABLES`` naming either).
+    """
+    global _tuned
+    if _tuned is None:
+        _tuned = _malloc_ours(os.environ if environ is None else environ) and _mallopt(
+            (_M_TRIM_THRESHOLD, MALLOC_TRIM_BYTES),  # first: setting either ends glibc's
+            (_M_MMAP_THRESHOLD, MALLOC_MMAP_BYTES),  # own adjustment of both
+        )
+    return _tuned
+
+
+def _malloc_ours(env: Mapping[str, str]) -> bool:
+    """Whether ``tune_malloc`` may set glibc's thresholds: not switched off, not the user's."""
+    if env.get("PS_TUNE_MALLOC", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    tunables = env.get("GLIBC_TUNABLES", "")
+    names = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+    return not any(n in env for n in names) and not any(
+        t in tunables for t in ("mmap_threshold", "trim_threshold")
+    )
+
+
+def _mallopt(*settings: tuple[int, int]) -> bool:
+    """glibc's ``mallopt`` of each (parameter, value) in turn; False without glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.gnu_get_libc_version  # noqa: B018  # glibc only
+    except (OSError, AttributeError):
+        return False
+    return all(bool(libc.mallopt(param, value)) for param, value in settings)
 
 
 class Piece(NamedTuple):

@@ -25,12 +25,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
+from google.protobuf.message import DecodeError
 
 from pscore.optspec import StepOptions
 from pscore.tables import RowSparse
 from pswire import flightwire as fw
+from pswire import read, write
 from pswire.codec import ChunkAssembler
-from pswire.errors import PSError, UnavailableError, WaitTimeoutError
+from pswire.errors import InvalidRequestError, PSError, UnavailableError, WaitTimeoutError
 from pswire.proto import ps_pb2
 from pswire.security import TOKEN_HEADER, TOKEN_SCHEME, ClientSecurity
 from pswire.write import push_header
@@ -73,10 +75,12 @@ class FlightLink:
         if security.token:
             self._headers.append((TOKEN_HEADER.encode(), (TOKEN_SCHEME + security.token).encode()))
         self._lock = threading.Lock()
-        self._open: tuple[Any, Any] | None = None  # the push_pull exchange kept open
+        self._open: tuple[Any, Any] | None = None  # the step exchange kept open
+        self._open_command = fw.PUSH_PULL  # its command: fw.PUSH_PULL or fw.STEP
         self._watchdog = _Watchdog()
-        # The step sent and not yet answered: (where its reply goes, the deadline fired).
-        self._pending: tuple[Mapping[str, np.ndarray] | None, threading.Event] | None = None
+        # The step sent and not yet answered: (where its reply goes, the deadline fired,
+        # whether it went as a small step).
+        self._pending: tuple[Mapping[str, np.ndarray] | None, threading.Event, bool] | None = None
         self._early: Future[Any] | None = None  # its reply, read on a thread (``when_ended``)
         self._reading: ThreadPoolExecutor | None = None
         self._streaming: FlightStream | None = None  # a step streamed from backward, if open
@@ -113,22 +117,28 @@ class FlightLink:
         incarnation: str = "",
         options: StepOptions | None = None,
         rows: Sequence[ps_pb2.RowQuery] = (),
+        small: bool = False,
     ) -> None:
         """``push_pull``'s first half: sends the step. The exchange is this step's until
-        ``receive_step`` (which must follow unless this raised) returns or raises.
+        ``receive_step`` (which must follow unless this raised) returns or raises. ``small``:
+        in one message each way, the step stream's own request and reply as metadata
+        (``fw.STEP``), on an exchange of its own kept open; else as record batches.
 
         Raises:
             PSError: as ``push_pull`` (the exchange is then closed).
         """
         where = self.where("push_pull")
         request = self._request(step, pieces, incarnation, options)
-        request.rows.extend(rows)
+        command = fw.STEP if small else fw.PUSH_PULL
         self._lock.acquire()
         expired = threading.Event()
-        self._pending = (into, expired)
+        self._pending = (into, expired, small)
         try:
+            if self._open is not None and self._open_command != command:
+                self._close_open()  # one exchange at a time: a worker's streams are capped
             if self._open is None:
-                self._open = self._exchange(fw.PUSH_PULL, None, where)
+                self._open = self._exchange(command, None, where)
+                self._open_command = command
             writer, reader = self._open
 
             def expire() -> None:
@@ -137,7 +147,13 @@ class FlightLink:
                     reader.cancel()
 
             self._watchdog.arm(time.monotonic() + self.timeout, expire)
-            self._send(writer, request, pieces)
+            if small:
+                writer.write_metadata(
+                    write.request(request.header, pieces, rows, request.timeout_ms)
+                )
+            else:
+                request.rows.extend(rows)
+                self._send(writer, request, pieces)
         except BaseException as exc:
             self._pending = None
             self._lock.release()
@@ -174,10 +190,12 @@ class FlightLink:
     def _read_pending(self) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
         where = self.where("push_pull")
         assert self._pending is not None
-        into, expired = self._pending
+        into, expired, small = self._pending
         try:
             if self._open is None:
                 raise UnavailableError(f"{where}: the exchange closed before the reply")
+            if small:
+                return _read_small_reply(self._open[1], into, where)
             reply, arrays = _read_reply(self._open[1], into, where)
         except BaseException as exc:
             raise self._failure(exc, expired, where) from None
@@ -452,6 +470,34 @@ def _read_reply(
     assembler = ChunkAssembler(into=into)
     arrays = fw.read_step(reader, first.data, reply.chunks, assembler, where, placed)
     return reply, arrays
+
+
+def _read_small_reply(
+    reader: Any, into: Mapping[str, np.ndarray] | None, where: str
+) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
+    """A small step's reply: one message whose metadata is the step stream's reply (the
+    push's result and every tensor inline), decoded into ``into`` where given.
+
+    Raises:
+        UnavailableError: the shard ended the exchange without a reply.
+        InvalidRequestError: a malformed reply.
+    """
+    try:
+        first = reader.read_chunk()
+    except StopIteration:
+        raise UnavailableError(f"{where}: the shard ended the exchange without a reply") from None
+    raw = first.app_metadata
+    if raw is None or first.data is not None:
+        raise InvalidRequestError(f"{where}: a small step's reply is one message of metadata")
+    try:
+        reply = read.parse_reply(raw.to_pybytes())
+    except (ValueError, DecodeError) as exc:
+        raise InvalidRequestError(f"{where}: undecodable reply: {exc}") from None
+    assembler = ChunkAssembler(into=into)
+    chunks: Any = reply.chunks  # read.WireChunk: read as a TensorChunk (duck-typed)
+    for chunk in chunks:
+        assembler.add(chunk)
+    return reply.push, assembler.finish()
 
 
 def _error(exc: BaseException, where: str) -> BaseException:

@@ -117,6 +117,7 @@ class ShardLink:
             self.where("PushPullStream"),
         )
         self.flight: FlightTransport | None = None  # the shard's data port, once registered
+        self.flight_steps: FlightTransport | None = None  # its small steps (one message each)
         self.data_port = 0
         self._stepping: Transport = self.grpc  # the transport of the step last sent
         self.streaming: Abortable | None = None  # a step streamed from backward, if open
@@ -127,14 +128,18 @@ class ShardLink:
         """The transport carrying the step last sent (``when_ended`` of its call)."""
         return self._stepping
 
-    def transport(self, nbytes: int = 0) -> Transport:
+    def transport(self, nbytes: int = 0, step: bool = False) -> Transport:
         """The transport for a call moving about ``nbytes`` tensor bytes one way (or as many
         as the last reply brought back, if more; both counted by ``_flight_bytes``): the data
         port where the shard has one, this worker uses it and the call is not under
-        ``grpc_below_bytes``; else grpcio."""
+        ``grpc_below_bytes``; a ``step`` under it on the data port too, in one message each
+        way (``flight_steps``: half grpcio's time on an open stream, bench/NOTES.md 36); else
+        grpcio."""
         size = max(nbytes, self._reply_bytes)
         if self.flight is not None and size >= self.config.grpc_below_bytes:
             return self.flight
+        if step and self.flight_steps is not None:
+            return self.flight_steps
         return self.grpc
 
     def _replied(self, arrays: Mapping[str, np.ndarray]) -> None:
@@ -170,7 +175,7 @@ class ShardLink:
             return
         if self.flight is not None:
             self.flight.close()
-            self.flight = None
+            self.flight = self.flight_steps = None
         self.data_port = port
         if not port or self.config.data_plane == "grpc":
             return
@@ -186,6 +191,7 @@ class ShardLink:
             self.config.session,
             self.where("PushPullStream"),
         )
+        self.flight_steps = self.flight.small_steps()
 
     def where(self, rpc: str) -> str:
         return f"{rpc} on shard {self.index} ({self.address})"
@@ -374,7 +380,7 @@ class ShardLink:
     ) -> Transport:
         # Chosen and built per attempt: a retry after a restart may find another data port,
         # and carries the new incarnation.
-        transport = self._stepping = self.transport(nbytes)
+        transport = self._stepping = self.transport(nbytes, step=True)
         transport.send_step(step, pieces, into, self.incarnation or "", options, rows)
         return transport
 

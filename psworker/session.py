@@ -24,11 +24,13 @@ log = logging.getLogger(__name__)
 # shard to checkpoint, then forgets what the checkpoint holds.
 DEFAULT_REPLAY_BYTES = 64 << 20
 DATA_PLANES = ("auto", "grpc")
-# Calls moving fewer tensor bytes than this each way travel on grpcio, larger ones on the Flight
-# data port: where each measured faster (`python -m bench.transport_sizes`, one shard, loaded
-# 2-core machine: grpcio 3-11% faster from 4 KB to 128 KB, Flight 2-6% faster from 256 KB to
-# 16 MB). The client setting ``grpc_below_bytes`` (``$PS_GRPC_BELOW_BYTES``) overrides it
-# (0: Flight for every size).
+# Calls moving fewer tensor bytes than this each way travel in grpcio's message form (a step in
+# one message each way on the data port's step exchange where the shard has one, else on the
+# grpcio step stream; a lone push or pull on grpcio), larger ones as record batches on the
+# Flight data port: where each measured faster (`python -m bench.transport_sizes`, one shard,
+# loaded 2-core machine: grpcio's form 3-11% faster from 4 KB to 128 KB, batches 2-6% faster
+# from 256 KB to 16 MB; bench/NOTES.md 36 for the step exchange). The client setting
+# ``grpc_below_bytes`` (``$PS_GRPC_BELOW_BYTES``) overrides it (0: batches for every size).
 GRPC_BELOW_BYTES = 256 << 10
 
 
@@ -46,8 +48,8 @@ class LinkConfig:
     # How tensors travel (psworker/transport.py): "auto" uses a shard's Flight data port when
     # its registration names one, "grpc" never does (the control port's grpcio calls).
     data_plane: str = "auto"
-    # Calls moving fewer tensor bytes than this each way stay on grpcio even where a data port
-    # exists (0: none do; see GRPC_BELOW_BYTES).
+    # Calls moving fewer tensor bytes than this each way travel in grpcio's message form (a
+    # step on the data port's step exchange, where there is one; see GRPC_BELOW_BYTES).
     grpc_below_bytes: int = GRPC_BELOW_BYTES
 
     def __post_init__(self) -> None:

@@ -144,8 +144,9 @@ class ClientSettings:
     )
     grpc_below_bytes: int = _setting(
         GRPC_BELOW_BYTES,
-        "Calls moving fewer tensor bytes than this each way stay on grpcio, where it measured "
-        "faster (0: Flight for every size).",
+        "Calls moving fewer tensor bytes than this each way travel in grpcio's message form "
+        "(a step in one message each way on the shard's data port, else on grpcio), where it "
+        "measured faster (0: record batches on the data port for every size).",
         "PS_GRPC_BELOW_BYTES",
     )
     min_workers: int = _setting(

@@ -8,12 +8,14 @@ restarted shard's data port exactly as it retries its control port.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import numpy as np
 
 from pscore.optspec import StepOptions
+from pswire import flightwire as fw
 from pswire.errors import PSError, WaitTimeoutError
 from pswire.proto import ps_pb2
 from pswire.security import ClientSecurity
@@ -54,7 +56,19 @@ class FlightTransport:
     ) -> None:
         self.address = address
         self.where = where  # how the link names the step stream in errors
+        fw.tune_malloc()  # once per process: Flight's message buffers reused, not refaulted
         self.link = FlightLink(index, address, worker_id, timeout, security, session=session)
+
+    def small_steps(self) -> FlightTransport:
+        """The same data port for small steps: one message each way, the step stream's own
+        request and reply as metadata (``FlightLink.send_step(small=True)``), sharing this
+        transport's connection and its one step exchange (closing it closes that)."""
+        small = copy.copy(self)
+        small.name = "flight-step"
+        small.small = True
+        return small
+
+    small = False  # steps in one message each way (``small_steps``)
 
     @property
     def open_call(self) -> object | None:
@@ -82,7 +96,7 @@ class FlightTransport:
         rows: Sequence[ps_pb2.RowQuery],
     ) -> None:
         with _failures(self.link, "push_pull", self.where):
-            self.link.send_step(step, pieces, into, incarnation, options, rows)
+            self.link.send_step(step, pieces, into, incarnation, options, rows, self.small)
 
     def receive_step(self) -> Reply:
         with _failures(self.link, "push_pull", self.where):

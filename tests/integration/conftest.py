@@ -11,15 +11,22 @@ from link_cluster import Cluster
 
 from psworker.session import GRPC_BELOW_BYTES
 
+# Each way a step can travel: record batches on the Flight data port at every size; the
+# default size rule (these tests' small steps in one message each way on the data port); and
+# grpcio's step stream (a worker told to keep tensors off the data port, or a shard without).
+PLANES = {"flight": "flight", "flight-step": "flight-step", "grpc": "grpc"}
 
-@pytest.fixture(params=["flight", "grpc-small"])
+
+@pytest.fixture(params=list(PLANES))
 def data_plane(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a test twice: tensors of every size on the Flight data port, and with the default
-    size rule (these tests' small steps then travel on grpcio)."""
+    """Runs a test three times: record batches on the Flight data port at every size, the
+    default size rule (small steps in one message each way on the data port), and grpcio."""
+    monkeypatch.delenv("PS_GRPC_BELOW_BYTES", raising=False)
+    monkeypatch.delenv("PS_DATA_PLANE", raising=False)
     if request.param == "flight":
         monkeypatch.setenv("PS_GRPC_BELOW_BYTES", "0")
-    else:
-        monkeypatch.delenv("PS_GRPC_BELOW_BYTES", raising=False)
+    elif request.param == "grpc":
+        monkeypatch.setenv("PS_DATA_PLANE", "grpc")
     return str(request.param)
 
 
@@ -30,9 +37,10 @@ def cluster(data_plane: str) -> Iterator[type[Cluster]]:
     class Made(Cluster):
         def __init__(self, *plans: FaultPlan, **options: Any) -> None:
             below = 0 if data_plane == "flight" else GRPC_BELOW_BYTES
-            super().__init__(*plans, grpc_below_bytes=below, **options)
-            # The transport the steps of this test take (its small steps: grpcio by default).
-            assert self.link.transport().name == ("flight" if below == 0 else "grpc"), data_plane
+            plane = "grpc" if data_plane == "grpc" else "auto"
+            super().__init__(*plans, grpc_below_bytes=below, data_plane=plane, **options)
+            # The transport the steps of this test take.
+            assert self.link.transport(step=True).name == PLANES[data_plane], data_plane
             made.append(self)
 
     yield Made

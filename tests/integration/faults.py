@@ -183,8 +183,9 @@ class _FaultyReplies:
 class FaultyTransport:
     """A shard link's data-port transport (psworker/transport.py) with ``plans`` applied, as
     ``FaultPlan`` applies them to grpcio calls: ``Push`` and ``Pull`` count calls,
-    ``PushPullStream`` counts steps (the data port's push_pull exchange). A hit call's fault
-    reaches the link as UNAVAILABLE, as a broken connection would."""
+    ``PushPullStream`` counts steps (the data port's push_pull exchange, its step exchange's
+    small steps, streamed steps). A hit call's fault reaches the link as UNAVAILABLE, as a
+    broken connection would."""
 
     def __init__(self, inner, plans: Iterable[FaultPlan]) -> None:
         self.inner = inner
@@ -307,8 +308,12 @@ def flight_faults(client, plans: Iterable[FaultPlan]) -> None:
 
         def dialled(port: int, link=link, dial=dial) -> None:
             dial(port)
+            # Both of the data port's forms: record batches, and small steps in one message.
             if link.flight is not None and not isinstance(link.flight, FaultyTransport):
                 link.flight = FaultyTransport(link.flight, plans)
+            steps = link.flight_steps
+            if steps is not None and not isinstance(steps, FaultyTransport):
+                link.flight_steps = FaultyTransport(steps, plans)
 
         link._dial_data = dialled
         dialled(link.data_port)

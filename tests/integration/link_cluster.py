@@ -43,11 +43,13 @@ class Cluster:
         size: int = 2,
         limits: Limits = LIMITS,
         grpc_below_bytes: int = GRPC_BELOW_BYTES,
+        data_plane: str = "auto",
         **server: Any,
     ) -> None:
         """``size``: of the model's one variable ``w``; ``limits``: the shard's;
-        ``grpc_below_bytes``: the client's (0: every step on the Flight data port); ``server``:
-        start_server's options (e.g. ``stream_idle_s``)."""
+        ``grpc_below_bytes``: the client's (0: every step in record batches on the Flight
+        data port); ``data_plane``: the client's ("grpc": every tensor on grpcio);
+        ``server``: start_server's options (e.g. ``stream_idle_s``)."""
         self.server = served(Shard(limits), **server)
         self.port = int(self.server.address.rsplit(":", 1)[1])
         values = {"w": np.zeros(size, np.float32)}
@@ -67,6 +69,7 @@ class Cluster:
             heartbeat_s=0,
             interceptors=tuple(plans),
             grpc_below_bytes=grpc_below_bytes,
+            data_plane=data_plane,
         )
         self.client = psworker.PSClient(settings)
         self.client.init(values, SGD(lr=1.0))

@@ -5,6 +5,9 @@ with state unchanged), also against a raw pyarrow.flight client sending garbage.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,10 +18,12 @@ import pytest
 import psworker
 from pscore.tables import RowSparse, Table
 from psserver.config import parse_config
+from psserver.flight_service import STEP_FRAMING_BYTES
 from psserver.records import Limits
 from psserver.server import RunningServer, start_server
 from psserver.shard import Shard
 from pswire import flightwire as fw
+from pswire import write
 from pswire.errors import (
     ConfigError,
     InvalidRequestError,
@@ -90,26 +95,36 @@ def test_the_data_port_is_in_registration_and_status(servers) -> None:
         assert c.status()[0].data_port == server.data_port
 
 
-def test_steps_under_the_size_rule_travel_on_grpcio_and_larger_ones_on_flight(
+def test_steps_under_the_size_rule_travel_in_one_message_and_larger_ones_in_batches(
     servers, monkeypatch
 ) -> None:
     monkeypatch.setenv("PS_GRPC_BELOW_BYTES", "1024")
     server = servers()
+    model = {"small": np.zeros(16, np.float32), "big": np.zeros(512, np.float32)}
     with psworker.connect([server.address], worker_id=0, num_workers=1) as c:
-        c.init({"small": np.zeros(16, np.float32), "big": np.zeros(512, np.float32)}, SGD)
+        c.init(model, SGD)
         c.push_pull({"small": np.ones(16, np.float32)})  # 64 bytes out; what comes back?
-        assert c.links[0].steps.name == "grpc"
+        assert c.links[0].steps.name == "flight-step"  # one message each way, data port
+        first = c.pull()
         c.push_pull({"small": np.ones(16, np.float32)})  # the last reply was 2,112 bytes
-        assert c.links[0].steps.name == "flight"
+        assert c.links[0].steps.name == "flight"  # record batches
         out = {"small": np.zeros(16, np.float32), "big": np.zeros(512, np.float32)}
         c.push({"small": np.ones(16, np.float32)})
         c.push_pull({"small": np.ones(16, np.float32)}, out=out)
         assert c.links[0].steps.name == "flight"
+        np.testing.assert_array_equal(first["small"], np.full(16, -0.5, np.float32))
+        np.testing.assert_array_equal(out["small"], np.full(16, -2.0, np.float32))
     monkeypatch.setenv("PS_GRPC_BELOW_BYTES", "4096")
     with psworker.connect([server.address], worker_id=0, num_workers=1) as c:
-        c.init({"small": np.zeros(16, np.float32), "big": np.zeros(512, np.float32)}, SGD)
+        c.init(model, SGD)
+        c.push_pull({"small": np.ones(16, np.float32)})
+        assert c.links[0].steps.name == "flight-step"
+    monkeypatch.setenv("PS_DATA_PLANE", "grpc")  # tensors kept off the data port: grpcio's
+    with psworker.connect([server.address], worker_id=0, num_workers=1) as c:  # step stream
+        c.init(model, SGD)
         c.push_pull({"small": np.ones(16, np.float32)})
         assert c.links[0].steps.name == "grpc"
+    monkeypatch.delenv("PS_DATA_PLANE")
     monkeypatch.setenv("PS_GRPC_BELOW_BYTES", "lots")
     with pytest.raises(ConfigError, match="PS_GRPC_BELOW_BYTES"):
         psworker.connect([server.address], worker_id=0, num_workers=1)
@@ -203,6 +218,14 @@ def send_raw(port: int, command: bytes, steps: list[tuple[bytes | None, list[byt
 
 NAN = np.array([1.0, np.nan, 2.0], np.float32).tobytes()
 F64 = np.ones(3, np.float64).tobytes()
+
+
+def step_request(step: int, grads: dict[str, np.ndarray]) -> bytes:
+    """A small step (``fw.STEP``): the step stream's own request, tensors inline."""
+    return write.request(write.push_header(0, step, "", None, ""), grads, (), 60_000)
+
+
+NAN_GRAD = {"w": GRAD["w"], "b": np.frombuffer(NAN, np.float32)}
 GARBAGE = [
     ("wrong descriptor", b"ps.delete_everything/1", [(good_header(1), [bytes(12)])], "unknown"),
     ("header missing", fw.PUSH_PULL, [(None, [bytes(12)])], "expected a PushPullRequest"),
@@ -239,6 +262,21 @@ GARBAGE = [
     ),
     ("garbage header", fw.PUSH, [(b"\x08\xff\xff\xff\xff\xff", [bytes(12)])], "undecodable"),
     ("pull with bytes", fw.PULL, [(ps_pb2.PullRequest().SerializeToString(), [bytes(4)])], "no"),
+    ("small step, a batch and no request", fw.STEP, [(None, [bytes(12)])], "no record batch"),
+    ("small step with a batch", fw.STEP, [(step_request(1, GRAD), [bytes(12)])], "no record"),
+    ("small step, garbage", fw.STEP, [(b"\x0a\xff\xff\xff\xff\x0f", [])], "undecodable"),
+    (
+        "small step, NaN in the last tensor",
+        fw.STEP,
+        [(step_request(1, NAN_GRAD), [])],
+        "non-finite",
+    ),
+    (
+        "small step, wrong dtype",
+        fw.STEP,
+        [(step_request(1, {"b": np.ones(3, np.float64)}), [])],
+        "float64",
+    ),
 ]
 
 
@@ -272,6 +310,13 @@ def test_the_byte_limits_hold_on_the_data_port(servers) -> None:
         err = send_raw(server.data_port, fw.PUSH_PULL, [(good_header(1, big), [bytes(120)])])
         assert isinstance(err, TooLargeError) and "over the limit of 40" in str(err)
         assert state(server) == before
+        # A small step's tensors count the same (its framing aside).
+        err = send_raw(server.data_port, fw.STEP, [(step_request(1, {"b": np.ones(30)}), [])])
+        assert isinstance(err, TooLargeError) and "over the limit of 40" in str(err), err
+        huge = b"\x00" * (40 + STEP_FRAMING_BYTES + 1)  # refused before it is parsed
+        err = send_raw(server.data_port, fw.STEP, [(huge, [])])
+        assert isinstance(err, TooLargeError) and "framing" in str(err), err
+        assert state(server) == before
     # --max-inflight-bytes: bytes arriving at once across calls.
     server = servers(max_inflight_bytes=12)  # Init's 12 bytes fit; a 16-byte step does not
     with psworker.connect([server.address], worker_id=0, num_workers=1) as c:
@@ -283,6 +328,46 @@ def test_the_byte_limits_hold_on_the_data_port(servers) -> None:
         assert isinstance(err, ShardBusyError) and "--max-inflight-bytes" in str(err), err
         assert err.code.name == "RESOURCE_EXHAUSTED"
         assert state(server) == before
+        step = [(step_request(1, {"b": np.ones(3, np.float32)}), [])]  # 12 bytes and framing
+        err = send_raw(server.data_port, fw.STEP, step)
+        assert isinstance(err, ShardBusyError) and "--max-inflight-bytes" in str(err), err
+        assert state(server) == before
+
+
+def test_a_small_step_waiting_for_its_sync_round_holds_no_inflight_bytes(
+    servers, monkeypatch
+) -> None:
+    # A small step's bytes count towards --max-inflight-bytes while they are read, not while
+    # its push waits for the round: else worker 0's push, waiting, would hold the bytes
+    # worker 1's needs, and worker 1's would be refused (ShardBusyError) instead of closing
+    # the round.
+    monkeypatch.delenv("PS_GRPC_BELOW_BYTES")  # the default rule: small steps, one message
+    model = {"w": np.zeros(1024, np.float32)}
+    server = servers(max_inflight_bytes=6 << 10)  # one 4 KiB step at a time, not two
+    options = {"num_workers": 2, "mode": "sync", "timeout": 20.0}
+    with contextlib.ExitStack() as stack:
+        c0, c1 = (
+            stack.enter_context(psworker.connect([server.address], worker_id=i, **options))
+            for i in range(2)
+        )
+        c0.init(model, psworker.SGD(lr=0.5))
+        c1.init(model, psworker.SGD(lr=0.5))
+        first: dict[int, dict[str, np.ndarray]] = {}
+        waiting = threading.Thread(
+            target=lambda: first.setdefault(0, c0.push_pull({"w": np.zeros(1024, np.float32)}))
+        )
+        waiting.start()
+        deadline = time.monotonic() + 10.0
+        while server.shard.status().workers.get(0, (0, 0.0))[0] < 1:  # taken; it waits
+            assert time.monotonic() < deadline, "worker 0's push never reached the shard"
+            time.sleep(0.01)
+        out = c1.push_pull({"w": np.ones(1024, np.float32)})
+        waiting.join(10.0)
+        assert not waiting.is_alive()
+        assert [c.links[0].steps.name for c in (c0, c1)] == ["flight-step", "flight-step"]
+        # The round's mean, (0 + 1) / 2, at lr 0.5.
+        for got in (first[0], out):
+            np.testing.assert_array_equal(got["w"], np.full(1024, -0.25, np.float32))
 
 
 def test_a_worker_holds_at_most_its_step_streams_on_the_data_port(servers) -> None:

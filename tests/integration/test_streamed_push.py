@@ -178,12 +178,29 @@ def test_streamed_pushes_give_the_serial_steps_results_bit_for_bit(servers, mode
         assert_identical(serial[i], streamed[i])
 
 
+@pytest.mark.parametrize("data_plane", ["flight", "flight-step", "grpc"], indirect=True)
+def test_overlap_gives_the_serial_steps_results_whichever_way_the_steps_travel(servers, data_plane):
+    # conftest.py's data_plane: record batches on the data port at every size (streamed
+    # from backward); the default size rule (these small steps go whole, in one message each
+    # way on the data port's step exchange, never streamed); grpcio (no data port).
+    serial, _ = train(servers(2), "sync", 2, overlap=False)
+    streamed, opts = train(servers(2), "sync", 2, overlap=True)
+    for i in range(2):
+        overlap = opts[i]._overlap
+        assert overlap is not None and overlap.armed
+        assert overlap.streamed == (2 * (STEPS - 1) if data_plane == "flight" else 0)
+        assert [link.steps.name for link in opts[i].client.links] == [data_plane] * 2
+        assert_identical(serial[i], streamed[i])
+
+
+@pytest.mark.parametrize("data_plane", ["flight", "flight-step"], indirect=True)
 @pytest.mark.parametrize("action", ["drop", "lose_reply"])
 def test_a_streamed_step_whose_header_or_reply_is_lost_is_sent_whole_and_applied_once(
-    servers, action
+    servers, action, data_plane
 ):
     # Worker 0's data-port steps counted together over both shards: 1-2 are the serial first
-    # step's, 3-4 its first streamed step's (one per shard).
+    # step's, 3-4 its first overlapped step's (one per shard): streams on record batches,
+    # small steps on the step exchange under the default size rule (the faults reach both).
     plan = FaultPlan("PushPullStream", {3, 4}, action)
 
     def faults(t: int, i: int, model: Any, opt: DistributedOptimizer, held: list) -> None:
@@ -194,10 +211,13 @@ def test_a_streamed_step_whose_header_or_reply_is_lost_is_sent_whole_and_applied
     streamed, opts = train(servers(2), "sync", 2, overlap=True, before=faults)
     assert plan.fired == 2
     overlap = opts[0]._overlap
-    assert overlap is not None and overlap.streamed == 2 * (STEPS - 1)  # the faults hit streams
-    # "drop": the stream never opened and its thread sent the step whole at step();
-    # "lose_reply": the shard applied the stream, its reply was lost, and the step sent again
-    # whole was answered as a duplicate. Either way each step applied once, as serially.
+    streams = data_plane == "flight"
+    assert overlap is not None and overlap.streamed == (2 * (STEPS - 1) if streams else 0)
+    assert [link.steps.name for link in opts[0].client.links] == [data_plane] * 2
+    # "drop": the stream never opened and its thread sent the step whole at step() (a small
+    # step: never sent, sent again); "lose_reply": the shard applied the step, its reply was
+    # lost, and the step sent again whole was answered as a duplicate. Either way each step
+    # applied once, as serially.
     for i in range(2):
         assert_identical(serial[i], streamed[i])
 

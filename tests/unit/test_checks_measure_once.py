@@ -1,6 +1,7 @@
 """A step measures each large gradient's sum of squares once: the finite check's measure is
-handed to the optimizer's overflow guard, and one measured elsewhere (the all-reduce's ring)
-is trusted when finite; the results and refusals are those of measuring everything."""
+handed to the optimizer's overflow guard (in the local client and on the shard, where the
+push is applied as it came), and one measured elsewhere (the all-reduce's ring) is trusted
+when finite; the results and refusals are those of measuring everything."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import pytest
 
 import psworker
 from pscore import checks, variables
+from pscore.job import Job, VarSpec
+from psserver.records import Limits
+from psserver.shard import Shard
 from pswire.errors import InvalidRequestError
 from psworker.local import LocalClient
 
@@ -58,3 +62,42 @@ def test_a_finite_known_measure_is_trusted_and_a_nan_one_is_checked():
     with pytest.raises(InvalidRequestError, match="'w': gradient has 1 non-finite"):
         c.push({"w": bad}, known_squares={"w": float("nan")})
     assert np.isfinite(c.pull()["w"]).all()
+
+
+def shard(mode: str, start: dict[str, np.ndarray]) -> Shard:
+    s = Shard(Limits(max_wait_s=5.0))
+    specs = tuple(VarSpec(k, v.shape, "float32") for k, v in start.items())
+    job = Job(mode, 0, 1, psworker.SGD(lr=0.1, momentum=0.9), specs, "m")
+    assert s.init(0, job, {k: v.copy() for k, v in start.items()})
+    return s
+
+
+@pytest.mark.parametrize(("mode", "measured_again"), [("async", False), ("sync", True)])
+def test_the_shard_reuses_a_push_checks_measure_only_for_the_push_itself(
+    monkeypatch: pytest.MonkeyPatch, mode: str, measured_again: bool
+) -> None:
+    # A push applied as it comes (async, ssp) is the very arrays its checks measured; a sync
+    # round applies a sum (new arrays, or one summed into): measured again before its step.
+    rng = np.random.default_rng(1)
+    start = {"w": rng.standard_normal(N).astype(np.float32), "b": np.zeros(8, np.float32)}
+    grads = [
+        {"w": rng.standard_normal(N).astype(np.float32), "b": np.ones(8, np.float32)}
+        for _ in range(2)
+    ]
+    reference, s = client(start), shard(mode, start)
+    for g in grads:
+        reference.push(g)
+    calls: list[int] = []
+    real = variables.sum_squares
+
+    def counted(array: np.ndarray) -> float:
+        calls.append(array.size)
+        return real(array)
+
+    monkeypatch.setattr(variables, "sum_squares", counted)
+    for step, g in enumerate(grads):
+        s.push(0, step, {k: v.copy() for k, v in g.items()}, timeout=5.0, take=True)
+    assert (N in calls) is measured_again
+    # The same bits as the local client's step (which measures through the same checks).
+    for name, value in reference.pull().items():
+        assert s.snapshot()[name].tobytes() == value.tobytes(), name

@@ -98,30 +98,6 @@ def test_threads_change_no_bit_of_the_result(
             assert value == blocked_state[key], key
 
 
-def test_a_step_of_a_few_pieces_runs_in_the_calling_thread(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Waking a pool thread cost more than the pieces it took (a 4,096 x 64 table step is 4
-    # pieces); a step gets a second thread only once each has PIECES_PER_THREAD pieces.
-    monkeypatch.setattr(optim, "OPTIMIZER_THREADS", 8)
-    used: list[int] = []
-
-    class Pool:
-        def map(self, fn: Any, *args: Any) -> Any:
-            used.append(len(args[0]))
-            return map(fn, *args)
-
-    monkeypatch.setattr(optim, "_pool", Pool)
-    opt = SGD(lr=0.1, momentum=0.9)
-    small, grads = arrays(4 * DEFAULT_BLOCK_ELEMENTS)
-    opt.apply_blocked(small, grads[0], opt.make_state(small))
-    assert used == []
-    pieces = 2 * optim.PIECES_PER_THREAD
-    large, grads = arrays(pieces * DEFAULT_BLOCK_ELEMENTS)
-    opt.apply_blocked(large, grads[0], opt.make_state(large))
-    assert used == [2]  # two threads, each PIECES_PER_THREAD pieces
-
-
 @pytest.mark.parametrize("optimizer", [SGD(lr=0.1, momentum=0.9), Adam(lr=0.01)], ids=str)
 def test_measure_returns_the_largest_sum_of_squares_of_the_results(
     optimizer: Optimizer,
@@ -242,3 +218,32 @@ def test_a_large_row_sparse_step_that_overflows_is_refused_and_changes_nothing()
     # A finite step is taken: the measure proved it finite.
     assert store.apply(ids, np.ones((rows, dim), np.float32))
     assert store.export().values.tobytes() != before.values.tobytes()
+
+
+def test_the_pool_takes_a_variable_only_with_enough_pieces_per_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Handing pieces to threads costs more than it saves on a small variable (a 4,096 x 64
+    # table step, a 1M-param model's 10-piece embedding): each thread gets at least
+    # PIECES_PER_THREAD pieces, else the calling thread runs them all.
+    used: list[int] = []
+
+    class Pool:
+        def map(self, fn: Any, firsts: list[int], lasts: list[int]) -> Any:
+            used.append(len(firsts))
+            return map(fn, firsts, lasts)
+
+    monkeypatch.setattr(optim, "OPTIMIZER_THREADS", 4)
+    monkeypatch.setattr(optim, "_pool", Pool)
+    opt = SGD(lr=0.1, momentum=0.9)
+    per = optim.PIECES_PER_THREAD
+    cases = ((4, None), (2 * per - 1, None), (2 * per, 2), (3 * per, 3), (9 * per, 4))
+    for pieces, threads in cases:
+        used.clear()
+        param, grads = arrays(pieces * 64)
+        whole = param.copy()
+        state, whole_state = opt.make_state(param), opt.make_state(whole)
+        opt.apply_blocked(param, grads[0], state, block=64)
+        opt.apply(whole, grads[0], whole_state)
+        assert used == ([] if threads is None else [threads]), pieces
+        assert param.tobytes() == whole.tobytes()
