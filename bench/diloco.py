@@ -1,16 +1,17 @@
 """DiLoCo against sync mode on examples/train_lm.py: 4 workers, 2 shards, the same samples.
 
 ``python -m bench.diloco [--quick] [--steps N] [--out out] [--plot docs/diloco.png]`` trains the
-character LSTM five times, each on two fresh shard processes with four worker processes, every
-job on the same number of samples: sync mode; DiLoCo with H = 25 (AdamW inside, Nesterov SGD
-lr 0.7 momentum 0.9 on the shards); DiLoCo with worker 3 slowed 2x; asynchronous DiLoCo
-(delayed Nesterov) with worker 3 slowed 2x; the same with dynamic local steps (DyLU). Each
-mode's inner lr is its own best (``SYNC_LR``, ``DILOCO_LR``: docs/diloco.md has the sweep).
-In the asynchronous runs the slow worker takes half the steps of each fast one
-(4 x 2500 = 1429 + 3 x 2857), which is what asynchrony is for.
+character LSTM six times, each on two fresh shard processes with four worker processes, every
+job on the same number of samples (100 outer steps' worth by default): sync mode; DiLoCo with
+H = 25 (AdamW inside, Nesterov SGD lr 0.7 momentum 0.9 on the shards); DiLoCo with worker 3
+slowed 2x; asynchronous DiLoCo (delayed Nesterov, momentum 0.5) with worker 3 slowed 2x; the
+same with dynamic local steps (DyLU); and that with the paper's momentum 0.9. Each mode's
+inner lr is its own best (``LRS``: docs/diloco.md has the sweep). In the asynchronous runs
+the slow worker takes half the steps of each fast one (4 x 2500 = 1429 + 3 x 2857), which is
+what asynchrony is for.
 
-Every worker is a device of fixed speed (``--pace``: each step takes 40 ms, the slowed
-worker's 80 ms, a sleep making up what the compute did not take), so a slow worker is really
+Every worker is a device of fixed speed (``--pace``: each step takes 40 ms by default, the
+slowed worker's 80 ms, a sleep making up what the compute did not take), so a slow worker is really
 twice as slow and the fast ones are not slowed by the four processes sharing two cores: the
 table says how many steps took longer than their pace.
 
@@ -22,8 +23,9 @@ top-level modules (~0.9 MB), every tenth block of 1,024 characters held out for 
 ``--net 100mbit`` measures instead the wall-clock time to sync mode's final perplexity over an
 emulated link: every worker and shard in its own network namespace, each host's link shaped
 to 100 Mbit/s both ways with tc tbf (as bench/training.py builds them; root only), a wider
-LSTM (``--hidden``, default 256), sync for ``--steps`` steps and DiLoCo for ``--diloco-steps``,
-both measured every outer step (evaluation time left out).
+LSTM (``--hidden``, default 256), sync for ``--steps`` (800) steps and DiLoCo for
+``--diloco-steps`` (1200), both measured every outer step (evaluation time left out), DiLoCo
+with outer SGD lr 1.0 momentum 0.7 (``--diloco-flags``).
 
 It prints validation perplexity (the last worker to finish: its final pull holds every
 worker's updates), bytes sent and received (the sum of every worker's ``psworker/bytes_sent``
@@ -56,8 +58,17 @@ EXAMPLE = REPO / "examples" / "train_lm.py"
 WORKERS, SHARDS, H = 4, 2, 25
 TIMEOUT_S = 1800
 START_TIMEOUT_S = 120.0
-SYNC_LR, DILOCO_LR = 4e-2, 2e-2  # each mode's best peak lr (docs/diloco.md: the sweep)
+# Each mode's best peak lr on each corpus (sync, DiLoCo's inner): docs/diloco.md has the sweep.
+LRS = {"stdlib": (3e-2, 1e-2), "builtins": (4e-2, 2e-2)}
+NET_LRS = {"stdlib": (2e-2, 1e-2), "builtins": (2e-2, 1e-2)}  # --net: the wider LSTM's
 PACE_S = 0.04
+# The asynchronous runs' outer momentum (delayed Nesterov): 0.9 on top of the momentum that
+# asynchrony itself adds overshoots (docs/diloco.md).
+ASYNC_MOMENTUM = 0.5
+# --net: the outer SGD the sweep found best for the wider LSTM (docs/diloco.md).
+NET_OUTER = "--outer-lr 1.0 --outer-momentum 0.7"
+ASYNC = f"asynchronous DiLoCo H={H} (momentum {ASYNC_MOMENTUM}), worker 3 slowed 2x"
+DYLU = f"asynchronous DiLoCo H={H} + DyLU (momentum {ASYNC_MOMENTUM}), worker 3 slowed 2x"
 EVAL_EVERY = 5 * H
 
 
@@ -83,23 +94,22 @@ def skewed(steps: int) -> tuple[int, ...]:
     return (fast,) * (WORKERS - 2) + (WORKERS * steps - slow - (WORKERS - 2) * fast, slow)
 
 
-def runs(steps: int, common: tuple[str, ...] = ()) -> list[Run]:
-    """The five jobs, each ``WORKERS * steps`` batches in all."""
-    diloco = (*common, "--mode", "diloco", "--local-steps", str(H), "--lr", str(DILOCO_LR))
+def runs(steps: int, common: tuple[str, ...] = (), corpus: str = "stdlib") -> list[Run]:
+    """The six jobs, each ``WORKERS * steps`` batches in all."""
+    sync_lr, diloco_lr = LRS[corpus]
+    diloco = (*common, "--mode", "diloco", "--local-steps", str(H), "--lr", str(diloco_lr))
+    asynchronous = (*diloco, "--outer-async", "--outer-momentum", str(ASYNC_MOMENTUM))
+    dylu = (*asynchronous, "--dynamic-local-steps")
     even = (steps,) * WORKERS
     slow = {WORKERS - 1: 2.0}
     return [
-        Run("sync", (*common, "--mode", "sync", "--lr", str(SYNC_LR)), even),
+        Run("sync", (*common, "--mode", "sync", "--lr", str(sync_lr)), even),
         Run(f"DiLoCo H={H}", diloco, even),
         Run(f"DiLoCo H={H}, worker 3 slowed 2x", diloco, even, slow),
+        Run(ASYNC, asynchronous, skewed(steps), slow),
+        Run(DYLU, dylu, skewed(steps), slow),
         Run(
-            f"asynchronous DiLoCo H={H}, worker 3 slowed 2x",
-            (*diloco, "--outer-async"),
-            skewed(steps),
-            slow,
-        ),
-        Run(
-            f"asynchronous DiLoCo H={H} + DyLU, worker 3 slowed 2x",
+            f"{DYLU}, the paper's outer momentum 0.9",
             (*diloco, "--outer-async", "--dynamic-local-steps"),
             skewed(steps),
             slow,
@@ -274,6 +284,29 @@ def plot(results: dict[str, dict[int, list[dict]]], path: str, title: str) -> No
     fig.savefig(path, dpi=110)
 
 
+def plot_time(results: dict[str, dict[str, Any]], target: float, path: str, title: str) -> None:
+    """Worker 0's validation perplexity against its seconds (measuring left out), and the
+    target: sync's final perplexity."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for label, figures in results.items():
+        curve = figures[0] if 0 in figures else figures["0"]
+        ax.plot([f["seconds"] for f in curve], [f["perplexity"] for f in curve], ".-", label=label)
+    ax.axhline(target, color="grey", linestyle="--", linewidth=1, label="sync's final")
+    ax.set_yscale("log")
+    ax.set_xlabel("seconds (worker 0, measuring left out)")
+    ax.set_ylabel("validation perplexity (worker 0's model)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def verdicts(rows: dict[str, dict[str, float]]) -> list[str]:
     """The issue's targets, each with the numbers it is judged on."""
     sync, lines = rows["sync"], []
@@ -287,10 +320,7 @@ def verdicts(rows: dict[str, dict[str, float]]) -> list[str]:
             f"bytes (target >= 12x): {'met' if met else 'NOT met'}"
         )
     slowed = rows.get(f"DiLoCo H={H}, worker 3 slowed 2x")
-    for label in (
-        f"asynchronous DiLoCo H={H}, worker 3 slowed 2x",
-        f"asynchronous DiLoCo H={H} + DyLU, worker 3 slowed 2x",
-    ):
+    for label in [r for r in rows if r.startswith("asynchronous")]:
         row = rows.get(label)
         if row and slowed:
             sooner = slowed["seconds"] / row["seconds"]
@@ -316,7 +346,7 @@ def loopback(args: argparse.Namespace) -> int:
     example = ("--pace", str(args.pace))
     results: dict[str, dict[int, list[dict]]] = {}
     loads: dict[str, list[str]] = {}
-    chosen = runs(steps, common)
+    chosen = runs(steps, common, args.corpus)
     if args.only:
         chosen = [r for r in chosen if r.label == "sync" or any(o in r.label for o in args.only)]
     with Hosts(WORKERS + SHARDS, None) as hosts:
@@ -406,6 +436,12 @@ def over_link(args: argparse.Namespace) -> int:
         f"time to sync's final perplexity {target:.3f} ({link}): sync {sync_s:.1f} s, DiLoCo "
         + (f"{diloco_s:.1f} s: {ratio:.2f}x (target >= 5x)" if diloco_s else "never reached it")
     )
+    plot_time(
+        results,
+        target,
+        str(folder / "diloco_net.png"),
+        f"char LSTM (hidden {args.hidden}), {WORKERS} workers, {SHARDS} shards, {link}",
+    )
     (folder / "diloco_net.json").write_text(
         json.dumps(
             {"rows": rows, "curves": results, "target": target, "ratio": ratio, "link": link},
@@ -427,15 +463,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--net", default=None, help="e.g. 100mbit: time to sync's perplexity")
     parser.add_argument("--hidden", type=int, default=256, help="--net: the LSTM's width")
     parser.add_argument("--diloco-steps", type=int, default=None, help="--net: DiLoCo's steps")
-    parser.add_argument("--sync-lr", type=float, default=SYNC_LR, help="--net: sync's lr")
-    parser.add_argument("--diloco-lr", type=float, default=DILOCO_LR, help="--net: DiLoCo's")
+    parser.add_argument("--sync-lr", type=float, default=None, help="--net: sync's lr")
+    parser.add_argument("--diloco-lr", type=float, default=None, help="--net: DiLoCo's")
     parser.add_argument(
-        "--diloco-flags", default="", help='--net: more of DiLoCo\'s example flags, "--a 1 --b"'
+        "--diloco-flags",
+        default=NET_OUTER,
+        help=f'--net: more of DiLoCo\'s example flags (default "{NET_OUTER}")',
     )
     args = parser.parse_args(argv)
     if args.net:
-        args.steps = args.steps or 24 * H
-        args.diloco_steps = args.diloco_steps or 2 * args.steps
+        sync_lr, diloco_lr = NET_LRS[args.corpus]
+        args.sync_lr = args.sync_lr or sync_lr
+        args.diloco_lr = args.diloco_lr or diloco_lr
+        args.steps = args.steps or 32 * H
+        args.diloco_steps = args.diloco_steps or 48 * H
         return over_link(args)
     args.steps = args.steps or 100 * H
     return loopback(args)

@@ -183,14 +183,14 @@ def perplexities() -> tuple[float, float]:
     return loss_on(corpus.tensors[0][:8192], corpus.tensors[1][:8192]), loss_on(*validation)
 
 
-def figures(epoch: int, held: float) -> None:
-    """The figures so far, one JSON line (bench/diloco.py reads them)."""
+def figures(epoch: int, held: float, at: float) -> None:
+    """The figures as of ``at`` (when measuring began), one JSON line (bench/diloco.py)."""
     figures = {
         "epoch": epoch,
         "perplexity": math.exp(held),
         "bytes_sent": totals.sums.get("bytes_sent", 0.0),
         "bytes_received": totals.sums.get("bytes_received", 0.0),
-        "seconds": time.perf_counter() - started - evaluating,
+        "seconds": at - started - evaluating,
         "started_at": started_at,
         "evaluating": evaluating,
         "steps": taken,
@@ -211,7 +211,7 @@ def report(epoch: int) -> None:
         flush=True,
     )
     if args.json:
-        figures(epoch, held)
+        figures(epoch, held, began)
     evaluating += time.perf_counter() - began
 
 
@@ -237,7 +237,7 @@ for epoch in range(epochs):
             time.sleep((args.slow - 1) * (time.thread_time() - cpu))
         if args.json and args.eval_every and taken % args.eval_every == 0 and taken < total:
             measured = time.perf_counter()
-            figures(epoch, loss_on(*validation))
+            figures(epoch, loss_on(*validation), measured)
             evaluating += time.perf_counter() - measured
     if epoch < epochs - 1:
         report(epoch)
