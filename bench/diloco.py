@@ -109,7 +109,7 @@ def runs(steps: int, common: tuple[str, ...] = (), corpus: str = "stdlib") -> li
         Run(ASYNC, asynchronous, skewed(steps), slow),
         Run(DYLU, dylu, skewed(steps), slow),
         Run(
-            f"{DYLU}, the paper's outer momentum 0.9",
+            f"asynchronous DiLoCo H={H} + DyLU (the paper's momentum 0.9), worker 3 slowed 2x",
             (*diloco, "--outer-async", "--dynamic-local-steps"),
             skewed(steps),
             slow,
@@ -440,7 +440,8 @@ def over_link(args: argparse.Namespace) -> int:
         results,
         target,
         str(folder / "diloco_net.png"),
-        f"char LSTM (hidden {args.hidden}), {WORKERS} workers, {SHARDS} shards, {link}",
+        f"char LSTM (hidden {args.hidden}), {WORKERS} workers, {SHARDS} shards, "
+        f"{args.net} links (tc tbf): time to sync's final perplexity",
     )
     (folder / "diloco_net.json").write_text(
         json.dumps(
