@@ -52,6 +52,14 @@ class Registration:
 
 
 @dataclass(frozen=True)
+class Beat:
+    """A heartbeat's answer."""
+
+    clock: int  # the steps the worker has finished on this shard
+    fastest_seconds_per_step: float  # the fastest live worker's pace (0: none reported)
+
+
+@dataclass(frozen=True)
 class ShardState:
     """Everything a checkpoint holds: enough for a restarted shard to go on exactly."""
 

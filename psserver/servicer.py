@@ -188,8 +188,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @rpc_errors
     def Heartbeat(self, request, context):
-        clock = self.shard.heartbeat(request.worker_id, request.session)
-        return ps_pb2.HeartbeatResponse(clock=clock)
+        beat = self.shard.beat(request.worker_id, request.session, request.seconds_per_step)
+        return ps_pb2.HeartbeatResponse(
+            clock=beat.clock, fastest_seconds_per_step=beat.fastest_seconds_per_step
+        )
 
     @rpc_errors
     def Leave(self, request, context):

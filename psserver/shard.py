@@ -28,8 +28,9 @@ from psserver.consistency import ConsistencyPolicy, make_policy
 from psserver.elastic import PHASES, JoinResult, Joins, MembersView
 from psserver.marks import CheckpointMarks
 from psserver.observer import Observer, observed
+from psserver.paces import Paces
 from psserver.progress import Progress
-from psserver.records import Limits, PushResult, Registration, ShardState, ShardStatus
+from psserver.records import Beat, Limits, PushResult, Registration, ShardState, ShardStatus
 from psserver.roster import Roster
 from psserver.shard_optim import NO_OPTIONS, OptimizerSide, StepOptions
 from pswire.errors import (
@@ -70,6 +71,7 @@ class Shard:
         self._failure = ""  # a refused sync step: every later step fails with it
         self._closed = False
         self._before_change: set[Callable[[], None]] = set()  # live replies (steady_reader)
+        self._paces = Paces()  # DiLoCo's dynamic local steps: soft state, not checkpointed
         progress = Progress()
         self._compose(
             JobAgreement(),
@@ -482,10 +484,21 @@ class Shard:
             )
 
     def heartbeat(self, worker_id: int, session: str = "") -> int:
-        """Marks a worker alive; returns the steps it has finished here.
+        """Marks a worker alive; returns the steps it has finished here (``beat().clock``).
 
         Raises:
-            InvalidRequestError: an id outside the job's workers (before a job: the limit).
+            As ``beat``.
+        """
+        return self.beat(worker_id, session).clock
+
+    def beat(self, worker_id: int, session: str = "", seconds_per_step: float = 0.0) -> Beat:
+        """Marks a worker alive and keeps its pace (``seconds_per_step`` per inner step, 0:
+        unchanged; DiLoCo's dynamic local steps); returns the steps it has finished here and
+        the fastest pace of a live worker.
+
+        Raises:
+            InvalidRequestError: an id outside the job's workers (before a job: the limit), or
+                a pace that is not finite, negative or over a day (nothing is changed).
             DuplicateWorkerError: another process holds this worker id now.
         """
         with self._cond:
@@ -493,9 +506,14 @@ class Shard:
             self._check_worker(
                 worker_id, job.num_workers if job else self.limits.max_workers, "heartbeat"
             )
+            Paces.check(worker_id, seconds_per_step)
             self._roster.members.check(worker_id, session)
             self._touch(worker_id)
-            return self._progress.finished_by(worker_id)
+            self._paces.record(worker_id, seconds_per_step)
+            return Beat(
+                self._progress.finished_by(worker_id),
+                self._paces.fastest(self._roster.members.live_view),
+            )
 
     def leave(self, worker_id: int, session: str = "") -> None:
         """A worker leaves the job (its client closed): it no longer counts in the sync quorum

@@ -482,15 +482,26 @@ class PSClient:
         """The workers the shards last said are out of the quorum (sync, ssp)."""
         return self._absent.current
 
-    def heartbeat(self) -> None:
+    def heartbeat(self, seconds_per_step: float = 0.0) -> float:
         """Tells every shard this worker is alive (a background thread does this every
-        ``heartbeat_s`` seconds after ``init``)."""
-        request = ps_pb2.HeartbeatRequest(worker_id=self.worker_id, session=self.session)
-        self._fan_out(
+        ``heartbeat_s`` seconds after ``init``), with its pace where measured (seconds per
+        inner step, DiLoCo's dynamic local steps; 0: none); returns the fastest pace of a
+        live worker the shards know (0: none).
+
+        Raises:
+            PSError: a shard refused (InvalidRequestError: a pace that is not finite,
+                negative or over a day) or could not be reached.
+        """
+        request = ps_pb2.HeartbeatRequest(
+            worker_id=self.worker_id, session=self.session, seconds_per_step=seconds_per_step
+        )
+        replies = self._fan_out(
             lambda s: self.links[s].call(
                 "Heartbeat", lambda stub: stub.Heartbeat(request, timeout=self.timeout)
             )
         )
+        paces = [r.fastest_seconds_per_step for r in replies if r.fastest_seconds_per_step > 0]
+        return min(paces, default=0.0)
 
     def status(self) -> list[ps_pb2.StatusResponse]:
         """Each shard's status, in address order."""

@@ -99,6 +99,7 @@ def connect(
     local_steps: int | None = None,
     outer: Optimizer | None = None,
     outer_sync: bool | None = None,
+    dynamic_local_steps: bool | None = None,
     **options: Any,
 ) -> Client:
     """Connects a worker to the job's shards, or returns an in-process or ring client.
@@ -135,8 +136,9 @@ def connect(
     optimizer runs in the worker for ``local_steps`` steps (``$PS_LOCAL_STEPS``, default 1)
     between outer steps, where the shards apply ``outer`` (default ``SGD(lr=0.7,
     momentum=0.9, nesterov=True)``) to the workers' pseudo-gradients: averaged over the live
-    workers when ``outer_sync`` (default), else each on arrival (delayed Nesterov). It returns
-    a ``DiLoCoClient``.
+    workers when ``outer_sync`` (default), else each on arrival (delayed Nesterov;
+    ``dynamic_local_steps`` then scales each worker's local steps by its pace, so a slow worker
+    takes fewer). It returns a ``DiLoCoClient``.
 
     In a parameter-server mode every other keyword (``timeout``, ``retry_s``,
     ``chunk_bytes``, ``quorum``, ``heartbeat_s``, ``compression``, ...) is a field of
@@ -153,7 +155,7 @@ def connect(
     """
     envnames.warn_unknown(who="connect()")
     mode = resolve_mode(mode)
-    diloco = _diloco_settings(mode, local_steps, outer, outer_sync)
+    diloco = _diloco_settings(mode, local_steps, outer, outer_sync, dynamic_local_steps)
     if options.get("compression") is None and setting_from_env("compression") is not None:
         options["compression"] = setting_from_env("compression")  # the ring's too
     if mode == "local":
@@ -222,7 +224,11 @@ def connect(
 
 
 def _diloco_settings(
-    mode: str | None, local_steps: int | None, outer: Optimizer | None, outer_sync: bool | None
+    mode: str | None,
+    local_steps: int | None,
+    outer: Optimizer | None,
+    outer_sync: bool | None,
+    dynamic_local_steps: bool | None,
 ) -> DiLoCoSettings | None:
     """The local-step settings of ``mode="diloco"`` (``local_steps`` else
     ``$PS_LOCAL_STEPS``); None in other modes.
@@ -233,7 +239,12 @@ def _diloco_settings(
     if mode != "diloco":
         given = [
             n
-            for n, v in (("local_steps", local_steps), ("outer", outer), ("outer_sync", outer_sync))
+            for n, v in (
+                ("local_steps", local_steps),
+                ("outer", outer),
+                ("outer_sync", outer_sync),
+                ("dynamic_local_steps", dynamic_local_steps),
+            )
             if v is not None
         ]
         if given:
@@ -245,6 +256,7 @@ def _diloco_settings(
         local_steps=local_steps,
         outer=PAPER_OUTER if outer is None else outer,
         outer_sync=True if outer_sync is None else outer_sync,
+        dynamic_local_steps=False if dynamic_local_steps is None else dynamic_local_steps,
     )
 
 

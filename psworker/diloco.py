@@ -11,13 +11,18 @@ the outer optimizer once: workers that join or leave do so between outer steps, 
 kill -9 recovers bit-identically as with gradients: a pseudo-gradient push is an ordinary push,
 kept for replay), else in ``async`` (each pseudo-gradient applied on arrival; an outer SGD with
 Nesterov momentum runs as ``DelayedNesterov`` with ``delay`` = the number of workers, so
-momentum moves once per full set of workers' updates). H, the inner optimizer's settings and
-the variant are part of the job: a worker that differs is refused, naming both.
+momentum moves once per full set of workers' updates; with ``dynamic_local_steps`` each
+worker's local steps are scaled by its pace, DyLU: ``DynamicLocalSteps``). H, the inner
+optimizer's settings and the variant are part of the job: a worker that differs is refused,
+naming both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
@@ -45,12 +50,17 @@ class DiLoCoSettings:
     Nesterov SGD). ``outer_sync``: the shards average each outer step's pseudo-gradients of
     every live worker before one outer update (``sync``); False applies each on arrival
     (``async``: no barrier between slow and fast workers), with the delayed Nesterov rule for
-    an outer Nesterov SGD.
+    an outer Nesterov SGD. ``dynamic_local_steps`` (asynchronous only): Dynamic Local Updates
+    (Liu et al. 2024): ``local_steps`` is the fastest worker's, and each worker takes that
+    many scaled by its pace against the fastest live worker's (a worker half as fast takes
+    half as many), so all reach their outer steps at about the same time and no worker's
+    pseudo-gradient is many outer steps stale.
     """
 
     local_steps: int = 1
     outer: Optimizer = field(default_factory=lambda: PAPER_OUTER)
     outer_sync: bool = True
+    dynamic_local_steps: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.local_steps, bool) or not isinstance(self.local_steps, int):
@@ -64,6 +74,16 @@ class DiLoCoSettings:
             )
         if not isinstance(self.outer_sync, bool):
             raise ConfigError(f"outer_sync must be True or False, got {self.outer_sync!r}")
+        if not isinstance(self.dynamic_local_steps, bool):
+            raise ConfigError(
+                f"dynamic_local_steps must be True or False, got {self.dynamic_local_steps!r}"
+            )
+        if self.dynamic_local_steps and self.outer_sync:
+            raise ConfigError(
+                "dynamic_local_steps=True scales each worker's local steps by its pace, an "
+                "option of the asynchronous outer steps: pass outer_sync=False (got "
+                "outer_sync=True)"
+            )
 
     @property
     def shard_mode(self) -> str:
@@ -85,9 +105,10 @@ class DiLoCoSettings:
     def variant(self, inner: str) -> str:
         """What the job's workers must agree on beside the model (``inner``: the inner
         optimizer described), appended to the model digest."""
+        dynamic = ", dynamic_local_steps=True" if self.dynamic_local_steps else ""
         return (
             f"{VARIANT_MARK}diloco(local_steps={self.local_steps}, "
-            f"outer_sync={self.outer_sync}, inner={inner})"
+            f"outer_sync={self.outer_sync}{dynamic}, inner={inner})"
         )
 
 
@@ -208,28 +229,115 @@ class DiLoCoClient:
         """The shards' Status (``PSClient.status``)."""
         return self.outer.status()
 
+    def pace(self, seconds_per_step: float) -> float:
+        """Tells the shards this worker's pace (seconds per inner step); returns the fastest
+        live worker's they know (0: none). One heartbeat to each shard.
+
+        Raises:
+            PSError: as ``PSClient.heartbeat``.
+        """
+        return self.outer.heartbeat(seconds_per_step)
+
+
+def dynamic_local_steps(most: int, own: float, fastest: float) -> int:
+    """DyLU's local steps for a worker that takes ``own`` seconds per inner step when the
+    fastest live worker takes ``fastest``: ``most`` (the fastest worker's) scaled by
+    ``fastest / own``, rounded, within ``[1, most]``; ``most`` while either is unknown (0)."""
+    if own <= 0 or fastest <= 0 or fastest >= own:
+        return most
+    return max(1, round(most * (fastest / own)))
+
+
+class PaceMeter:
+    """A worker's pace, seconds per inner step, timed between outer steps (the outer step's own
+    push and pull left out): the median of the last ``window`` outer steps' means, so one
+    slow stretch (an evaluation, a pause) does not halve the next outer step's local steps.
+    ``clock`` is injected for tests."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, window: int = 3) -> None:
+        self._clock = clock
+        self._since = clock()
+        self._recent: deque[float] = deque(maxlen=window)
+
+    def lap(self, steps: int) -> float:
+        """The inner steps since ``restart`` (or construction) were ``steps``; the pace now."""
+        self._recent.append((self._clock() - self._since) / max(1, steps))
+        return statistics.median(self._recent)
+
+    def restart(self) -> None:
+        """Inner steps start again now (after an outer step)."""
+        self._since = self._clock()
+
+
+class DynamicLocalSteps:
+    """Dynamic Local Updates: how many inner steps the next outer step waits for (``due``),
+    from this worker's pace (``PaceMeter``) and the fastest live worker's, which the shards
+    relay (``DiLoCoClient.pace``). Every worker starts with ``most``; at each outer step it
+    times its inner steps (``lap``, before the push), and after the push and pull says its pace
+    and takes ``dynamic_local_steps(most, own, fastest)`` steps next (``update``)."""
+
+    def __init__(
+        self, client: DiLoCoClient, most: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.client = client
+        self.most = most
+        self.due = most
+        self.meter = PaceMeter(clock)
+
+    def lap(self, steps: int) -> float:
+        """This worker's pace, the ``steps`` inner steps since the last outer step counted."""
+        return self.meter.lap(steps)
+
+    def update(self, own: float) -> None:
+        """After the outer step's push and pull: reports ``own``, sets ``due``, and starts
+        timing the next inner steps.
+
+        Raises:
+            PSError: the pace could not be reported (as ``DiLoCoClient.pace``).
+        """
+        fastest = self.client.pace(own)
+        self.due = dynamic_local_steps(self.most, own, fastest)
+        self.meter.restart()
+
 
 class OuterSteps:
-    """Counts a worker's inner steps and takes the outer step every ``local_steps``-th.
+    """Counts a worker's inner steps and takes the outer step every ``local_steps``-th (with
+    dynamic local steps: every ``dynamic.due``-th).
 
     Holds the job's weights as of the last outer step (``start``); ``outer_step(local)``
     pushes ``start - local`` for the trained variables (buffers as they are: the shards keep
-    their mean in sync), pulls the new weights and makes them the new start.
+    their mean in sync), pulls the new weights and makes them the new start. ``clock`` times
+    the inner steps for dynamic local steps (injected for tests).
     """
 
     def __init__(
-        self, client: DiLoCoClient, start: Mapping[str, np.ndarray], buffers: Sequence[str] = ()
+        self,
+        client: DiLoCoClient,
+        start: Mapping[str, np.ndarray],
+        buffers: Sequence[str] = (),
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.client = client
         self.buffers = frozenset(buffers)
         self.start = {n: np.array(a, copy=True) for n, a in start.items() if n not in self.buffers}
         self.done = 0  # inner steps since the last outer step
+        settings = client.settings
+        self.dynamic = (
+            DynamicLocalSteps(client, settings.local_steps, clock)
+            if settings.dynamic_local_steps
+            else None
+        )
+
+    @property
+    def due(self) -> int:
+        """The inner steps the next outer step waits for."""
+        return self.dynamic.due if self.dynamic is not None else self.client.settings.local_steps
 
     def inner_step(self) -> bool:
         """Counts one inner step; whether the outer step is due now."""
         self.done += 1
         self.client.step += 1
-        return self.done >= self.client.settings.local_steps
+        return self.done >= self.due
 
     def outer_step(self, local: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Pushes the pseudo-gradients of ``local`` (every trained variable, and the buffers'
@@ -242,6 +350,7 @@ class OuterSteps:
         missing = sorted(set(self.start) - set(local))
         if missing:
             raise ConfigError(f"the outer step lacks the local weights of {missing}")
+        own = self.dynamic.lap(self.done) if self.dynamic is not None else 0.0
         pushed: dict[str, np.ndarray | RowSparse] = {}
         for name, value in local.items():
             if name in self.buffers:
@@ -258,4 +367,6 @@ class OuterSteps:
         self.client.bytes_received += sum(int(a.nbytes) for a in weights.values())
         for name in self.start:
             self.start[name] = np.array(weights[name], copy=True)
+        if self.dynamic is not None:
+            self.dynamic.update(own)
         return weights

@@ -107,20 +107,42 @@ class DiLoCoOptimizer(DistributedOptimizer):
         """
         loss = self._inner.step(closure)
         if self._steps.inner_step():
-            started = time.perf_counter()
-            sent, received = self._diloco.bytes_sent, self._diloco.bytes_received
-            outer_step = self._diloco.outer.step
-            with torch.no_grad():
-                local = {n: _host(t) for n, t in {**self._params, **self._buffers}.items()}
-                self._load(self._steps.outer_step(local))
-            if self._log.active:
-                self._log.step(
-                    outer_step,
-                    time.perf_counter() - started,
-                    self._diloco.bytes_sent - sent,
-                    self._diloco.bytes_received - received,
-                )
+            self._outer_step()
         return loss
+
+    def synchronize(self) -> None:
+        """Takes the outer step now for the inner steps since the last one (none: nothing):
+        what a script calls when it stops training between outer steps (its last steps would
+        otherwise never reach the job), e.g. with dynamic local steps, whose outer steps fall
+        where each worker's pace puts them. With synchronous outer steps every worker must call
+        it at the same inner step, as every outer step is taken.
+
+        Raises:
+            PSError: the outer step's push or pull failed.
+        """
+        if self._steps.done:
+            self._outer_step()
+
+    @property
+    def local_steps(self) -> int:
+        """The inner steps the next outer step waits for (``local_steps``; with dynamic local
+        steps, this worker's share as its pace sets it)."""
+        return self._steps.due
+
+    def _outer_step(self) -> None:
+        started = time.perf_counter()
+        sent, received = self._diloco.bytes_sent, self._diloco.bytes_received
+        outer_step = self._diloco.outer.step
+        with torch.no_grad():
+            local = {n: _host(t) for n, t in {**self._params, **self._buffers}.items()}
+            self._load(self._steps.outer_step(local))
+        if self._log.active:
+            self._log.step(
+                outer_step,
+                time.perf_counter() - started,
+                self._diloco.bytes_sent - sent,
+                self._diloco.bytes_received - received,
+            )
 
     def report(self, **values: Any) -> None:
         """As ``DistributedOptimizer.report``."""

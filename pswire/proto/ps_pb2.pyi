@@ -424,17 +424,23 @@ class HeartbeatRequest(_message.Message):
 
     WORKER_ID_FIELD_NUMBER: _builtins.int
     SESSION_FIELD_NUMBER: _builtins.int
+    SECONDS_PER_STEP_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.int
     session: _builtins.str
+    seconds_per_step: _builtins.float
+    """DiLoCo's dynamic local steps: this worker's recent seconds per inner step (0: not
+    measured; the shard keeps what the worker said last). Finite, in [0, 86400].
+    """
     def __init__(
         self,
         *,
         worker_id: _builtins.int = ...,
         session: _builtins.str = ...,
+        seconds_per_step: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["session", b"session", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["seconds_per_step", b"seconds_per_step", "session", b"session", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -445,15 +451,19 @@ class HeartbeatResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CLOCK_FIELD_NUMBER: _builtins.int
+    FASTEST_SECONDS_PER_STEP_FIELD_NUMBER: _builtins.int
     clock: _builtins.int
+    fastest_seconds_per_step: _builtins.float
+    """The fewest seconds per inner step a live worker of the job has said (0: none has)."""
     def __init__(
         self,
         *,
         clock: _builtins.int = ...,
+        fastest_seconds_per_step: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["clock", b"clock"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clock", b"clock", "fastest_seconds_per_step", b"fastest_seconds_per_step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

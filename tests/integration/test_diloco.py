@@ -291,3 +291,130 @@ def test_a_step_grad_scaler_skips_is_not_an_inner_step(shards):
             scaler.update()
         assert (client.step, client.outer.step) == (3, 1)
         assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class StepClock:
+    """A worker's clock for dynamic local steps: each inner step takes ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.now = 0.0
+        self.seconds = seconds
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_dynamic_local_steps_give_a_worker_half_as_fast_half_the_steps(shards):
+    """Asynchronous outer steps with DyLU on two real shards: every worker starts with H; a
+    worker that takes twice as long per inner step hears the faster one's pace through the
+    shards after its outer step and takes H/2 next, the fast one keeps H; every outer step is
+    applied."""
+    import numpy as np
+
+    from psworker.diloco import OuterSteps
+
+    servers = shards(2)
+    addrs = [s.address for s in servers]
+    h = 8
+    clients = [
+        psworker.connect(
+            addrs,
+            worker_id=w,
+            num_workers=2,
+            mode="diloco",
+            local_steps=h,
+            outer_sync=False,
+            dynamic_local_steps=True,
+            heartbeat_s=0,
+        )
+        for w in range(2)
+    ]
+    start = {"w": np.zeros(1000, np.float32), "b": np.zeros(3, np.float32)}
+    clocks = [StepClock(1.0), StepClock(2.0)]
+    steps = []
+    for w, client in enumerate(clients):
+        client.declare("SGD[{lr=0.1}]")
+        client.init(start)
+        steps.append(OuterSteps(client, client.pull(), clock=clocks[w]))
+
+    def period(w: int) -> int:
+        """Worker w's inner steps until its outer step; how many it took."""
+        taken = 0
+        local = {n: a - 0.01 * (w + 1) for n, a in steps[w].start.items()}
+        while True:
+            clocks[w].now += clocks[w].seconds
+            taken += 1
+            if steps[w].inner_step():
+                steps[w].outer_step(local)
+                return taken
+
+    try:
+        assert period(0) == h  # the fast worker's first: it says 1 s a step
+        assert period(1) == h  # the slow one starts with H too, then hears 1 s
+        assert steps[1].due == h // 2 and steps[0].due == h
+        assert period(1) == h // 2
+        assert period(0) == h  # the fastest keeps H
+        assert [c.outer.step for c in clients] == [2, 2]
+        assert servers[0].shard.status().pushes_applied == 4
+        assert clients[1].step == h + h // 2
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_a_worker_without_dynamic_local_steps_is_refused_by_a_job_with_them(shards):
+    addrs = [s.address for s in shards(1)]
+    model = make_model(0)
+    common = dict(num_workers=2, mode="diloco", local_steps=4, outer_sync=False)
+    with psworker.connect(addrs, worker_id=0, dynamic_local_steps=True, **common) as chief:
+        DistributedOptimizer(model, chief, torch.optim.SGD(model.parameters(), lr=0.1))
+        other = make_model(0)
+        with (
+            psworker.connect(addrs, worker_id=1, **common) as client,
+            pytest.raises(ModelMismatchError, match="dynamic_local_steps=True"),
+        ):
+            DistributedOptimizer(other, client, torch.optim.SGD(other.parameters(), lr=0.1))
+
+
+def test_a_pace_that_is_no_duration_is_refused_over_grpc(shards):
+    import math
+
+    from pswire.errors import InvalidRequestError
+
+    servers = shards(1)
+    with psworker.connect(
+        [servers[0].address], worker_id=0, num_workers=1, mode="diloco", outer_sync=False
+    ) as client:
+        model = make_model(0)
+        DistributedOptimizer(model, client, torch.optim.SGD(model.parameters(), lr=0.1))
+        assert client.pace(0.25) == 0.25
+        with pytest.raises(InvalidRequestError, match=r"seconds_per_step must be .* got nan"):
+            client.pace(math.nan)
+        assert client.pace(0.0) == 0.25  # the refused one changed nothing
+
+
+def test_synchronize_takes_the_outer_step_for_the_steps_since_the_last(shards):
+    """A script that stops between outer steps calls synchronize(): its last inner steps
+    reach the job (an outer step with fewer local steps); with none pending it does nothing."""
+    addrs = [s.address for s in shards(1)]
+    model = make_model(0)
+    x, y = data(7 * BATCH)
+    with psworker.connect(
+        addrs, worker_id=0, num_workers=1, mode="diloco", local_steps=5
+    ) as client:
+        opt = DistributedOptimizer(model, client, torch.optim.SGD(model.parameters(), lr=0.1))
+        for t in range(7):
+            opt.zero_grad()
+            loss_of(model, x[batch_of(0, t, 1)], y[batch_of(0, t, 1)]).backward()
+            opt.step()
+        assert client.outer.step == 1
+        local = {k: v.clone() for k, v in model.state_dict().items()}
+        opt.synchronize()
+        assert client.outer.step == 2
+        sent = client.bytes_sent
+        opt.synchronize()
+        assert (client.outer.step, client.bytes_sent) == (2, sent)
+        # Outer SGD lr 0.7 with momentum on the two steps' pseudo-gradient: the model moved
+        # from the local weights to the job's new ones.
+        moved = max((model.state_dict()[k] - v).abs().max().item() for k, v in local.items())
+        assert moved > 1e-4
