@@ -34,8 +34,12 @@ def test_the_language_model_trains_as_two_workers(procs: Processes, mode: str) -
     runs = [epochs(out, w) for w in (0, 1)]
     for run in runs:
         assert [e for e, _, _ in run] == list(range(EPOCHS)), out
-        first, last = run[0][1], run[-1][1]
-        assert last < 1.0 < first, out  # it learned (ln 33 = 3.5 at the start)
+        assert run[-1][1] < 1.0, out  # it learned (ln 33 = 3.5 at the start)
+    # In sync both take their first epoch from scratch, in step; in async a worker that starts
+    # late pulls weights the other has trained for epochs (the whole job takes seconds).
+    firsts = [run[0][1] for run in runs]
+    assert (min(firsts) if mode == "sync" else max(firsts)) > 1.0, out
+    for run in runs:
         # The schedule ran to its end: warm-up, then cosine down to eta_min.
         assert run[-1][2] == 0.001 and run[0][2] > 0.009, out
     if mode == "sync":
