@@ -57,7 +57,6 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "train_lm.py"
 WORKERS, SHARDS, H = 4, 2, 25
 TIMEOUT_S = 1800
-START_TIMEOUT_S = 120.0
 # Each mode's best peak lr on each corpus (sync, DiLoCo's inner): docs/diloco.md has the sweep.
 LRS = {"stdlib": (3e-2, 1e-2), "builtins": (4e-2, 2e-2)}
 NET_LRS = {"stdlib": (2e-2, 1e-2), "builtins": (2e-2, 1e-2)}  # --net: the wider LSTM's
@@ -142,36 +141,6 @@ def load() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def _start_shards(hosts: Hosts, folder: Path, env: dict[str, str]) -> tuple[list[Any], list[str]]:
-    procs, addresses = [], []
-    for j in range(SHARDS):
-        k = WORKERS + j
-        port_file = folder / f"shard{j}.port"
-        command = [
-            *hosts.prefix(k),
-            sys.executable,
-            "-m",
-            "psserver",
-            "--host",
-            hosts.address(k),
-            "--port-file",
-            str(port_file),
-        ]
-        procs.append(
-            subprocess.Popen(
-                command, env={**env, **hosts.env(k)}, stdout=subprocess.DEVNULL, text=True
-            )
-        )
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not port_file.exists():
-            if procs[-1].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"shard {j} did not start")
-            time.sleep(0.05)
-        time.sleep(0.05)  # the port file's content is written before the rename
-        addresses.append(f"{hosts.address(k)}:{int(port_file.read_text())}")
-    return procs, addresses
-
-
 def train(
     run: Run, hosts: Hosts, example_args: tuple[str, ...], eval_every: int = 0
 ) -> dict[int, list[dict]]:
@@ -186,8 +155,10 @@ def train(
     try:
         with tempfile.TemporaryDirectory(prefix="bench_diloco_") as tmp:
             env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": tmp}
-            shard_procs, addresses = _start_shards(hosts, Path(tmp), env)
-            procs.extend(shard_procs)
+            addresses = [
+                hosts.start_shard(WORKERS + j, Path(tmp) / f"shard{j}.port", env, procs, None)
+                for j in range(SHARDS)
+            ]
             env.update(PS_SHARDS=",".join(addresses), PS_NUM_WORKERS=str(WORKERS))
             workers = []
             for w in range(WORKERS):

@@ -365,6 +365,40 @@ class Hosts:
             raise
         return self
 
+    def start_shard(
+        self,
+        k: int,
+        port_file: Path,
+        env: dict[str, str],
+        procs: list[subprocess.Popen[str]],
+        stderr: int | None = subprocess.STDOUT,
+    ) -> str:
+        """Starts ``python -m psserver`` on host ``k`` (added to ``procs`` at once, so the
+        caller stops it whatever happens) and returns its address once its port is known.
+        ``stderr``: its log (default: dropped with its stdout; ``None``: the caller's).
+
+        Raises:
+            RuntimeError: it exited, or wrote no port within ``START_TIMEOUT_S``.
+        """
+        cmd = [*self.prefix(k), sys.executable, "-m", "psserver"]
+        cmd += ["--host", self.address(k), "--port-file", str(port_file)]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                env={**env, **self.env(k)},
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                text=True,
+            )
+        )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not port_file.exists():
+            if procs[-1].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the shard on host {k} did not start")
+            time.sleep(0.05)
+        time.sleep(0.05)  # the port file's content is written before the rename
+        return f"{self.address(k)}:{int(port_file.read_text())}"
+
     def __exit__(self, *exc: object) -> None:
         for made in reversed(self._made):
             if made == "bridge":
@@ -435,34 +469,8 @@ def run_once(
         shard_addrs = []
         if mode in ("sync", "async"):
             for j in range(shards):
-                k = workers + j
                 port_file = Path(tmp) / f"shard{j}.port"
-                cmd = [
-                    *hosts.prefix(k),
-                    sys.executable,
-                    "-m",
-                    "psserver",
-                    "--host",
-                    hosts.address(k),
-                    "--port-file",
-                    str(port_file),
-                ]
-                procs.append(
-                    subprocess.Popen(
-                        cmd,
-                        env={**env_base, **hosts.env(k)},
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.STDOUT,
-                        text=True,
-                    )
-                )
-                deadline = time.monotonic() + START_TIMEOUT_S
-                while not port_file.exists():
-                    if procs[-1].poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"shard {j} did not start")
-                    time.sleep(0.05)
-                time.sleep(0.05)  # the port file's content is written before the rename
-                shard_addrs.append(f"{hosts.address(k)}:{int(port_file.read_text())}")
+                shard_addrs.append(hosts.start_shard(workers + j, port_file, env_base, procs))
         port = _free_port()
         roles = list(range(workers)) + ([workers] if mode == "rpcps" else [])
         workers_procs = []
