@@ -24,7 +24,11 @@ def test_every_target_gets_one_row_measured_or_not() -> None:
             Ratio("steps", "25M params, 2 shards", "ours", "tcp", 0.4, target="25M vs raw TCP"),
         ),
         # A suite that names no target is matched by (comparison, ours, peer).
-        table(Ratio("allreduce", "4 workers, 64 MiB", "ring", "gloo", 1.4)),
+        table(
+            Ratio("allreduce", "4 workers, 64 MiB", "sdk push", "gloo", 1.4),
+            Ratio("allreduce", "4 workers, 64 MiB", "sdk push", "bare ring", 1.2),
+            Ratio("allreduce", "4 workers, 64 MiB", "ring", "gloo", 1.0),  # no target's row
+        ),
     ]
     rows = {r[0]: dict(zip(TARGET_COLUMNS, r, strict=True)) for r in target_rows(tables)}
     assert list(rows) == [t.name for t in TARGETS]
@@ -32,6 +36,8 @@ def test_every_target_gets_one_row_measured_or_not() -> None:
     assert rows["25M vs raw TCP"]["result"] == "MISSED"  # 0.4 < 0.5
     assert rows["ring 64 MiB, 4 workers vs gloo"]["result"] == "met"  # 1.4 <= 1.5
     assert rows["ring 64 MiB, 4 workers vs gloo"]["measured"] == 1.4
+    assert rows["ring through the SDK vs the bare ring, 4 workers"]["result"] == "MISSED"
+    assert rows["ring through the SDK vs the bare ring, 2 workers"]["result"] == "not measured"
     assert rows["apply Adam vs torch.optim"]["result"] == "not measured"
     assert rows["apply Adam vs torch.optim"]["measured"] is None
 
