@@ -135,6 +135,71 @@ def test_sync_outer_steps_follow_the_paper_with_inner_state_kept(shards):
     assert_close(models[1], expected, 1e-5)
 
 
+def reference_with_a_leave(steps: int, h: int, workers: int, leaves_after: int) -> torch.nn.Module:
+    """``reference_diloco`` where the last worker leaves after ``leaves_after`` inner steps:
+    from the next outer step the shards average the live workers' pseudo-gradients only."""
+    x, y = data(steps * workers * BATCH)
+    global_model = make_model(0)
+    outer = torch.optim.SGD(global_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    local = [make_model(0) for _ in range(workers)]
+    inner = [torch.optim.Adam(m.parameters(), lr=0.01) for m in local]
+    for t in range(steps):
+        live = range(workers if t < leaves_after else workers - 1)
+        for i in live:
+            inner[i].zero_grad()
+            s = batch_of(i, t, workers)
+            loss_of(local[i], x[s], y[s]).backward()
+            inner[i].step()
+        if (t + 1) % h == 0:
+            with torch.no_grad():
+                for g, *ls in zip(
+                    global_model.parameters(), *(local[i].parameters() for i in live), strict=True
+                ):
+                    g.grad = sum(g - p for p in ls) / len(live)
+            outer.step()
+            with torch.no_grad():
+                for i in live:
+                    for p, g in zip(local[i].parameters(), global_model.parameters(), strict=True):
+                        p.copy_(g)
+    return global_model
+
+
+def test_a_worker_that_leaves_between_outer_steps_drops_out_of_the_average(shards):
+    """Synchronous outer steps, 3 workers, H = 2: worker 2 leaves (its client closes) after
+    its second outer step; the outer steps after it average workers 0 and 1 only, exactly as
+    DiLoCo written out in torch with the worker gone, and nobody waits for it."""
+    steps, h, workers, leaves_after = 8, 2, 3, 4
+    expected = reference_with_a_leave(steps, h, workers, leaves_after)
+    three = reference_diloco(steps, h, workers, outer_lr=0.7)  # had it stayed: it differs
+    addrs = [s.address for s in shards(2)]
+    x, y = data(steps * workers * BATCH)
+    models = {i: make_model(0 if i == 0 else 100 + i) for i in range(workers)}
+
+    def worker(i: int):
+        def run():
+            job = dict(mode="diloco", local_steps=h, split_bytes=256)
+            with psworker.connect(addrs, worker_id=i, num_workers=workers, **job) as c:
+                opt = DistributedOptimizer(
+                    models[i], c, torch.optim.Adam(models[i].parameters(), lr=0.01)
+                )
+                for t in range(leaves_after if i == workers - 1 else steps):
+                    opt.zero_grad()
+                    s = batch_of(i, t, workers)
+                    loss_of(models[i], x[s], y[s]).backward()
+                    opt.step()
+
+        return run
+
+    run_workers([worker(i) for i in range(workers)], timeout=60)
+    assert_close(models[0], expected, 1e-5)
+    assert_close(models[1], expected, 1e-5)
+    differs = max(
+        (u - v).abs().max().item()
+        for u, v in zip(expected.state_dict().values(), three.state_dict().values(), strict=True)
+    )
+    assert differs > 1e-3  # the comparison can fail: the leave changed the weights
+
+
 def test_async_outer_steps_run_delayed_nesterov_on_the_shards(shards):
     """outer_sync=False: the shards run the outer Nesterov SGD as delayed Nesterov with delay
     = the number of workers, and training moves the weights."""
