@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 _WORKER = (
     "PS_SHARDS", "PS_SHARDS_FILE", "PS_WORKER_ID", "PS_NUM_WORKERS", "PS_MODE", "PS_STALENESS",
     "PS_ELASTIC", "PS_CLUSTER", "PS_TASK_INDEX", "PS_JOB_ID", "PS_REPLAY_BYTES",
-    "PS_COMPRESSION", "PS_STALL_WARNING", "PS_RING_TUNE_MALLOC", "PS_REPORT_DIR",
+    "PS_COMPRESSION", "PS_STALL_WARNING", "PS_REPORT_DIR",
     "PS_DATA_PLANE", "PS_GRPC_BELOW_BYTES", "PS_LOCAL_STEPS", "PS_TUNE_MALLOC",
 )  # fmt: skip
 # Security, read by the client, the shard and psctl alike.

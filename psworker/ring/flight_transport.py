@@ -190,6 +190,7 @@ class RingServer:
             ValueError: a TLS file cannot be read.
         """
         del threads
+        fw.tune_malloc()  # once per process: the chunks' buffers reused, not refaulted
         security = security or ServerSecurity()
         options: dict[str, Any] = {}
         scheme = "grpc+tcp"
