@@ -104,9 +104,10 @@ def tune_malloc(environ: Mapping[str, str] | None = None) -> bool:
     them off its heaps, and the next message faults every page in again (and the kernel
     zeroes it). At 25M params a worker took 12,000-22,000 page faults per step, ~40 ms of its
     CPU (bench/NOTES.md entry 34). Process-wide, once: the worker's first Flight link, its
-    ring server (all-reduce mode) and the shard daemon call it. Left alone without glibc, with ``$PS_TUNE_MALLOC=0``, or where the
-    process chose these settings itself (``MALLOC_MMAP_THRESHOLD_``,
-    ``MALLOC_TRIM_THRESHOLD_``, or ``GLIBC_TUNABLES`` naming either).
+    ring server (all-reduce mode) and the shard daemon call it. Left alone without glibc,
+    with ``$PS_TUNE_MALLOC=0``, or where the process chose these settings itself
+    (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, or ``GLIBC_TUNABLES`` naming
+    either).
     """
     global _tuned
     if _tuned is None:
