@@ -4,6 +4,9 @@ delayed Nesterov, fp16 pseudo-gradients, and H and the inner optimizer as part o
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -198,6 +201,93 @@ def test_a_worker_that_leaves_between_outer_steps_drops_out_of_the_average(shard
         for u, v in zip(expected.state_dict().values(), three.state_dict().values(), strict=True)
     )
     assert differs > 1e-3  # the comparison can fail: the leave changed the weights
+
+
+def reference_with_a_joiner(steps: int, h: int, joins: int, leaves: int) -> torch.nn.Module:
+    """``reference_diloco`` for founders 0 and 1, and worker 2 taking inner steps ``joins`` to
+    ``leaves - 1`` only: it starts from the job's weights at ``joins`` with a fresh Adam, and
+    the outer steps average the workers present."""
+    workers = 3
+    x, y = data(steps * workers * BATCH)
+    global_model = make_model(0)
+    outer = torch.optim.SGD(global_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    local = [make_model(0) for _ in range(workers)]
+    inner = [torch.optim.Adam(m.parameters(), lr=0.01) for m in local]
+    for t in range(steps):
+        live = [0, 1, 2] if joins <= t < leaves else [0, 1]
+        if t == joins:
+            local[2].load_state_dict(global_model.state_dict())
+        for i in live:
+            inner[i].zero_grad()
+            s = batch_of(i, t, workers)
+            loss_of(local[i], x[s], y[s]).backward()
+            inner[i].step()
+        if (t + 1) % h == 0:
+            with torch.no_grad():
+                for g, *ls in zip(
+                    global_model.parameters(), *(local[i].parameters() for i in live), strict=True
+                ):
+                    g.grad = sum(g - p for p in ls) / len(live)
+            outer.step()
+            with torch.no_grad():
+                for i in live:
+                    for p, g in zip(local[i].parameters(), global_model.parameters(), strict=True):
+                        p.copy_(g)
+    return global_model
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_joins_an_elastic_job_between_outer_steps_starts_from_its_weights(shards):
+    """Synchronous outer steps, elastic 2:3, H = 2: worker 2 joins while the founders hold
+    outer step 1 open, takes inner steps 4-7 (outer steps 2 and 3) from the job's weights, and
+    leaves; the weights match DiLoCo written out in torch with that membership."""
+    steps, h, joins, leaves = 10, 2, 4, 8
+    servers = shards(2)
+    addrs = [s.address for s in servers]
+    x, y = data(steps * 3 * BATCH)
+    models = {i: make_model(0 if i == 0 else 100 + i) for i in range(3)}
+    ready = threading.Barrier(3, timeout=30)  # the founders hold outer step 1 open
+    job = dict(mode="diloco", local_steps=h, split_bytes=256, elastic="2:3", timeout=30)
+
+    def joined() -> bool:
+        return all(
+            ("joined", 2) in {(e.kind, e.worker) for e, _ in s.shard.status().history}
+            for s in servers
+        )
+
+    def train(i: int, first: int, last: int) -> None:
+        with psworker.connect(addrs, worker_id=i, **job) as c:
+            opt = DistributedOptimizer(
+                models[i], c, torch.optim.Adam(models[i].parameters(), lr=0.01)
+            )
+            for t in range(first, last):
+                if i < 2 and t == joins - 1:  # before the push that closes outer step 1
+                    ready.wait()
+                    deadline = time.monotonic() + 30
+                    while not joined():
+                        assert time.monotonic() < deadline, "worker 2 never joined"
+                        time.sleep(0.02)
+                opt.zero_grad()
+                s = batch_of(i, t, 3)
+                loss_of(models[i], x[s], y[s]).backward()
+                opt.step()
+            if i == 2:
+                assert c.step == last, c.step  # inner steps counted from the outer step it joined
+
+    def joiner() -> None:
+        ready.wait()
+        train(2, joins, leaves)
+
+    run_workers([lambda: train(0, 0, steps), lambda: train(1, 0, steps), joiner], timeout=90)
+    expected = reference_with_a_joiner(steps, h, joins, leaves)
+    assert_close(models[0], expected, 1e-5)
+    assert_close(models[1], expected, 1e-5)
+    without = reference_with_a_joiner(steps, h, steps, steps)  # worker 2 never came
+    differs = max(
+        (u - v).abs().max().item()
+        for u, v in zip(expected.state_dict().values(), without.state_dict().values(), strict=True)
+    )
+    assert differs > 1e-3  # the comparison can fail: the joiner changed the weights
 
 
 def test_async_outer_steps_run_delayed_nesterov_on_the_shards(shards):
