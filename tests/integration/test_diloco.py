@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -92,16 +93,30 @@ def test_one_local_step_with_outer_sgd_lr_1_is_sync_mode(shards):
     assert moved > 1e-3  # it trained
 
 
-def reference_diloco(steps: int, h: int, workers: int, outer_lr: float) -> torch.nn.Module:
+def reference_diloco(
+    steps: int,
+    h: int,
+    workers: int,
+    outer_lr: float,
+    live: Callable[[int], Sequence[int]] | None = None,
+) -> torch.nn.Module:
     """DiLoCo in one process with torch: per-worker Adam (state kept across outer steps),
-    the mean pseudo-gradient stepped by torch.optim.SGD(nesterov) on the global model."""
+    the mean pseudo-gradient stepped by torch.optim.SGD(nesterov) on the global model.
+    ``live(t)``: the workers taking inner step t (default: all); a worker that arrives later
+    starts from the global weights with a fresh Adam, and each outer step averages the
+    workers present."""
     x, y = data(steps * workers * BATCH)
     global_model = make_model(0)
     outer = torch.optim.SGD(global_model.parameters(), lr=outer_lr, momentum=0.9, nesterov=True)
     local = [make_model(0) for _ in range(workers)]
     inner = [torch.optim.Adam(m.parameters(), lr=0.01) for m in local]
+    started: set[int] = set()
     for t in range(steps):
-        for i in range(workers):
+        present = list(range(workers) if live is None else live(t))
+        for i in present:
+            if i not in started:
+                local[i].load_state_dict(global_model.state_dict())
+                started.add(i)
             inner[i].zero_grad()
             s = batch_of(i, t, workers)
             loss_of(local[i], x[s], y[s]).backward()
@@ -109,13 +124,15 @@ def reference_diloco(steps: int, h: int, workers: int, outer_lr: float) -> torch
         if (t + 1) % h == 0:
             with torch.no_grad():
                 for g, *ls in zip(
-                    global_model.parameters(), *(m.parameters() for m in local), strict=True
+                    global_model.parameters(),
+                    *(local[i].parameters() for i in present),
+                    strict=True,
                 ):
-                    g.grad = sum(g - p for p in ls) / workers
+                    g.grad = sum(g - p for p in ls) / len(present)
             outer.step()
             with torch.no_grad():
-                for m in local:
-                    for p, g in zip(m.parameters(), global_model.parameters(), strict=True):
+                for i in present:
+                    for p, g in zip(local[i].parameters(), global_model.parameters(), strict=True):
                         p.copy_(g)
     return global_model
 
@@ -138,41 +155,14 @@ def test_sync_outer_steps_follow_the_paper_with_inner_state_kept(shards):
     assert_close(models[1], expected, 1e-5)
 
 
-def reference_with_a_leave(steps: int, h: int, workers: int, leaves_after: int) -> torch.nn.Module:
-    """``reference_diloco`` where the last worker leaves after ``leaves_after`` inner steps:
-    from the next outer step the shards average the live workers' pseudo-gradients only."""
-    x, y = data(steps * workers * BATCH)
-    global_model = make_model(0)
-    outer = torch.optim.SGD(global_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-    local = [make_model(0) for _ in range(workers)]
-    inner = [torch.optim.Adam(m.parameters(), lr=0.01) for m in local]
-    for t in range(steps):
-        live = range(workers if t < leaves_after else workers - 1)
-        for i in live:
-            inner[i].zero_grad()
-            s = batch_of(i, t, workers)
-            loss_of(local[i], x[s], y[s]).backward()
-            inner[i].step()
-        if (t + 1) % h == 0:
-            with torch.no_grad():
-                for g, *ls in zip(
-                    global_model.parameters(), *(local[i].parameters() for i in live), strict=True
-                ):
-                    g.grad = sum(g - p for p in ls) / len(live)
-            outer.step()
-            with torch.no_grad():
-                for i in live:
-                    for p, g in zip(local[i].parameters(), global_model.parameters(), strict=True):
-                        p.copy_(g)
-    return global_model
-
-
 def test_a_worker_that_leaves_between_outer_steps_drops_out_of_the_average(shards):
     """Synchronous outer steps, 3 workers, H = 2: worker 2 leaves (its client closes) after
     its second outer step; the outer steps after it average workers 0 and 1 only, exactly as
     DiLoCo written out in torch with the worker gone, and nobody waits for it."""
     steps, h, workers, leaves_after = 8, 2, 3, 4
-    expected = reference_with_a_leave(steps, h, workers, leaves_after)
+    expected = reference_diloco(
+        steps, h, workers, 0.7, live=lambda t: range(workers if t < leaves_after else workers - 1)
+    )
     three = reference_diloco(steps, h, workers, outer_lr=0.7)  # had it stayed: it differs
     addrs = [s.address for s in shards(2)]
     x, y = data(steps * workers * BATCH)
@@ -201,39 +191,6 @@ def test_a_worker_that_leaves_between_outer_steps_drops_out_of_the_average(shard
         for u, v in zip(expected.state_dict().values(), three.state_dict().values(), strict=True)
     )
     assert differs > 1e-3  # the comparison can fail: the leave changed the weights
-
-
-def reference_with_a_joiner(steps: int, h: int, joins: int, leaves: int) -> torch.nn.Module:
-    """``reference_diloco`` for founders 0 and 1, and worker 2 taking inner steps ``joins`` to
-    ``leaves - 1`` only: it starts from the job's weights at ``joins`` with a fresh Adam, and
-    the outer steps average the workers present."""
-    workers = 3
-    x, y = data(steps * workers * BATCH)
-    global_model = make_model(0)
-    outer = torch.optim.SGD(global_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-    local = [make_model(0) for _ in range(workers)]
-    inner = [torch.optim.Adam(m.parameters(), lr=0.01) for m in local]
-    for t in range(steps):
-        live = [0, 1, 2] if joins <= t < leaves else [0, 1]
-        if t == joins:
-            local[2].load_state_dict(global_model.state_dict())
-        for i in live:
-            inner[i].zero_grad()
-            s = batch_of(i, t, workers)
-            loss_of(local[i], x[s], y[s]).backward()
-            inner[i].step()
-        if (t + 1) % h == 0:
-            with torch.no_grad():
-                for g, *ls in zip(
-                    global_model.parameters(), *(local[i].parameters() for i in live), strict=True
-                ):
-                    g.grad = sum(g - p for p in ls) / len(live)
-            outer.step()
-            with torch.no_grad():
-                for i in live:
-                    for p, g in zip(local[i].parameters(), global_model.parameters(), strict=True):
-                        p.copy_(g)
-    return global_model
 
 
 @pytest.mark.timeout(120)
@@ -279,10 +236,12 @@ def test_a_worker_that_joins_an_elastic_job_between_outer_steps_starts_from_its_
         train(2, joins, leaves)
 
     run_workers([lambda: train(0, 0, steps), lambda: train(1, 0, steps), joiner], timeout=90)
-    expected = reference_with_a_joiner(steps, h, joins, leaves)
+    expected = reference_diloco(
+        steps, h, 3, 0.7, live=lambda t: [0, 1, 2] if joins <= t < leaves else [0, 1]
+    )
     assert_close(models[0], expected, 1e-5)
     assert_close(models[1], expected, 1e-5)
-    without = reference_with_a_joiner(steps, h, steps, steps)  # worker 2 never came
+    without = reference_diloco(steps, h, 3, 0.7, live=lambda t: [0, 1])  # worker 2 never came
     differs = max(
         (u - v).abs().max().item()
         for u, v in zip(expected.state_dict().values(), without.state_dict().values(), strict=True)
