@@ -233,49 +233,57 @@ def summary(figures: dict[int, list[dict]], synchronous: bool = True) -> dict[st
     }
 
 
-def plot(results: dict[str, dict[int, list[dict]]], path: str, title: str) -> None:
+def _draw(
+    curves: dict[str, tuple[list[float], list[float]]],
+    path: str,
+    title: str,
+    xlabel: str,
+    log_x: bool,
+    target: float | None = None,
+) -> None:
+    """One line per run (x, perplexity), worker 0's model; ``target``: a dashed level."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for label, figures in results.items():
-        curve = [f for f in figures[0] if f["bytes_sent"] > 0]  # worker 0's, after its first
-        ax.plot(
-            [f["bytes_sent"] for f in curve], [f["perplexity"] for f in curve], ".-", label=label
-        )
-    ax.set_xscale("log")
-    ax.set_xlabel("bytes sent by worker 0 (psworker/bytes_sent, cumulative)")
+    for label, (xs, ys) in curves.items():
+        ax.plot(xs, ys, ".-", label=label)
+    if target is not None:
+        ax.axhline(target, color="grey", linestyle="--", linewidth=1, label="sync's final")
+    if log_x:  # bytes span orders of magnitude
+        ax.set_xscale("log")
+    else:  # perplexity falls by orders of magnitude in the first seconds
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("validation perplexity (worker 0's model)")
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def plot(results: dict[str, dict[int, list[dict]]], path: str, title: str) -> None:
+    """Worker 0's validation perplexity against the bytes it sent (log scale)."""
+    curves = {}
+    for label, figures in results.items():
+        curve = [f for f in figures[0] if f["bytes_sent"] > 0]  # worker 0's, after its first
+        curves[label] = ([f["bytes_sent"] for f in curve], [f["perplexity"] for f in curve])
+    xlabel = "bytes sent by worker 0 (psworker/bytes_sent, cumulative)"
+    _draw(curves, path, title, xlabel, log_x=True)
 
 
 def plot_time(results: dict[str, dict[str, Any]], target: float, path: str, title: str) -> None:
     """Worker 0's validation perplexity against its seconds (measuring left out), and the
     target: sync's final perplexity."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    curves = {}
     for label, figures in results.items():
         curve = figures[0] if 0 in figures else figures["0"]
-        ax.plot([f["seconds"] for f in curve], [f["perplexity"] for f in curve], ".-", label=label)
-    ax.axhline(target, color="grey", linestyle="--", linewidth=1, label="sync's final")
-    ax.set_yscale("log")
-    ax.set_xlabel("seconds (worker 0, measuring left out)")
-    ax.set_ylabel("validation perplexity (worker 0's model)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        curves[label] = ([f["seconds"] for f in curve], [f["perplexity"] for f in curve])
+    xlabel = "seconds (worker 0, measuring left out)"
+    _draw(curves, path, title, xlabel, log_x=False, target=target)
 
 
 def verdicts(rows: dict[str, dict[str, float]]) -> list[str]:
