@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.training import Hosts, netns_available
+from bench.training import Hosts, netns_available, processes
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "train_lm.py"
@@ -151,64 +151,52 @@ def train(
     Raises:
         RuntimeError: a shard or worker failed or timed out (its output's tail in the message).
     """
-    procs: list[subprocess.Popen[str]] = []
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench_diloco_") as tmp:
-            env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": tmp}
-            addresses = [
-                hosts.start_shard(WORKERS + j, Path(tmp) / f"shard{j}.port", env, procs, None)
-                for j in range(SHARDS)
+    with tempfile.TemporaryDirectory(prefix="bench_diloco_") as tmp, processes() as procs:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": tmp}
+        addresses = [
+            hosts.start_shard(WORKERS + j, Path(tmp) / f"shard{j}.port", env, procs, None)
+            for j in range(SHARDS)
+        ]
+        env.update(PS_SHARDS=",".join(addresses), PS_NUM_WORKERS=str(WORKERS))
+        workers = []
+        for w in range(WORKERS):
+            command = [
+                *hosts.prefix(w),
+                sys.executable,
+                str(EXAMPLE),
+                *run.flags,
+                *example_args,
+                "--steps",
+                str(run.steps[w]),
+                "--slow",
+                str(run.slow.get(w, 1.0)),
+                "--json",
+                *(("--eval-every", str(eval_every)) if w == 0 and eval_every else ()),
             ]
-            env.update(PS_SHARDS=",".join(addresses), PS_NUM_WORKERS=str(WORKERS))
-            workers = []
-            for w in range(WORKERS):
-                command = [
-                    *hosts.prefix(w),
-                    sys.executable,
-                    str(EXAMPLE),
-                    *run.flags,
-                    *example_args,
-                    "--steps",
-                    str(run.steps[w]),
-                    "--slow",
-                    str(run.slow.get(w, 1.0)),
-                    "--json",
-                    *(("--eval-every", str(eval_every)) if w == 0 and eval_every else ()),
-                ]
-                workers.append(
-                    subprocess.Popen(
-                        command,
-                        env={**env, **hosts.env(w), "PS_WORKER_ID": str(w)},
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT,
-                        text=True,
-                    )
+            workers.append(
+                subprocess.Popen(
+                    command,
+                    env={**env, **hosts.env(w), "PS_WORKER_ID": str(w)},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
                 )
-            procs.extend(workers)
-            deadline = time.monotonic() + TIMEOUT_S
-            out: dict[int, list[dict]] = {}
-            for w, proc in enumerate(workers):
-                try:
-                    text, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired as exc:
-                    raise RuntimeError(f"{run.label}: worker {w} timed out") from exc
-                if proc.returncode != 0:
-                    raise RuntimeError(
-                        f"{run.label}: worker {w} exit {proc.returncode}\n{text[-3000:]}"
-                    )
-                lines = [ln for ln in text.splitlines() if ln.startswith("figures ")]
-                out[w] = [json.loads(ln.split(" ", 1)[1]) for ln in lines]
-            return out
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
+            )
+        procs.extend(workers)
+        deadline = time.monotonic() + TIMEOUT_S
+        out: dict[int, list[dict]] = {}
+        for w, proc in enumerate(workers):
             try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+                text, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired as exc:
+                raise RuntimeError(f"{run.label}: worker {w} timed out") from exc
+            if proc.returncode != 0:
+                raise RuntimeError(
+                    f"{run.label}: worker {w} exit {proc.returncode}\n{text[-3000:]}"
+                )
+            lines = [ln for ln in text.splitlines() if ln.startswith("figures ")]
+            out[w] = [json.loads(ln.split(" ", 1)[1]) for ln in lines]
+        return out
 
 
 def summary(figures: dict[int, list[dict]], synchronous: bool = True) -> dict[str, float]:

@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -426,9 +427,17 @@ def netns_available() -> bool:
 # -- one run ---------------------------------------------------------------------------------
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 @contextlib.contextmanager
-def _processes() -> Iterator[list[subprocess.Popen[str]]]:
+def processes() -> Iterator[list[subprocess.Popen[str]]]:
+    """A list for the run's child processes; on leaving (an error, or SIGTERM to this process
+    too: it exits through here instead of dying with its children orphaned) each is
+    terminated, then killed after 10 s."""
     procs: list[subprocess.Popen[str]] = []
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         yield procs
     finally:
@@ -441,6 +450,7 @@ def _processes() -> Iterator[list[subprocess.Popen[str]]]:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=10)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _free_port() -> int:
@@ -465,7 +475,7 @@ def run_once(
     so two commits compare interleaved in one run."""
     root = tree or Path(__file__).resolve().parents[1]
     env_base = {**os.environ, "PYTHONPATH": str(root)}
-    with tempfile.TemporaryDirectory(prefix="ov29-") as tmp, _processes() as procs:
+    with tempfile.TemporaryDirectory(prefix="ov29-") as tmp, processes() as procs:
         shard_addrs = []
         if mode in ("sync", "async"):
             for j in range(shards):
