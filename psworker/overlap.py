@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -142,12 +141,12 @@ class ShardOverlap:
             self._shards_of[var.name] = on
             for shard in on:
                 self._names_on[shard].append(var.name)
-        self._trainable = {n for n, p in self._params.items() if p.requires_grad}
+        self._watch = GradWatch()  # this step's gradients as backward left them; arming
+        self._trainable = self._watch.hook(self._params, self._reached)
         # A call (or stream) per shard, and a cancelled stream's thread winding down beside the
         # call that sends its step whole.
         self._pool = ThreadPoolExecutor(max_workers=2 * shards, thread_name_prefix="ps-overlap")
         self._deadline = float(client.timeout) + _LANDING_SLACK_S
-        self._watch = GradWatch()  # this step's gradients as backward left them; arming
         self._step: int | None = None  # the step being pushed (None: none started)
         self._values: dict[int, dict[str, float]] = {}
         self._waiting: list[set[str]] = []  # per shard: trainable names backward has not reached
@@ -170,9 +169,6 @@ class ShardOverlap:
         self._streamed: set[str] = set()
         self._carried: set[int] = set()  # the shards whose stream carries this step
         self.streamed = 0  # shard steps a stream carried (the others went whole)
-        for name, p in self._params.items():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(partial(self._reached, name))
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -180,12 +176,11 @@ class ShardOverlap:
     def armed(self) -> bool:
         return self._watch.armed
 
-    def _reached(self, name: str, param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: notes the gradient; sends every shard it completes."""
-        grad = param.grad
-        if not self._watch.reached(name, grad) or self._error is not None:
+    def _reached(self, name: str, grad: torch.Tensor) -> None:
+        """An armed step's gradient from backward (``GradWatch.hook``): sends every shard it
+        completes."""
+        if self._error is not None:
             return
-        assert grad is not None  # reached() is False without one
         try:
             if self._step is None:
                 self._begin()

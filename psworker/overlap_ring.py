@@ -15,7 +15,6 @@ parameter-server overlap.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from functools import partial
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -59,24 +58,22 @@ class BucketOverlap:
         self._watch = GradWatch()
         self._buckets = client.gradient_buckets()
         self._bucket_of = {n: i for i, names in enumerate(self._buckets) for n in names}
-        self._trainable = {n for n, p in self._params.items() if p.requires_grad}
+        self._trainable = self._watch.hook(self._params, self._reached)
         client.reduce_in_turns()  # from the first step: every rank runs the same collectives
         self._waiting: list[set[str]] = []  # per bucket: trainable names backward has not reached
         self._next = 0  # the next bucket to start
         self._sent: list[str] = []  # the gradients started buckets carried
         self._error: Exception | None = None
         self._end()
-        for name, p in self._params.items():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(partial(self._reached, name))
 
     @property
     def armed(self) -> bool:
         return self._watch.armed
 
-    def _reached(self, name: str, param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: notes the gradient; starts every bucket now ready."""
-        if not self._watch.reached(name, param.grad) or self._error is not None:
+    def _reached(self, name: str, grad: torch.Tensor) -> None:
+        """An armed step's gradient from backward (``GradWatch.hook``): starts every bucket
+        now ready."""
+        if self._error is not None:
             return
         try:
             index = self._bucket_of.get(name)

@@ -13,7 +13,8 @@ different step.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -65,6 +66,26 @@ class GradWatch:
             self._twice.add(name)
         self._fired[name] = (id(grad), grad._version)
         return self.armed
+
+    def hook(
+        self,
+        params: Mapping[str, torch.nn.Parameter],
+        on_reached: Callable[[str, torch.Tensor], None],
+    ) -> set[str]:
+        """Registers backward's post-accumulate-grad hook on every trainable parameter: each
+        notes its gradient (``reached``) and, once armed, calls ``on_reached(name, grad)``.
+        Returns the trainable names."""
+
+        def fired(name: str, param: torch.Tensor) -> None:
+            grad = param.grad
+            if self.reached(name, grad):
+                assert grad is not None  # reached() is False without one
+                on_reached(name, grad)
+
+        trainable = {n for n, p in params.items() if p.requires_grad}
+        for name in trainable:
+            params[name].register_post_accumulate_grad_hook(partial(fired, name))
+        return trainable
 
     def order(self) -> list[str]:
         """The gradients backward reached this step, in the order it first reached them."""
