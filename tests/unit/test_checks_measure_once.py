@@ -32,12 +32,8 @@ def test_check_tensor_returns_the_measure_only_when_it_made_one():
     assert checks.check_tensor("w", (N,), "float32", big, "gradient", finite=True) is None
 
 
-def test_each_large_gradient_is_measured_once_per_step(monkeypatch):
-    rng = np.random.default_rng(0)
-    start = {"w": rng.standard_normal(N).astype(np.float32), "b": np.zeros(8, np.float32)}
-    grads = {"w": rng.standard_normal(N).astype(np.float32), "b": np.ones(8, np.float32)}
-    reference, measured = client(start), client(start)
-    reference.push(grads)
+def count_measures(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, the size of every array the step measures (``variables.sum_squares``)."""
     calls: list[int] = []
     real = variables.sum_squares
 
@@ -46,6 +42,16 @@ def test_each_large_gradient_is_measured_once_per_step(monkeypatch):
         return real(array)
 
     monkeypatch.setattr(variables, "sum_squares", counted)
+    return calls
+
+
+def test_each_large_gradient_is_measured_once_per_step(monkeypatch):
+    rng = np.random.default_rng(0)
+    start = {"w": rng.standard_normal(N).astype(np.float32), "b": np.zeros(8, np.float32)}
+    grads = {"w": rng.standard_normal(N).astype(np.float32), "b": np.ones(8, np.float32)}
+    reference, measured = client(start), client(start)
+    reference.push(grads)
+    calls = count_measures(monkeypatch)
     measured.push(grads)
     assert N not in calls  # the check's measure was reused by the step
     for name, value in reference.pull().items():
@@ -87,14 +93,7 @@ def test_the_shard_reuses_a_push_checks_measure_only_for_the_push_itself(
     reference, s = client(start), shard(mode, start)
     for g in grads:
         reference.push(g)
-    calls: list[int] = []
-    real = variables.sum_squares
-
-    def counted(array: np.ndarray) -> float:
-        calls.append(array.size)
-        return real(array)
-
-    monkeypatch.setattr(variables, "sum_squares", counted)
+    calls = count_measures(monkeypatch)
     for step, g in enumerate(grads):
         s.push(0, step, {k: v.copy() for k, v in g.items()}, timeout=5.0, take=True)
     assert (N in calls) is measured_again
