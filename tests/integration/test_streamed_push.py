@@ -19,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from faults import FaultPlan, flight_faults  # noqa: E402
+from states import assert_identical  # noqa: E402
 from workers import run_workers  # noqa: E402
 
 import psworker  # noqa: E402
@@ -144,12 +145,6 @@ def train(
 
     run_workers([worker(i) for i in range(workers)])
     return states, opts
-
-
-def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), f"{name}: max diff {(a[name] - b[name]).abs().max()}"
 
 
 def shard_state(server: RunningServer) -> tuple:

@@ -12,6 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from states import assert_identical  # noqa: E402
 from workers import run_workers  # noqa: E402
 
 import psworker  # noqa: E402
@@ -90,12 +91,6 @@ def train(
 
     run_workers([worker(i) for i in range(workers)])
     return states, opts
-
-
-def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), f"{name}: max diff {(a[name] - b[name]).abs().max()}"
 
 
 def test_sync_with_overlap_is_bit_identical_to_the_serial_step(shards):
