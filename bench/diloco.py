@@ -302,14 +302,19 @@ def verdicts(rows: dict[str, dict[str, float]]) -> list[str]:
     return lines
 
 
+def corpus_flags(corpus: str, folder: Path) -> tuple[str, ...]:
+    """The example's flags for ``corpus`` (``stdlib``: its text written into ``folder``,
+    which is made if need be)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if corpus == "stdlib":
+        return ("--text", str(stdlib_text(folder / "stdlib.txt")))
+    return ("--corpus", corpus)
+
+
 def loopback(args: argparse.Namespace) -> int:
     steps = 3 * H if args.quick else args.steps
     folder = Path(args.out)
-    folder.mkdir(parents=True, exist_ok=True)
-    if args.corpus == "stdlib":
-        common: tuple[str, ...] = ("--text", str(stdlib_text(folder / "stdlib.txt")))
-    else:
-        common = ("--corpus", args.corpus)
+    common = corpus_flags(args.corpus, folder)
     example = ("--pace", str(args.pace))
     results: dict[str, dict[int, list[dict]]] = {}
     loads: dict[str, list[str]] = {}
@@ -362,12 +367,7 @@ def over_link(args: argparse.Namespace) -> int:
         print("--net needs root, ip and tc (network namespaces)", file=sys.stderr)
         return 2
     folder = Path(args.out)
-    folder.mkdir(parents=True, exist_ok=True)
-    if args.corpus == "stdlib":
-        common: tuple[str, ...] = ("--text", str(stdlib_text(folder / "stdlib.txt")))
-    else:
-        common = ("--corpus", args.corpus)
-    common = (*common, "--hidden", str(args.hidden))
+    common = (*corpus_flags(args.corpus, folder), "--hidden", str(args.hidden))
     steps = 2 * H if args.quick else args.steps
     diloco_steps = 4 * H if args.quick else args.diloco_steps
     sync_run = Run("sync", (*common, "--mode", "sync", "--lr", str(args.sync_lr)), (steps,) * 4)
