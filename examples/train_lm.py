@@ -48,6 +48,11 @@ parser.add_argument("--outer-async", action="store_true", help="DiLoCo: asynchro
 parser.add_argument(
     "--dynamic-local-steps", action="store_true", help="DiLoCo, async: H scaled by each pace"
 )
+parser.add_argument("--fragments", type=int, default=None, help="Streaming DiLoCo: fragments")
+parser.add_argument(
+    "--overlap-steps", type=int, default=None, help="Streaming DiLoCo: inner steps per exchange"
+)
+parser.add_argument("--mix", type=float, default=None, help="Streaming DiLoCo: local share kept")
 parser.add_argument("--outer-lr", type=float, default=None, help="DiLoCo: the outer SGD's lr")
 parser.add_argument("--outer-momentum", type=float, default=None, help="DiLoCo: its momentum")
 parser.add_argument("--lr", type=float, default=1e-2, help="AdamW's peak lr")
@@ -79,6 +84,9 @@ if args.outer_async:
     job["outer_sync"] = False
 if args.dynamic_local_steps:
     job["dynamic_local_steps"] = True
+for setting in ("fragments", "overlap_steps", "mix"):
+    if getattr(args, setting) is not None:
+        job[setting] = getattr(args, setting)
 if args.outer_lr is not None or args.outer_momentum is not None:  # else the paper's 0.7, 0.9
     momentum = 0.9 if args.outer_momentum is None else args.outer_momentum
     job["outer"] = SGD(lr=args.outer_lr or 0.7, momentum=momentum, nesterov=momentum > 0)

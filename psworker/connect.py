@@ -100,6 +100,9 @@ def connect(
     outer: Optimizer | None = None,
     outer_sync: bool | None = None,
     dynamic_local_steps: bool | None = None,
+    fragments: int | None = None,
+    overlap_steps: int | None = None,
+    mix: float | None = None,
     **options: Any,
 ) -> Client:
     """Connects a worker to the job's shards, or returns an in-process or ring client.
@@ -138,7 +141,11 @@ def connect(
     momentum=0.9, nesterov=True)``) to the workers' pseudo-gradients: averaged over the live
     workers when ``outer_sync`` (default), else each on arrival (delayed Nesterov;
     ``dynamic_local_steps`` then scales each worker's local steps by its pace, so a slow worker
-    takes fewer). It returns a ``DiLoCoClient``.
+    takes fewer). Streaming DiLoCo: ``fragments`` (dividing ``local_steps``) staggers the
+    outer steps of that many parts of the model by ``local_steps / fragments`` inner steps;
+    ``overlap_steps`` lets a part's exchange run under that many inner steps, its new weights
+    then merged as ``mix * local + (1 - mix) * job's`` (``DiLoCoSettings``). It returns a
+    ``DiLoCoClient``.
 
     In a parameter-server mode every other keyword (``timeout``, ``retry_s``,
     ``chunk_bytes``, ``quorum``, ``heartbeat_s``, ``compression``, ...) is a field of
@@ -155,7 +162,18 @@ def connect(
     """
     envnames.warn_unknown(who="connect()")
     mode = resolve_mode(mode)
-    diloco = _diloco_settings(mode, local_steps, outer, outer_sync, dynamic_local_steps)
+    diloco = _diloco_settings(
+        mode,
+        {
+            "local_steps": local_steps,
+            "outer": outer,
+            "outer_sync": outer_sync,
+            "dynamic_local_steps": dynamic_local_steps,
+            "fragments": fragments,
+            "overlap_steps": overlap_steps,
+            "mix": mix,
+        },
+    )
     if options.get("compression") is None and setting_from_env("compression") is not None:
         options["compression"] = setting_from_env("compression")  # the ring's too
     if mode == "local":
@@ -223,41 +241,23 @@ def connect(
     return DiLoCoClient(client, diloco) if diloco else client
 
 
-def _diloco_settings(
-    mode: str | None,
-    local_steps: int | None,
-    outer: Optimizer | None,
-    outer_sync: bool | None,
-    dynamic_local_steps: bool | None,
-) -> DiLoCoSettings | None:
-    """The local-step settings of ``mode="diloco"`` (``local_steps`` else
-    ``$PS_LOCAL_STEPS``); None in other modes.
+def _diloco_settings(mode: str | None, given: dict[str, Any]) -> DiLoCoSettings | None:
+    """The local-step settings of ``mode="diloco"`` from ``given`` (``DiLoCoSettings``'
+    fields, None where not given; ``local_steps`` else ``$PS_LOCAL_STEPS``); None in other
+    modes.
 
     Raises:
         ConfigError: bad settings, or settings given for another mode.
     """
+    named = {k: v for k, v in given.items() if v is not None}
     if mode != "diloco":
-        given = [
-            n
-            for n, v in (
-                ("local_steps", local_steps),
-                ("outer", outer),
-                ("outer_sync", outer_sync),
-                ("dynamic_local_steps", dynamic_local_steps),
-            )
-            if v is not None
-        ]
-        if given:
-            raise ConfigError(f"{', '.join(given)} apply to mode 'diloco' only; mode is {mode!r}")
+        if named:
+            raise ConfigError(f"{', '.join(named)} apply to mode 'diloco' only; mode is {mode!r}")
         return None
-    if local_steps is None:
-        local_steps = env_default("PS_LOCAL_STEPS", 1, int)
-    return DiLoCoSettings(
-        local_steps=local_steps,
-        outer=PAPER_OUTER if outer is None else outer,
-        outer_sync=True if outer_sync is None else outer_sync,
-        dynamic_local_steps=False if dynamic_local_steps is None else dynamic_local_steps,
-    )
+    if "local_steps" not in named:
+        named["local_steps"] = env_default("PS_LOCAL_STEPS", 1, int)
+    named.setdefault("outer", PAPER_OUTER)
+    return DiLoCoSettings(**named)
 
 
 def _elastic_bounds(elastic: bool | str | tuple[int, int] | None) -> tuple[int, int] | None:

@@ -19,10 +19,12 @@ naming both.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Self
 
@@ -36,6 +38,8 @@ from pscore.tables import RowSparse, Table
 from pswire.errors import ConfigError
 from psworker.client import PSClient
 from psworker.outgoing import compress
+
+log = logging.getLogger(__name__)
 
 # The paper's outer optimizer: SGD with Nesterov momentum, lr 0.7, momentum 0.9.
 PAPER_OUTER = SGD(lr=0.7, momentum=0.9, nesterov=True)
@@ -55,12 +59,24 @@ class DiLoCoSettings:
     many scaled by its pace against the fastest live worker's (a worker half as fast takes
     half as many), so all reach their outer steps at about the same time and no worker's
     pseudo-gradient is many outer steps stale.
+
+    Streaming DiLoCo (Douillard et al. 2025): ``fragments`` (P, dividing ``local_steps``)
+    splits the trained variables, in the model's order, into P contiguous parts of about equal
+    size (buffers travel with the last); each part still takes its outer step every H inner
+    steps, but the parts' outer steps are staggered by H/P inner steps, so each exchange moves
+    1/P of the model. ``overlap_steps`` (tau, < H/P): a part's exchange runs in the
+    background while tau more inner steps run; its new weights then land merged with the local
+    ones as ``mix * local + (1 - mix) * job's`` (``mix`` 0: replaced, as without overlap).
+    Fragments and overlap are not combined with ``dynamic_local_steps``.
     """
 
     local_steps: int = 1
     outer: Optimizer = field(default_factory=lambda: PAPER_OUTER)
     outer_sync: bool = True
     dynamic_local_steps: bool = False
+    fragments: int = 1
+    overlap_steps: int = 0
+    mix: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.local_steps, bool) or not isinstance(self.local_steps, int):
@@ -84,6 +100,41 @@ class DiLoCoSettings:
                 "option of the asynchronous outer steps: pass outer_sync=False (got "
                 "outer_sync=True)"
             )
+        self._check_streaming()
+
+    def _check_streaming(self) -> None:
+        for name in ("fragments", "overlap_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name} must be an int, got {value!r}")
+        if not 1 <= self.fragments <= self.local_steps or self.local_steps % self.fragments:
+            raise ConfigError(
+                f"fragments must divide local_steps (each fragment's outer step falls "
+                f"local_steps/fragments inner steps after the one before): got fragments="
+                f"{self.fragments}, local_steps={self.local_steps}"
+            )
+        if not 0 <= self.overlap_steps < self.spacing:
+            raise ConfigError(
+                f"overlap_steps must be >= 0 and below local_steps/fragments = {self.spacing} "
+                f"(one exchange in flight at a time), got {self.overlap_steps}"
+            )
+        if isinstance(self.mix, bool) or not isinstance(self.mix, int | float):
+            raise ConfigError(f"mix must be a number in [0, 1), got {self.mix!r}")
+        if not 0.0 <= self.mix < 1.0:
+            raise ConfigError(
+                f"mix must be in [0, 1) (the local weights' share when a fragment's new "
+                f"weights land), got {self.mix}"
+            )
+        if self.dynamic_local_steps and (self.fragments > 1 or self.overlap_steps):
+            raise ConfigError(
+                "dynamic_local_steps=True cannot be combined with fragments or overlap_steps "
+                f"(got fragments={self.fragments}, overlap_steps={self.overlap_steps})"
+            )
+
+    @property
+    def spacing(self) -> int:
+        """Inner steps between two exchanges (of consecutive fragments): H / P."""
+        return self.local_steps // self.fragments
 
     @property
     def shard_mode(self) -> str:
@@ -106,9 +157,14 @@ class DiLoCoSettings:
         """What the job's workers must agree on beside the model (``inner``: the inner
         optimizer described), appended to the model digest."""
         dynamic = ", dynamic_local_steps=True" if self.dynamic_local_steps else ""
+        streaming = (
+            f", fragments={self.fragments}, overlap_steps={self.overlap_steps}, mix={self.mix}"
+            if (self.fragments, self.overlap_steps, self.mix) != (1, 0, 0.0)
+            else ""
+        )
         return (
             f"{VARIANT_MARK}diloco(local_steps={self.local_steps}, "
-            f"outer_sync={self.outer_sync}{dynamic}, inner={inner})"
+            f"outer_sync={self.outer_sync}{dynamic}{streaming}, inner={inner})"
         )
 
 
@@ -116,10 +172,11 @@ class DiLoCoClient:
     """A worker's client in ``mode="diloco"``: the ``PSClient`` of the outer steps, counted in
     inner steps.
 
-    ``step`` counts inner steps (``outer.step * local_steps`` after ``init``), so ``shard()``
-    and ``start_epoch`` see one step per batch; ``outer`` is the parameter-server client,
-    whose step is the outer step. ``bytes_sent``/``bytes_received`` total what outer steps
-    moved (pseudo-gradients as compressed on the wire, weights read back).
+    ``step`` counts inner steps (``outer.step * local_steps / fragments`` after ``init``), so
+    ``shard()`` and ``start_epoch`` see one step per batch; ``outer`` is the parameter-server
+    client, whose step is the outer step (one per fragment's exchange).
+    ``bytes_sent``/``bytes_received`` total what outer steps moved (pseudo-gradients as
+    compressed on the wire, weights read back).
     """
 
     mode = "diloco"
@@ -134,7 +191,8 @@ class DiLoCoClient:
         self.settings = settings
         self.worker_id = outer.worker_id
         self.num_workers = outer.num_workers
-        self.step = outer.step * settings.local_steps
+        self.step = outer.step * settings.spacing
+        self.in_flight: Future[Any] | None = None  # an overlapped exchange (OuterSteps)
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -149,6 +207,16 @@ class DiLoCoClient:
         self.close()
 
     def close(self) -> None:
+        """Closes the links, once an overlapped exchange still in flight has ended (within
+        its deadline; its failure is logged: the script did not call ``synchronize``)."""
+        flight, self.in_flight = self.in_flight, None
+        if flight is not None:
+            try:
+                flight.result(timeout=self.outer.settings.timeout)
+            except Exception as exc:  # closing anyway; the exchange's own error is the news
+                log.warning(
+                    "worker %d: an outer step in flight at close failed: %s", self.worker_id, exc
+                )
         self.outer.close()
 
     def declare(self, inner: str) -> None:
@@ -167,7 +235,8 @@ class DiLoCoClient:
         worker 0's values become the job's first weights.
 
         Raises:
-            ConfigError: embedding tables, or an optimizer other than the outer one.
+            ConfigError: embedding tables, an optimizer other than the outer one, or fewer
+                trained variables than fragments.
             PSError: as ``PSClient.init`` (ModelMismatchError names a differing H or inner
                 optimizer).
         """
@@ -175,6 +244,11 @@ class DiLoCoClient:
             raise ConfigError(
                 f"mode 'diloco' trains dense variables only; got embedding tables {sorted(tables)}"
             )
+        # Before anything is sent: the fragments need as many trained variables.
+        split_fragments(
+            {n: int(np.size(v)) for n, v in variables.items() if n not in set(buffers)},
+            self.settings.fragments,
+        )
         outer = self.settings.shard_optimizer(self.num_workers)
         if optimizer is not None and optimizer not in (outer, self.settings.outer):
             raise ConfigError(
@@ -182,7 +256,7 @@ class DiLoCoClient:
                 f"init got {optimizer} (the inner optimizer runs in the worker)"
             )
         self.outer.init(variables, outer, buffers=buffers)
-        self.step = self.outer.step * self.settings.local_steps
+        self.step = self.outer.step * self.settings.spacing
 
     def pull(
         self, names: Sequence[str] | None = None, out: Mapping[str, np.ndarray] | None = None
@@ -300,14 +374,68 @@ class DynamicLocalSteps:
         self.meter.restart()
 
 
-class OuterSteps:
-    """Counts a worker's inner steps and takes the outer step every ``local_steps``-th (with
-    dynamic local steps: every ``dynamic.due``-th).
+def split_fragments(sizes: Mapping[str, int], count: int) -> list[list[str]]:
+    """Streaming DiLoCo's fragments: the variables of ``sizes`` (name -> elements, in the
+    model's order) in ``count`` contiguous non-empty parts, each cut once it holds its share
+    of the elements (the first parts the earlier layers).
 
-    Holds the job's weights as of the last outer step (``start``); ``outer_step(local)``
-    pushes ``start - local`` for the trained variables (buffers as they are: the shards keep
-    their mean in sync), pulls the new weights and makes them the new start. ``clock`` times
-    the inner steps for dynamic local steps (injected for tests).
+    Raises:
+        ConfigError: fewer variables than fragments.
+    """
+    names = list(sizes)
+    if len(names) < count:
+        raise ConfigError(
+            f"fragments={count} needs at least as many trained variables; the model has "
+            f"{len(names)}: {names}"
+        )
+    total = sum(sizes.values())
+    parts: list[list[str]] = [[]]
+    held = 0
+    for i, name in enumerate(names):
+        must_open = len(names) - i == count - len(parts)  # one name left for each part to come
+        if parts[-1] and len(parts) < count and (held >= total * len(parts) / count or must_open):
+            parts.append([])
+        parts[-1].append(name)
+        held += sizes[name]
+    return parts
+
+
+@dataclass(frozen=True)
+class Landed:
+    """One outer step (a fragment's exchange) that has landed: its outer step number, the
+    seconds it took from its start, and the bytes it sent and received."""
+
+    step: int
+    seconds: float
+    sent: int
+    received: int
+
+
+@dataclass
+class _Flight:
+    """An exchange in progress: its outer step, fragment and names, what the shards return."""
+
+    step: int
+    names: list[str]
+    started: float
+    sent: int
+    reply: Future[dict[str, np.ndarray]]
+    left: int  # inner steps until it lands
+
+
+class OuterSteps:
+    """Counts a worker's inner steps and takes the outer steps they make due: every
+    ``local_steps``-th (with dynamic local steps: every ``dynamic.due``-th), or with
+    ``fragments`` one fragment's every ``local_steps / fragments``-th, in turn.
+
+    Holds the job's weights as of each variable's last outer step (``start``); an outer step
+    pushes ``start - local`` for a fragment's trained variables (all of them without
+    fragments; buffers, as they are, with the last: the shards keep their mean in sync),
+    reads the job's new values, which become their start, and merges them into the local
+    weights (``mix``). With ``overlap_steps`` the exchange runs on a thread of its own while
+    that many inner steps run, and lands at the inner step after them. ``order``: the trained
+    variables in the model's order (default: ``start``'s). ``clock`` times the inner steps
+    for dynamic local steps (injected for tests).
     """
 
     def __init__(
@@ -316,12 +444,22 @@ class OuterSteps:
         start: Mapping[str, np.ndarray],
         buffers: Sequence[str] = (),
         clock: Callable[[], float] = time.monotonic,
+        order: Sequence[str] | None = None,
     ) -> None:
         self.client = client
         self.buffers = frozenset(buffers)
         self.start = {n: np.array(a, copy=True) for n, a in start.items() if n not in self.buffers}
-        self.done = 0  # inner steps since the last outer step
+        self.done = 0  # inner steps since the last exchange started
         settings = client.settings
+        self.settings = settings
+        trained = [n for n in (order if order is not None else self.start) if n in self.start]
+        self.fragments = split_fragments(
+            {n: int(self.start[n].size) for n in trained}, settings.fragments
+        )
+        self.fragments[-1] += sorted(self.buffers)
+        self.outer_step_count = client.outer.step  # exchanges started, this worker's
+        self._flight: _Flight | None = None
+        self._pool: ThreadPoolExecutor | None = None
         self.dynamic = (
             DynamicLocalSteps(client, settings.local_steps, clock)
             if settings.dynamic_local_steps
@@ -330,43 +468,128 @@ class OuterSteps:
 
     @property
     def due(self) -> int:
-        """The inner steps the next outer step waits for."""
-        return self.dynamic.due if self.dynamic is not None else self.client.settings.local_steps
+        """The inner steps between exchanges (``local_steps`` unless fragments or dynamic
+        local steps make them fewer)."""
+        return self.dynamic.due if self.dynamic is not None else self.settings.spacing
 
     def inner_step(self) -> bool:
-        """Counts one inner step; whether the outer step is due now."""
+        """Counts one inner step; whether ``outer_step`` has work now (an exchange to start
+        or one to land)."""
         self.done += 1
         self.client.step += 1
-        return self.done >= self.due
+        if self._flight is not None:
+            self._flight.left -= 1
+        return self.done >= self.due or (self._flight is not None and self._flight.left <= 0)
 
-    def outer_step(self, local: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Pushes the pseudo-gradients of ``local`` (every trained variable, and the buffers'
-        values), returns the job's new weights (which become the start).
+    def outer_step(
+        self, read: Callable[[Sequence[str]], Mapping[str, np.ndarray]]
+    ) -> tuple[dict[str, np.ndarray], list[Landed]]:
+        """What is due at this inner step: lands the exchange whose overlap has run out, and
+        starts the next fragment's (without overlap: waits for it and lands it too).
+        ``read(names)``: the local values of those variables. Returns the values to load into
+        the model (merged as ``mix`` says; buffers the job's) and the outer steps landed.
 
         Raises:
-            ConfigError: ``local`` lacks a trained variable.
+            ConfigError: ``read`` lacks a variable.
             PSError: the push or pull failed (as ``PSClient.push_pull``).
         """
-        missing = sorted(set(self.start) - set(local))
+        loads: dict[str, np.ndarray] = {}
+        landed: list[Landed] = []
+        if self._flight is not None and self._flight.left <= 0:
+            landed.append(self._land(read, loads))
+        if self.done >= self.due:
+            names = self.fragments[self.outer_step_count % len(self.fragments)]
+            self._start(names, read)
+            if self._flight is not None and self._flight.left <= 0:
+                landed.append(self._land(read, loads))
+        return loads, landed
+
+    def flush(
+        self, read: Callable[[Sequence[str]], Mapping[str, np.ndarray]]
+    ) -> tuple[dict[str, np.ndarray], list[Landed]]:
+        """Lands the exchange in flight, then takes one outer step of every variable for the
+        inner steps since the last exchange (none: nothing more), as ``outer_step``."""
+        loads: dict[str, np.ndarray] = {}
+        landed: list[Landed] = []
+        if self._flight is not None:
+            landed.append(self._land(read, loads))
+        if self.done:
+            self._start([n for part in self.fragments for n in part], read, now=True)
+            landed.append(self._land(read, loads))
+        return loads, landed
+
+    def _start(
+        self,
+        names: list[str],
+        read: Callable[[Sequence[str]], Mapping[str, np.ndarray]],
+        now: bool = False,
+    ) -> None:
+        """Pushes the pseudo-gradients of ``names`` and reads their new values, on the
+        flight thread when overlapped (unless ``now``)."""
+        local = read(names)
+        missing = sorted(set(names) - set(local))
         if missing:
             raise ConfigError(f"the outer step lacks the local weights of {missing}")
         own = self.dynamic.lap(self.done) if self.dynamic is not None else 0.0
-        pushed: dict[str, np.ndarray | RowSparse] = {}
-        for name, value in local.items():
-            if name in self.buffers:
-                pushed[name] = value
-            else:
-                pushed[name] = self.start[name] - value
-        weights = self.client.push_pull(pushed)
-        self.done = 0
+        pushed: dict[str, np.ndarray | RowSparse] = {
+            n: local[n] if n in self.buffers else self.start[n] - local[n] for n in names
+        }
         compression = self.client.outer.compression
-        self.client.bytes_sent += sum(
+        sent = sum(
             int(v.nbytes if n in self.buffers else compress(np.asarray(v), compression).nbytes)
             for n, v in pushed.items()
         )
-        self.client.bytes_received += sum(int(a.nbytes) for a in weights.values())
-        for name in self.start:
-            self.start[name] = np.array(weights[name], copy=True)
+        whole = len(names) == len(self.start) + len(self.buffers)
+        client = self.client
+
+        def exchange() -> dict[str, np.ndarray]:
+            if whole:  # one message each way where it fits
+                return client.push_pull(pushed)
+            client.push(pushed)
+            return client.pull(names)
+
+        overlap = 0 if now else self.settings.overlap_steps
+        reply: Future[dict[str, np.ndarray]]
+        if overlap:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="diloco-outer")
+            reply = self._pool.submit(exchange)
+            client.in_flight = reply
+        else:
+            reply = Future()
+            reply.set_result(exchange())
+        self._flight = _Flight(
+            self.outer_step_count, names, time.perf_counter(), sent, reply, overlap
+        )
+        self.outer_step_count += 1
+        self.done = 0
         if self.dynamic is not None:
             self.dynamic.update(own)
-        return weights
+
+    def _land(
+        self,
+        read: Callable[[Sequence[str]], Mapping[str, np.ndarray]],
+        loads: dict[str, np.ndarray],
+    ) -> Landed:
+        """Waits for the exchange in flight and merges its values into ``loads``."""
+        flight, self._flight = self._flight, None
+        assert flight is not None
+        try:
+            weights = flight.reply.result()
+        finally:
+            self.client.in_flight = None
+        trained = [n for n in flight.names if n not in self.buffers]
+        mix = self.settings.mix
+        local = read(trained) if mix else {}
+        for name in flight.names:
+            value = np.asarray(weights[name])
+            if name in self.buffers:
+                loads[name] = value
+                continue
+            self.start[name] = np.array(value, copy=True)
+            loads[name] = local[name] * mix + value * (1.0 - mix) if mix else value
+        received = sum(int(np.asarray(weights[n]).nbytes) for n in flight.names)
+        self.client.bytes_sent += flight.sent
+        self.client.bytes_received += received
+        seconds = time.perf_counter() - flight.started
+        return Landed(flight.step, seconds, flight.sent, received)

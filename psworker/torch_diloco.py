@@ -9,8 +9,7 @@ the paper.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,7 +17,7 @@ import torch
 
 from pscore.optim import Optimizer
 from pswire.errors import ConfigError
-from psworker.diloco import DiLoCoClient, OuterSteps
+from psworker.diloco import DiLoCoClient, Landed, OuterSteps
 from psworker.reports import StepLog
 from psworker.torch import BUFFER_PREFIX, DistributedOptimizer
 from psworker.torch_optim import torch_optimizer_for
@@ -63,7 +62,6 @@ class DiLoCoOptimizer(DistributedOptimizer):
             )
         self.model = model
         self.client = client
-        self._diloco = client  # typed: the outer client and its byte counts
         self._inner = optimizer
         names = {id(p): n for n, p in model.named_parameters()}
         self._params: dict[str, torch.nn.Parameter] = {}
@@ -86,7 +84,7 @@ class DiLoCoOptimizer(DistributedOptimizer):
             client.init(values, buffers=list(self._buffers))
             weights = client.pull()
             self._load(weights)
-        self._steps = OuterSteps(client, weights, list(self._buffers))
+        self._steps = OuterSteps(client, weights, list(self._buffers), order=list(self._params))
         # torch's Optimizer, not DistributedOptimizer's constructor (which pushes gradients).
         torch.optim.Optimizer.__init__(
             self, [{"params": g["params"]} for g in optimizer.param_groups], {}
@@ -100,49 +98,53 @@ class DiLoCoOptimizer(DistributedOptimizer):
     ) -> Any:
         """One inner step; every ``local_steps``-th also the outer step (push the
         pseudo-gradients, load the job's new weights: in sync mode once every live worker's
-        are applied).
+        are applied); with fragments, a fragment's outer step every ``local_steps /
+        fragments``-th, its new weights landing ``overlap_steps`` inner steps later.
 
         Raises:
             PSError: the outer step's push or pull failed.
         """
         loss = self._inner.step(closure)
         if self._steps.inner_step():
-            self._outer_step()
+            self._outer(self._steps.outer_step)
         return loss
 
     def synchronize(self) -> None:
-        """Takes the outer step now for the inner steps since the last one (none: nothing):
-        what a script calls when it stops training between outer steps (its last steps would
-        otherwise never reach the job), e.g. with dynamic local steps, whose outer steps fall
-        where each worker's pace puts them. With synchronous outer steps every worker must call
-        it at the same inner step, as every outer step is taken.
+        """Takes the outer step now for the inner steps since the last one (none: nothing),
+        of every fragment, once an exchange still in flight has landed: what a script calls
+        when it stops training between outer steps (its last steps would otherwise never reach
+        the job), e.g. with dynamic local steps, whose outer steps fall where each worker's
+        pace puts them, or with fragments or overlap. With synchronous outer steps every
+        worker must call it at the same inner step, as every outer step is taken.
 
         Raises:
             PSError: the outer step's push or pull failed.
         """
-        if self._steps.done:
-            self._outer_step()
+        self._outer(self._steps.flush)
 
     @property
     def local_steps(self) -> int:
-        """The inner steps the next outer step waits for (``local_steps``; with dynamic local
-        steps, this worker's share as its pace sets it)."""
+        """The inner steps between outer steps (``local_steps / fragments``; with dynamic
+        local steps, this worker's share as its pace sets it)."""
         return self._steps.due
 
-    def _outer_step(self) -> None:
-        started = time.perf_counter()
-        sent, received = self._diloco.bytes_sent, self._diloco.bytes_received
-        outer_step = self._diloco.outer.step
+    def _outer(
+        self,
+        take: Callable[
+            [Callable[[Sequence[str]], Mapping[str, np.ndarray]]],
+            tuple[dict[str, np.ndarray], list[Landed]],
+        ],
+    ) -> None:
         with torch.no_grad():
-            local = {n: _host(t) for n, t in {**self._params, **self._buffers}.items()}
-            self._load(self._steps.outer_step(local))
+            loads, landed = take(self._read)
+            self._load(loads)
         if self._log.active:
-            self._log.step(
-                outer_step,
-                time.perf_counter() - started,
-                self._diloco.bytes_sent - sent,
-                self._diloco.bytes_received - received,
-            )
+            for one in landed:
+                self._log.step(one.step, one.seconds, one.sent, one.received)
+
+    def _read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        tensors = {**self._params, **self._buffers}
+        return {n: _host(tensors[n]) for n in names}
 
     def report(self, **values: Any) -> None:
         """As ``DistributedOptimizer.report``."""
@@ -160,9 +162,11 @@ class DiLoCoOptimizer(DistributedOptimizer):
         self.state = self._inner.state
 
     def _load(self, weights: dict[str, np.ndarray]) -> None:
-        for name, target in {**self._params, **self._buffers}.items():
-            array = np.require(weights[name], requirements="W")  # torch wants a writable one
-            target.copy_(torch.from_numpy(array).to(target.device))
+        """Copies ``weights`` (some or all variables) into the model."""
+        tensors = {**self._params, **self._buffers}
+        for name, value in weights.items():
+            array = np.require(value, requirements="W")  # torch wants a writable one
+            tensors[name].copy_(torch.from_numpy(array).to(tensors[name].device))
 
 
 def describe(optimizer: torch.optim.Optimizer) -> str:

@@ -304,13 +304,22 @@ def test_fp16_pseudo_gradients_halve_the_bytes_sent(shards):
 def test_workers_that_disagree_on_local_steps_or_inner_optimizer_are_refused(shards):
     addrs = [s.address for s in shards(1)]
     model = make_model(0)
-    with psworker.connect(addrs, worker_id=0, num_workers=2, mode="diloco", local_steps=5) as chief:
+    with psworker.connect(addrs, worker_id=0, num_workers=2, mode="diloco", local_steps=4) as chief:
         DistributedOptimizer(model, chief, torch.optim.SGD(model.parameters(), lr=0.1))
-        for h, lr, said in ((7, 0.1, "local_steps=7"), (5, 0.2, "lr=0.2")):
+        for h, lr, fragments, said in (
+            (7, 0.1, 1, "local_steps=7"),
+            (4, 0.2, 1, "lr=0.2"),
+            (4, 0.1, 2, "fragments=2"),
+        ):
             other = make_model(0)
             with (
                 psworker.connect(
-                    addrs, worker_id=1, num_workers=2, mode="diloco", local_steps=h
+                    addrs,
+                    worker_id=1,
+                    num_workers=2,
+                    mode="diloco",
+                    local_steps=h,
+                    fragments=fragments,
                 ) as client,
                 pytest.raises(ModelMismatchError) as caught,
             ):
@@ -330,6 +339,26 @@ def test_bad_settings_are_refused_before_anything_is_sent(shards):
         psworker.connect(addrs, worker_id=0, num_workers=1, mode="diloco", local_steps=0)
     with pytest.raises(ConfigError, match="apply to mode 'diloco' only"):
         psworker.connect(addrs, worker_id=0, num_workers=1, mode="sync", local_steps=4)
+    for settings, said in (
+        ({"local_steps": 6, "fragments": 4}, "fragments must divide local_steps"),
+        ({"local_steps": 6, "fragments": 2, "overlap_steps": 3}, "below local_steps/fragments"),
+        ({"local_steps": 6, "overlap_steps": -1}, "overlap_steps must be >= 0"),
+        ({"local_steps": 6, "mix": 1.0}, r"mix must be in \[0, 1\)"),
+        (
+            {"local_steps": 6, "fragments": 2, "outer_sync": False, "dynamic_local_steps": True},
+            "cannot be combined with fragments",
+        ),
+    ):
+        with pytest.raises(ConfigError, match=said):
+            psworker.connect(addrs, worker_id=0, num_workers=1, mode="diloco", **settings)
+    two = torch.nn.Linear(2, 1)
+    with (
+        psworker.connect(
+            addrs, worker_id=0, num_workers=1, mode="diloco", local_steps=3, fragments=3
+        ) as client,
+        pytest.raises(ConfigError, match="fragments=3 needs at least as many trained"),
+    ):
+        DistributedOptimizer(two, client, torch.optim.SGD(two.parameters(), lr=0.1))
     client = psworker.connect(addrs, worker_id=0, num_workers=1, mode="diloco")
     with client, pytest.raises(ConfigError, match="the shards run the outer optimizer"):
         client.init({"w": torch.zeros(2).numpy()}, psworker.Adam(lr=0.1))
@@ -459,7 +488,7 @@ def test_dynamic_local_steps_give_a_worker_half_as_fast_half_the_steps(shards):
             clocks[w].now += clocks[w].seconds
             taken += 1
             if steps[w].inner_step():
-                steps[w].outer_step(local)
+                steps[w].outer_step(lambda names: {n: local[n] for n in names})
                 return taken
 
     try:
