@@ -22,6 +22,7 @@ _WORKER = (
     "PS_ELASTIC", "PS_CLUSTER", "PS_TASK_INDEX", "PS_JOB_ID", "PS_REPLAY_BYTES",
     "PS_COMPRESSION", "PS_STALL_WARNING", "PS_REPORT_DIR",
     "PS_DATA_PLANE", "PS_GRPC_BELOW_BYTES", "PS_LOCAL_STEPS", "PS_TUNE_MALLOC",
+    "PS_WORKER_STATE_DIR",
 )  # fmt: skip
 # Security, read by the client, the shard and psctl alike.
 _SECURITY = ("PS_TLS_CA", "PS_TLS_CERT", "PS_TLS_KEY", "PS_TOKEN", "PS_TOKEN_FILE")

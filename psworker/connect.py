@@ -103,6 +103,7 @@ def connect(
     fragments: int | None = None,
     overlap_steps: int | None = None,
     mix: float | None = None,
+    worker_state_dir: str | os.PathLike[str] | None = None,
     **options: Any,
 ) -> Client:
     """Connects a worker to the job's shards, or returns an in-process or ring client.
@@ -144,7 +145,10 @@ def connect(
     takes fewer). Streaming DiLoCo: ``fragments`` (dividing ``local_steps``) staggers the
     outer steps of that many parts of the model by ``local_steps / fragments`` inner steps;
     ``overlap_steps`` lets a part's exchange run under that many inner steps, its new weights
-    then merged as ``mix * local + (1 - mix) * job's`` (``DiLoCoSettings``). It returns a
+    then merged as ``mix * local + (1 - mix) * job's`` (``DiLoCoSettings``).
+    ``worker_state_dir`` (``$PS_WORKER_STATE_DIR``): where each worker keeps its local weights,
+    inner optimizer state and random generators after every outer step, so that a worker
+    killed and restarted resumes where it was (``psworker/diloco_resume.py``). It returns a
     ``DiLoCoClient``.
 
     In a parameter-server mode every other keyword (``timeout``, ``retry_s``,
@@ -174,6 +178,10 @@ def connect(
             "mix": mix,
         },
     )
+    if worker_state_dir is None:
+        worker_state_dir = os.environ.get("PS_WORKER_STATE_DIR") or None
+    if worker_state_dir is not None and diloco is None:
+        raise ConfigError(f"worker_state_dir applies to mode 'diloco' only; mode is {mode!r}")
     if options.get("compression") is None and setting_from_env("compression") is not None:
         options["compression"] = setting_from_env("compression")  # the ring's too
     if mode == "local":
@@ -227,7 +235,7 @@ def connect(
             shards, identity.worker_id or 0, high, min_workers=low, max_workers=high, **given
         )
         elastic_client = ElasticPSClient(settings)
-        return DiLoCoClient(elastic_client, diloco) if diloco else elastic_client
+        return DiLoCoClient(elastic_client, diloco, worker_state_dir) if diloco else elastic_client
     count = identity.num_workers
     if identity.worker_id is None and (count or 1) > 1:
         raise ConfigError(
@@ -238,7 +246,7 @@ def connect(
     settings = ClientSettings.from_env(shards, identity.worker_id or 0, count or 1, **given)
     _log_identity(identity)
     client = PSClient(settings)
-    return DiLoCoClient(client, diloco) if diloco else client
+    return DiLoCoClient(client, diloco, worker_state_dir) if diloco else client
 
 
 def _diloco_settings(mode: str | None, given: dict[str, Any]) -> DiLoCoSettings | None:

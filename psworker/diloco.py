@@ -20,12 +20,14 @@ naming both.
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Self
 
 import numpy as np
@@ -176,12 +178,18 @@ class DiLoCoClient:
     ``shard()`` and ``start_epoch`` see one step per batch; ``outer`` is the parameter-server
     client, whose step is the outer step (one per fragment's exchange).
     ``bytes_sent``/``bytes_received`` total what outer steps moved (pseudo-gradients as
-    compressed on the wire, weights read back).
+    compressed on the wire, weights read back). ``state_dir``: where this worker keeps its
+    own state (``state_file``) to resume after a restart (``psworker/diloco_resume.py``).
     """
 
     mode = "diloco"
 
-    def __init__(self, outer: PSClient, settings: DiLoCoSettings) -> None:
+    def __init__(
+        self,
+        outer: PSClient,
+        settings: DiLoCoSettings,
+        state_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
         if outer.mode != settings.shard_mode:
             raise ConfigError(
                 f"DiLoCo with outer_sync={settings.outer_sync} runs the shards in mode "
@@ -193,6 +201,10 @@ class DiLoCoClient:
         self.num_workers = outer.num_workers
         self.step = outer.step * settings.spacing
         self.in_flight: Future[Any] | None = None  # an overlapped exchange (OuterSteps)
+        # This worker's own state, kept to resume after a restart (psworker/diloco_resume.py).
+        self.state_file = (
+            None if state_dir is None else Path(state_dir) / f"diloco-worker-{self.worker_id}.pt"
+        )
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -465,6 +477,20 @@ class OuterSteps:
             if settings.dynamic_local_steps
             else None
         )
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an exchange has started and not landed."""
+        return self._flight is not None
+
+    def resume(self, outer_step: int, done: int, inner_step: int) -> None:
+        """Goes on from a worker's saved state: ``outer_step`` exchanges landed, ``done``
+        inner steps since the last one started, ``inner_step`` in all (the client's counts
+        set to match: a push of an outer step the shards already hold is sent as a retry)."""
+        self.outer_step_count = outer_step
+        self.done = done
+        self.client.outer.step = outer_step
+        self.client.step = inner_step
 
     @property
     def due(self) -> int:

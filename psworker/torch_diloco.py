@@ -9,7 +9,9 @@ the paper.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,9 +20,12 @@ import torch
 from pscore.optim import Optimizer
 from pswire.errors import ConfigError
 from psworker.diloco import DiLoCoClient, Landed, OuterSteps
+from psworker.diloco_resume import WorkerState
 from psworker.reports import StepLog
 from psworker.torch import BUFFER_PREFIX, DistributedOptimizer
 from psworker.torch_optim import torch_optimizer_for
+
+log = logging.getLogger(__name__)
 
 
 class DiLoCoOptimizer(DistributedOptimizer):
@@ -62,6 +67,7 @@ class DiLoCoOptimizer(DistributedOptimizer):
             )
         self.model = model
         self.client = client
+        self._diloco = client  # typed: the outer client, its state file
         self._inner = optimizer
         names = {id(p): n for n, p in model.named_parameters()}
         self._params: dict[str, torch.nn.Parameter] = {}
@@ -92,6 +98,8 @@ class DiLoCoOptimizer(DistributedOptimizer):
         self.param_groups = optimizer.param_groups
         self.defaults = optimizer.defaults
         self.state = optimizer.state
+        if client.state_file is not None:
+            self._resume(client.state_file)
 
     def step(  # type: ignore[override]
         self, closure: Callable[[], Any] | None = None, grad_scaler: Any = None
@@ -138,6 +146,9 @@ class DiLoCoOptimizer(DistributedOptimizer):
         with torch.no_grad():
             loads, landed = take(self._read)
             self._load(loads)
+        state_file = self._diloco.state_file
+        if state_file is not None and landed and not self._steps.in_flight:
+            self._save(state_file)
         if self._log.active:
             for one in landed:
                 self._log.step(one.step, one.seconds, one.sent, one.received)
@@ -145,6 +156,55 @@ class DiLoCoOptimizer(DistributedOptimizer):
     def _read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
         tensors = {**self._params, **self._buffers}
         return {n: _host(tensors[n]) for n in names}
+
+    def _save(self, path: Path) -> None:
+        """Writes this worker's own state (``psworker/diloco_resume.py``)."""
+        rng, cuda_rng = WorkerState.generators()
+        tensors = {**self._params, **self._buffers}
+        WorkerState(
+            job=self._diloco.outer.identity.value,
+            worker=self.client.worker_id,
+            outer_step=self._steps.outer_step_count,
+            inner_step=self.client.step,
+            done=self._steps.done,
+            model={n: t.detach().cpu() for n, t in tensors.items()},
+            inner=self._inner.state_dict(),
+            rng=rng,
+            cuda_rng=cuda_rng,
+        ).save(path)
+
+    def _resume(self, path: Path) -> None:
+        """Loads this worker's own state from ``path`` when it resumes this job (see
+        ``WorkerState.check_resumable``).
+
+        Raises:
+            ConfigError: a state of this job that cannot resume it (named).
+        """
+        saved = WorkerState.load(path)
+        outer = self._diloco.outer
+        if saved is None or not saved.check_resumable(
+            outer.identity.value, self.client.worker_id, outer.step
+        ):
+            return
+        tensors = {**self._params, **self._buffers}
+        if set(saved.model) != set(tensors):
+            raise ConfigError(
+                f"{path} holds the variables {sorted(saved.model)}, the model "
+                f"{sorted(tensors)}: another model's state"
+            )
+        with torch.no_grad():
+            for name, value in saved.model.items():
+                tensors[name].copy_(value.to(tensors[name].device))
+        self.load_state_dict(saved.inner)
+        saved.restore_generators()
+        self._steps.resume(saved.outer_step, saved.done, saved.inner_step)
+        log.info(
+            "worker %d resumed from its DiLoCo state at outer step %d, inner step %d (%s)",
+            self.client.worker_id,
+            saved.outer_step,
+            saved.inner_step,
+            path,
+        )
 
     def report(self, **values: Any) -> None:
         """As ``DistributedOptimizer.report``."""
