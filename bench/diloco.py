@@ -69,6 +69,10 @@ NET_OUTER = "--outer-lr 1.0 --outer-momentum 0.7"
 ASYNC = f"asynchronous DiLoCo H={H} (momentum {ASYNC_MOMENTUM}), worker 3 slowed 2x"
 DYLU = f"asynchronous DiLoCo H={H} + DyLU (momentum {ASYNC_MOMENTUM}), worker 3 slowed 2x"
 EVAL_EVERY = 5 * H
+# Streaming DiLoCo's settings: 5 fragments (one exchange every H/5 steps), each landing one
+# inner step late, merged half and half with the local weights (the paper's alpha).
+STREAMING = ("--fragments", "5", "--overlap-steps", "1", "--mix", "0.5")
+STREAMING_LABEL = f"Streaming DiLoCo H={H}, 5 fragments, overlap 1 step, mix 0.5"
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,7 @@ def skewed(steps: int) -> tuple[int, ...]:
 
 
 def runs(steps: int, common: tuple[str, ...] = (), corpus: str = "stdlib") -> list[Run]:
-    """The six jobs, each ``WORKERS * steps`` batches in all."""
+    """The seven jobs, each ``WORKERS * steps`` batches in all."""
     sync_lr, diloco_lr = LRS[corpus]
     diloco = (*common, "--mode", "diloco", "--local-steps", str(H), "--lr", str(diloco_lr))
     asynchronous = (*diloco, "--outer-async", "--outer-momentum", str(ASYNC_MOMENTUM))
@@ -104,6 +108,7 @@ def runs(steps: int, common: tuple[str, ...] = (), corpus: str = "stdlib") -> li
     return [
         Run("sync", (*common, "--mode", "sync", "--lr", str(sync_lr)), even),
         Run(f"DiLoCo H={H}", diloco, even),
+        Run(STREAMING_LABEL, (*diloco, *STREAMING), even),
         Run(f"DiLoCo H={H}, worker 3 slowed 2x", diloco, even, slow),
         Run(ASYNC, asynchronous, skewed(steps), slow),
         Run(DYLU, dylu, skewed(steps), slow),
@@ -377,12 +382,13 @@ def over_link(args: argparse.Namespace) -> int:
         (*diloco_flags, "--lr", str(args.diloco_lr), *shlex.split(args.diloco_flags)),
         (diloco_steps,) * WORKERS,
     )
+    streaming_run = Run(STREAMING_LABEL, (*diloco_run.flags, *STREAMING), (diloco_steps,) * WORKERS)
     results, rows = {}, {}
     with Hosts(WORKERS + SHARDS, args.net) as hosts:
         link = f"tbf {args.net} both ways on each host's link" + (
             ", netem delay" if hosts.delayed else ", no added delay (no netem here)"
         )
-        for run in (sync_run, diloco_run):
+        for run in (sync_run, diloco_run, streaming_run):
             print(f"diloco bench ({link}): {run.label}, steps {run.steps}, load {load()}")
             before = load()
             results[run.label] = train(run, hosts, (), H)
@@ -391,6 +397,7 @@ def over_link(args: argparse.Namespace) -> int:
     target = sync_curve[-1]["perplexity"]
     sync_s = time_to(sync_curve, target)
     diloco_s = time_to(diloco_curve, target)
+    streaming_s = time_to(results[streaming_run.label][0], target)
     print("| run | steps per worker | final perplexity | bytes sent | seconds | load |")
     print("|---|---|---|---|---|---|")
     for label, r in rows.items():
@@ -402,6 +409,11 @@ def over_link(args: argparse.Namespace) -> int:
     print(
         f"time to sync's final perplexity {target:.3f} ({link}): sync {sync_s:.1f} s, DiLoCo "
         + (f"{diloco_s:.1f} s: {ratio:.2f}x (target >= 5x)" if diloco_s else "never reached it")
+        + (
+            f"; streaming DiLoCo {streaming_s:.1f} s: {sync_s / streaming_s:.2f}x"
+            if sync_s and streaming_s
+            else "; streaming DiLoCo never reached it"
+        )
     )
     plot_time(
         results,
