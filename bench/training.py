@@ -1,11 +1,11 @@
 """Training throughput (samples/s) of a real model against DDP: a ~25M-parameter transformer LM
-and a ResNet-style CNN, 2 workers, for DDP with gloo, the torch RPC parameter server, and ours
-(sync, async, allreduce) with overlap on and off; over loopback and over emulated links (a
-network namespace per host, each worker and each shard, joined by veth pairs to a bridge, each
-host's link shaped with tc netem: 10 Gbit/s and 1 Gbit/s, 0.2 ms delay).
+and a ResNet-style CNN, 2 workers (``--workers``), for DDP with gloo, the torch RPC parameter
+server, and ours (sync, async, allreduce) with overlap on and off; over loopback and over
+emulated links (a network namespace per host, each worker and each shard, joined by veth pairs
+to a bridge, each host's link shaped with tc netem: 10 Gbit/s and 1 Gbit/s, 0.2 ms delay).
 
 ``python -m bench.training [--quick] [--nets loopback 1gbit ...] [--rounds 3] [--systems ...]
-[--modes ...]``;
+[--modes ...] [--workers 4]``;
 ``python -m bench --only training``. Systems are interleaved round by round: each round starts
 every system once (one process start each, the order reversed every other round), so load
 from elsewhere hits them alike; a system's figure is the median of its rounds. Every process
@@ -711,6 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nets", nargs="+", default=list(NETS), choices=list(NETS))
     parser.add_argument("--models", nargs="+", default=["lm", "cnn"], choices=["lm", "cnn"])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2, help="workers per job (2 shards)")
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     parser.add_argument(
         "--modes",
@@ -736,7 +737,13 @@ def main(argv: list[str] | None = None) -> int:
         run_worker(args)
         return 0
     table = measure(
-        args.quick, args.nets, args.models, args.rounds, systems=args.systems, modes=args.modes
+        args.quick,
+        args.nets,
+        args.models,
+        args.rounds,
+        args.workers,
+        systems=args.systems,
+        modes=args.modes,
     )
     print_table(table)
     for r in table.ratios:

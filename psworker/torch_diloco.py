@@ -90,7 +90,8 @@ class DiLoCoOptimizer(DistributedOptimizer):
             client.init(values, buffers=list(self._buffers))
             weights = client.pull()
             self._load(weights)
-        self._steps = OuterSteps(client, weights, list(self._buffers), order=list(self._params))
+        in_model_order = [n for n, _ in model.named_parameters() if n in self._params]
+        self._steps = OuterSteps(client, weights, list(self._buffers), order=in_model_order)
         # torch's Optimizer, not DistributedOptimizer's constructor (which pushes gradients).
         torch.optim.Optimizer.__init__(
             self, [{"params": g["params"]} for g in optimizer.param_groups], {}
