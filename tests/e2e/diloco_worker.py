@@ -4,10 +4,10 @@ AdamW inner steps on a small model with dropout (so the random generator matters
 fixed per (worker, inner step): two fault-free runs end bit-identical, and a worker restarted
 from its state (``--state-dir``) goes on at the inner step it resumed at (``client.step``).
 ``--stall-at k`` stops it before inner step k after printing ``{"stalled": k}``: the test
-kills it there. ``--keep-states`` copies its state file after every inner step that wrote it,
-as ``kept-<outer step>.pt`` beside it. It prints ``{"ready": inner step}`` once connected,
-``{"done": outer step}`` at the end, and writes its model's and the job's final weights to
-``--out`` (.npz).
+kills it there. ``--keep-states`` copies its state file after every inner step that wrote
+it, as ``<its name>-kept-<outer step>.pt`` beside it. It prints ``{"ready": inner step}`` once
+connected, ``{"done": outer step}`` at the end, and writes its model's and the job's final
+weights to ``--out`` (.npz).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def main() -> int:
             opt.step()
             state = client.state_file
             if args.keep_states and state is not None and client.outer.step != before:
-                shutil.copy(state, state.with_name(f"kept-{client.outer.step}.pt"))
+                shutil.copy(state, state.with_name(f"{state.stem}-kept-{client.outer.step}.pt"))
         opt.synchronize()
         weights = {f"model/{k}": v.detach().numpy().copy() for k, v in model.state_dict().items()}
         weights.update({f"job/{k}": v for k, v in client.pull().items()})

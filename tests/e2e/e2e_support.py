@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -229,6 +230,16 @@ class Lines:
                 if left <= 0 or (self.proc.poll() is not None and not self._thread.is_alive()):
                     raise AssertionError(f"no {what} within {timeout}s:\n{self.text()}")
                 self.changed.wait(min(left, 0.5))
+
+    def finish(self, out: Path, timeout: float = 120) -> dict[str, Any]:
+        """Waits for ``{"done": ...}`` and a clean exit; the arrays the worker saved to
+        ``out`` (.npz)."""
+        import numpy as np
+
+        self.wait_for(lambda: self.latest("done") is not None, timeout, "the end of training")
+        assert self.proc.wait(timeout=30) == 0, self.text()
+        with np.load(out) as saved:
+            return {k: saved[k].copy() for k in saved.files}
 
 
 NUMPY_WORKER = str(Path(__file__).with_name("numpy_worker.py"))

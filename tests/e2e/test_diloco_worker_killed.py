@@ -29,19 +29,12 @@ def start(procs: Processes, addresses: list[str], worker: int, out: Path, *flags
     return Lines(procs.start([*args, "--local-steps", str(H), *flags]))
 
 
-def finish(lines: Lines, out: Path) -> dict[str, np.ndarray]:
-    lines.wait_for(lambda: lines.latest("done") is not None, 180, "the end of training")
-    assert lines.proc.wait(timeout=30) == 0, lines.text()
-    with np.load(out) as saved:
-        return {k: saved[k].copy() for k in saved.files}
-
-
 def job(procs: Processes, tmp: Path, *flags: str) -> list[dict[str, np.ndarray]]:
     """A fault-free run: each worker's final model and the job's weights."""
     addresses = [procs.psserver("--heartbeat-timeout", "0").address for _ in range(2)]
     outs = [tmp / f"clean{w}.npz" for w in range(2)]
     workers = [start(procs, addresses, w, outs[w], *flags) for w in range(2)]
-    return [finish(lines, out) for lines, out in zip(workers, outs, strict=True)]
+    return [lines.finish(out, 180) for lines, out in zip(workers, outs, strict=True)]
 
 
 def identical(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
@@ -79,13 +72,13 @@ def test_a_diloco_worker_killed_and_restarted_ends_bit_identical(
     state = states / "diloco-worker-1.pt"
     assert state.exists()
     if case.startswith("after"):  # as if it died after outer step 1's push, before its write
-        shutil.copy(states / "kept-1.pt", state)
+        shutil.copy(states / "diloco-worker-1-kept-1.pt", state)
     if case.startswith("without"):
         state.unlink()
     again = start(procs, addresses, 1, outs[1], *flags, *with_state)
     again.wait_for(lambda: again.latest("ready") is not None, 120, "the restart")
     assert again.latest("ready") == resumes_at, again.text()
-    final = [finish(steady, outs[0]), finish(again, outs[1])]
+    final = [steady.finish(outs[0], 180), again.finish(outs[1], 180)]
     if case.startswith("without"):
         # Resumed from the job's weights with a fresh AdamW: trained on, another model.
         assert not identical(final[0], clean[0])

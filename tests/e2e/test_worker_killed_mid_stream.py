@@ -8,7 +8,6 @@ import signal
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 from e2e_support import Lines, Processes
 
@@ -25,21 +24,12 @@ def worker(procs: Processes, addresses: list[str], out: Path, *flags: str) -> Li
     return Lines(procs.start([*args, "--steps", str(STEPS), *flags]))
 
 
-def finish(lines: Lines, out: Path) -> dict[str, np.ndarray]:
-    lines.wait_for(lambda: lines.latest("done") is not None, 120, "the end of training")
-    assert lines.proc.wait(timeout=30) == 0, lines.text()
-    with np.load(out) as saved:
-        return {k: saved[k].copy() for k in saved.files}
-
-
 def test_a_worker_killed_mid_stream_changes_no_shard_and_resumes_at_that_step(
     procs: Processes, tmp_path: Path
 ) -> None:
     clean_shards = [procs.psserver() for _ in range(2)]
-    clean = finish(
-        worker(procs, [d.address for d in clean_shards], tmp_path / "clean.npz"),
-        tmp_path / "clean.npz",
-    )
+    clean_out = tmp_path / "clean.npz"
+    clean = worker(procs, [d.address for d in clean_shards], clean_out).finish(clean_out)
 
     shards = [procs.psserver() for _ in range(2)]
     addresses = [d.address for d in shards]
@@ -56,7 +46,7 @@ def test_a_worker_killed_mid_stream_changes_no_shard_and_resumes_at_that_step(
     again.wait_for(lambda: again.latest("ready") is not None, 60, "the restart")
     # The shards never had step KILLED_AT whole: the restarted worker is told to redo it.
     assert again.latest("ready") == KILLED_AT, again.text()
-    final = finish(again, out)
+    final = again.finish(out)
     assert [s.clock for s in shard_status(addresses)] == [STEPS, STEPS]
     for name, value in clean.items():
         assert final[name].tobytes() == value.tobytes(), name

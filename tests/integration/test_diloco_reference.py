@@ -97,9 +97,13 @@ def max_difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
     )
 
 
-def trained_on_shards(addresses: list[str]) -> list[torch.nn.Module]:
-    """4 worker threads in mode diloco (sync outer steps), each its own slice of the data."""
+def trained_on_shards(
+    addresses: list[str], local_steps: int = H, **streaming: float
+) -> tuple[list[torch.nn.Module], dict[int, dict]]:
+    """4 worker threads in mode diloco (sync outer steps), each its own slice of the data:
+    their models, and the job's weights each pulled at the end."""
     models = [make_model(0 if w == 0 else 50 + w) for w in range(WORKERS)]  # worker 0's start
+    finals: dict[int, dict] = {}
 
     def worker(w: int):
         def run() -> None:
@@ -108,28 +112,33 @@ def trained_on_shards(addresses: list[str]) -> list[torch.nn.Module]:
                 worker_id=w,
                 num_workers=WORKERS,
                 mode="diloco",
-                local_steps=H,
+                local_steps=local_steps,
                 outer=SGD(lr=OUTER_LR, momentum=MOMENTUM, nesterov=True),
                 split_bytes=256,  # the first layer's weight split across both shards
+                **streaming,
             ) as client:
                 opt = DistributedOptimizer(models[w], client, make_inner(models[w]))
                 for t in range(STEPS):
                     opt.zero_grad()
                     loss_at(models[w], w, t).backward()
                     opt.step()
-                assert client.outer.step == STEPS // H
+                opt.synchronize()  # lands an exchange in flight; no inner steps are left
+                assert client.outer.step == STEPS // opt.local_steps
+                assert client.step == STEPS
+                finals[w] = client.pull()
 
         return run
 
     run_workers([worker(w) for w in range(WORKERS)])
-    return models
+    return models, finals
 
 
 def test_four_workers_on_two_shards_match_diloco_written_out_in_torch(shards):
     expected = reference()
     moved = max_difference(expected, make_model(0))
     assert moved > 1e-2  # it trained
-    for w, model in enumerate(trained_on_shards([s.address for s in shards(2)])):
+    models, _ = trained_on_shards([s.address for s in shards(2)])
+    for w, model in enumerate(models):
         assert max_difference(model, expected) <= TOLERANCE, f"worker {w}"
 
 
@@ -235,38 +244,13 @@ def test_streaming_fragments_with_overlap_match_streaming_diloco_written_out_in_
     and half; the shards' weights and every worker's match the torch reference."""
     expected_global, expected_local = streaming_reference()
     assert max_difference(expected_global, make_model(0)) > 1e-2  # it trained
-    addresses = [s.address for s in shards(2)]
-    models = [make_model(0 if w == 0 else 50 + w) for w in range(WORKERS)]
-    finals: dict[int, dict] = {}
-
-    def worker(w: int):
-        def run() -> None:
-            with psworker.connect(
-                addresses,
-                worker_id=w,
-                num_workers=WORKERS,
-                mode="diloco",
-                local_steps=STREAM_H,
-                fragments=FRAGMENTS,
-                overlap_steps=OVERLAP,
-                mix=MIX,
-                outer=SGD(lr=OUTER_LR, momentum=MOMENTUM, nesterov=True),
-                split_bytes=256,
-            ) as client:
-                opt = DistributedOptimizer(models[w], client, make_inner(models[w]))
-                assert opt.local_steps == STREAM_H // FRAGMENTS
-                for t in range(STEPS):
-                    opt.zero_grad()
-                    loss_at(models[w], w, t).backward()
-                    opt.step()
-                opt.synchronize()
-                assert client.outer.step == STEPS // (STREAM_H // FRAGMENTS)
-                assert client.step == STEPS
-                finals[w] = client.pull()
-
-        return run
-
-    run_workers([worker(w) for w in range(WORKERS)])
+    models, finals = trained_on_shards(
+        [s.address for s in shards(2)],
+        STREAM_H,
+        fragments=FRAGMENTS,
+        overlap_steps=OVERLAP,
+        mix=MIX,
+    )
     for name, value in expected_global.named_parameters():
         assert abs(finals[0][name] - value.detach().numpy()).max() <= TOLERANCE, name
     for w, model in enumerate(models):
