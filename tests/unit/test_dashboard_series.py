@@ -12,7 +12,7 @@ import pytest
 from psctl.dashboard import DashboardSources, ReportTail, Sample, build_series, parse_metrics
 from psctl.main import main as psctl_main
 from pswire.errors import ConfigError
-from psworker.reports import Reporter, report, reporter_for
+from psworker.reports import Reporter, StepLog, report, reporter_for
 
 METRICS = """\
 # TYPE psserver_push_bytes counter
@@ -139,3 +139,25 @@ def test_psctl_dashboard_bad_flags_are_usage_errors(capsys: pytest.CaptureFixtur
         psctl_main(["dashboard", "127.0.0.1:1", "--port", "70000"])
     assert exit_.value.code == 2
     assert "--port must be in [0, 65535], got 70000" in capsys.readouterr().err
+
+
+def test_step_log_lines_carry_the_workers_step_the_pushed_step_and_its_bytes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    class Client:  # a DiLoCo client at its 2nd outer step: 10 inner steps finished
+        worker_id, step = 5, 10
+
+    monkeypatch.setenv("PS_REPORT_DIR", str(tmp_path))
+    log = StepLog(Client(), report_every_s=3600.0)
+    log.step(1, 0.01, sent=644, received=644)
+    Client.step = 15
+    log.step(2, 0.02, sent=322, received=644)  # held back: within the second of the first
+    path = tmp_path / "worker5.jsonl"
+    assert len(path.read_text().splitlines()) == 1
+    log.flush()  # as when the log is collected or the process exits
+    first, last = (json.loads(line) for line in path.read_text().splitlines())
+    assert (first["step"], first["pushed_step"], first["bytes_sent"]) == (10, 1, 644)
+    assert (last["step"], last["pushed_step"], last["bytes_sent"]) == (15, 2, 322)
+    assert (last["bytes_sent_total"], last["bytes_received_total"]) == (966, 1288)
+    log.flush()
+    assert len(path.read_text().splitlines()) == 2  # nothing held: nothing more
