@@ -4,56 +4,22 @@ screenshot saved under ``out/``."""
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+from dashboard_pages import browse, chromium, series, wait_for
 from e2e_support import REPO, Lines, Processes, child_env, free_port, wait_port_file
 
 WORKER = str(REPO / "tests" / "e2e" / "reporting_worker.py")
 SCREENSHOT = REPO / "out" / "dashboard.png"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-CHARTS = ("steps", "loss", "wait", "staleness", "bytes_in", "bytes_out", "refused", "rss")
-
-
-def chromium() -> str:
-    for name in ("chromium", "chromium-browser"):
-        found = shutil.which(name)
-        if found:
-            return found
-    pytest.skip("chromium is not installed (apt-get install chromium; scripts/dev.sh test does)")
-
-
-def browse(browser: str, profile: Path, url: str, *args: str) -> str:
-    """Chromium, headless, on ``url`` with ``args``; its stdout. The page's scripts get 4 s of
-    (virtual) time to fetch and draw before the DOM or screenshot is taken."""
-    command = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
-    command += [f"--user-data-dir={profile}", "--virtual-time-budget=4000", *args, url]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=90)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
-
-
-def series(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url + "api/series", timeout=10) as reply:
-        return json.loads(reply.read())
-
-
-def wait_for(predicate: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.25)
-    raise AssertionError(f"gave up after {timeout:g}s waiting for {what}")
+CHARTS = (
+    "steps", "loss", "wait", "staleness", "bytes_in", "bytes_out", "worker_bytes", "refused", "rss",
+)  # fmt: skip
 
 
 @pytest.mark.timeout(240)
