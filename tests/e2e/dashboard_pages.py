@@ -1,17 +1,20 @@
-"""Reading ``psctl dashboard`` as its users do, for the dashboard's end-to-end tests: its JSON
-series, and its page as headless Chromium (Debian's package) renders it."""
+"""``psctl dashboard`` for the dashboard's end-to-end tests: shard daemons with ``/metrics``,
+the dashboard over them, and reading it as its users do: its JSON series, and its page as
+headless Chromium (Debian's package) renders it."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+from e2e_support import Processes, child_env, free_port, wait_port_file
 
 
 def chromium() -> str:
@@ -48,3 +51,28 @@ def wait_for(predicate: Any, timeout: float, what: str) -> Any:
             return found
         time.sleep(0.25)
     raise AssertionError(f"gave up after {timeout:g}s waiting for {what}")
+
+
+def metered_shards(procs: Processes, n: int = 2) -> tuple[list[str], list[str]]:
+    """``n`` psserver daemons, each with ``--metrics-port``: their addresses and their
+    ``/metrics`` host:port."""
+    metrics = [f"127.0.0.1:{free_port()}" for _ in range(n)]
+    shards = [procs.psserver("--metrics-port", m.rsplit(":", 1)[1]) for m in metrics]
+    return [s.address for s in shards], metrics
+
+
+def start_dashboard(
+    procs: Processes, addresses: list[str], metrics: list[str], reports: Path, folder: Path
+) -> str:
+    """``psctl dashboard`` on the shards at ``addresses`` (reading every 0.5 s), on a free
+    port; the page's URL once it serves."""
+    port_file = folder / "dashboard.port"
+    dashboard = procs.start(
+        [
+            sys.executable, "-m", "psctl.main", "dashboard", *addresses,
+            "--metrics", ",".join(metrics), "--reports", str(reports), "--port", "0",
+            "--port-file", str(port_file), "--interval", "0.5",
+        ],
+        child_env(),
+    )  # fmt: skip
+    return f"http://127.0.0.1:{wait_port_file(dashboard, port_file, 30.0)}/"

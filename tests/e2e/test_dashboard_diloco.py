@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dashboard_pages import browse, series, wait_for
-from e2e_support import REPO, Lines, Processes, child_env, free_port, wait_port_file
+from dashboard_pages import browse, metered_shards, series, start_dashboard, wait_for
+from e2e_support import REPO, Lines, Processes, child_env
 
 WORKER = str(REPO / "tests" / "e2e" / "diloco_reporting_worker.py")
 H, STEPS, PACE = 4, 48, 0.1  # 12 outer steps in about 5 s
@@ -33,9 +33,8 @@ def report_lines(folder: Path, worker: int) -> list[dict[str, Any]]:
 def test_the_dashboard_of_a_diloco_job_counts_outer_steps_and_each_workers_bytes(
     procs: Processes, tmp_path: Path
 ) -> None:
-    metrics = [free_port(), free_port()]
-    shards = [procs.psserver("--metrics-port", str(port)) for port in metrics]
-    addresses = ",".join(s.address for s in shards)
+    shards, metrics = metered_shards(procs)
+    addresses = ",".join(shards)
     reports = tmp_path / "reports"
     env = child_env(PS_REPORT_DIR=str(reports))
     workers = [
@@ -43,17 +42,7 @@ def test_the_dashboard_of_a_diloco_job_counts_outer_steps_and_each_workers_bytes
                            str(PACE)], env))
         for w in (0, 1)
     ]  # fmt: skip
-    port_file = tmp_path / "dashboard.port"
-    dashboard = procs.start(
-        [
-            sys.executable, "-m", "psctl.main", "dashboard", *addresses.split(","),
-            "--metrics", ",".join(f"127.0.0.1:{p}" for p in metrics),
-            "--reports", str(reports), "--port", "0", "--port-file", str(port_file),
-            "--interval", "0.5",
-        ],
-        child_env(),
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{wait_port_file(dashboard, port_file, 30.0)}/"
+    url = start_dashboard(procs, shards, metrics, reports, tmp_path)
 
     # While the job runs: both workers live, with a step report and a loss each.
     def running() -> dict[str, Any] | None:
