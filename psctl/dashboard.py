@@ -3,17 +3,21 @@ reports, kept as time series for the page to plot.
 
 A ``Sampler`` reads every source once per interval (a read never changes a shard) and keeps
 the last ``history`` samples; ``series()`` turns them into what the page draws: per worker
-steps/s, loss, staleness and RSS, per shard sync round wait, bytes in and out, refused
-requests and RSS, and the membership changes as marks on the time axis.
+steps/s, loss, staleness, RSS and bytes sent and received, per shard sync round wait, bytes
+in and out, refused requests and RSS, the membership changes as marks on the time axis, and
+a table of the workers' newest figures. In a DiLoCo job (the shards' Status names its local
+steps) the shards' clocks count outer steps, and the titles and units say so.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import threading
 import time
 import urllib.request
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +31,10 @@ from pswire.security import ClientSecurity
 
 DEFAULT_INTERVAL_S = 1.0
 DEFAULT_HISTORY = 3600  # samples kept: an hour at one a second
+# What the workers' table shows and the charts do not: a report line's time and ``step`` (the
+# worker's own, inner in DiLoCo; psworker/reports.py), and the steps/s between two reads.
+NOT_CHARTED = ("t", "step", "steps_per_s")
+RATE_WINDOW_S = 10.0  # rates (steps/s, bytes/s, ...) are means over this many seconds
 
 
 @dataclass(frozen=True)
@@ -139,6 +147,9 @@ class Sampler:
         self._samples: deque[Sample] = deque(maxlen=history)
         self._events: dict[tuple[str, int, int], dict[str, Any]] = {}
         self._tail = ReportTail(sources.reports) if sources.reports is not None else None
+        # Each worker's newest reported figures (a line comes at most once a second, in
+        # DiLoCo once an outer step): charted in every sample while the worker is live.
+        self._reported: dict[int, dict[str, Any]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -173,12 +184,14 @@ class Sampler:
             if not shard.get("error"):
                 entry["clock"] = shard["clock"]
                 entry["mode"] = shard["mode"]
+                entry["diloco"] = shard["diloco"]
                 entry["spread"] = shard["max_staleness"]
+                unit = "outer step" if shard["diloco"] else "step"
                 for change in shard["membership"]["history"]:
                     key = (change["kind"], change["worker_id"], change["step"])
                     if key not in self._events:
                         at = t - change["seconds_ago"]
-                        text = f"worker {change['worker_id']} {change['kind']} at step "
+                        text = f"worker {change['worker_id']} {change['kind']} at {unit} "
                         text += str(change["step"])
                         event = {"t": at, "text": text}
                         self._events[key] = event
@@ -194,14 +207,31 @@ class Sampler:
                 "staleness": w["staleness"] if w["live"] else None,
                 "live": w["live"],
             }
+        fresh: dict[int, dict[str, Any]] = {}
         if self._tail is not None:
             for report in self._tail.read():
-                figures = workers.setdefault(report["worker"], {})
+                figures = fresh.setdefault(report["worker"], {})
                 for name, value in report.items():
-                    if name not in ("t", "worker", "step"):
+                    if name != "worker" and _reported_figure(value):
                         figures[name] = value
-        sample = Sample(t, shards, workers, events)
         with self._lock:
+            for worker, figures in fresh.items():
+                held = self._reported.setdefault(worker, {})
+                rate = _rate(
+                    figures.get("step"), held.get("step"), figures.get("t", 0) - held.get("t", 0)
+                )
+                held.update(figures)
+                if rate is not None:  # since its previous read: in DiLoCo over outer steps
+                    held["steps_per_s"] = rate
+            for worker, reported in self._reported.items():
+                # A live worker's newest figures hold until its next line; one that left or
+                # was dropped shows only what it wrote since the last sample.
+                live = workers.get(worker, {}).get("live", False)
+                chosen = reported if live else fresh.get(worker)
+                if chosen:
+                    figures = workers.setdefault(worker, {})
+                    figures.update({k: v for k, v in chosen.items() if k not in NOT_CHARTED})
+            sample = Sample(t, shards, workers, events)
             self._samples.append(sample)
         return sample
 
@@ -218,7 +248,8 @@ class Sampler:
         with self._lock:
             samples = list(self._samples)
             events = sorted(self._events.values(), key=lambda e: e["t"])
-        return build_series(samples, events, len(self.sources.shards))
+            reported = {w: dict(figures) for w, figures in self._reported.items()}
+        return build_series(samples, events, len(self.sources.shards), reported, self.sources)
 
 
 def _rate(now: float | None, before: float | None, dt: float) -> float | None:
@@ -227,104 +258,231 @@ def _rate(now: float | None, before: float | None, dt: float) -> float | None:
     return (now - before) / dt
 
 
+Get = Callable[[Sample], Any]  # one figure of a sample (None: not known then)
+
+
 def build_series(
-    samples: Sequence[Sample], events: Sequence[dict[str, Any]], num_shards: int
+    samples: Sequence[Sample],
+    events: Sequence[dict[str, Any]],
+    num_shards: int,
+    reported: dict[int, dict[str, Any]] | None = None,
+    sources: DashboardSources | None = None,
+    window_s: float = RATE_WINDOW_S,
 ) -> dict[str, Any]:
     """Charts of ``samples``: each a title, a unit and named series aligned with ``t``
     (``None`` where there is no value: before a rate's second sample, an unreachable source,
-    a worker not yet reporting)."""
+    a worker not yet reporting; rates are means over the last ``window_s`` seconds), and a
+    ``note`` saying why a chart is empty. ``steps`` and
+    ``step_unit``: the newest worker's clock on the shards and what it counts (outer steps in
+    a DiLoCo job, whose ``diloco`` settings the shards' Status names); ``workers``: one row
+    per worker, from the last sample and the newest figures each ``reported``; ``sources``
+    (what the dashboard reads) words the notes."""
     t = [s.t for s in samples]
     worker_ids = sorted({w for s in samples for w in s.workers})
     shard_names = [f"shard {i}" for i in range(num_shards)]
+    last = samples[-1] if samples else None
+    diloco = _diloco(samples)
 
-    def per_worker(value: Callable[[Sample, Sample | None, int], float | None]) -> dict:
-        return {
-            f"worker {w}": [
-                value(s, samples[i - 1] if i else None, w) for i, s in enumerate(samples)
-            ]
-            for w in worker_ids
-        }
+    # Rates compare each sample with the oldest one within window_s before it (the one before
+    # when none is) that has the figure and does not exceed it (a restart resets counters):
+    # counters that move less often than once a sample, as a DiLoCo job's outer steps do,
+    # read as their mean rate, not as 0 and 1 by turns.
+    first = [None, *(min(bisect_left(t, t[i] - window_s), i - 1) for i in range(1, len(t)))]
 
-    def per_shard(value: Callable[[dict, dict | None, float], float | None]) -> dict:
-        out = {}
-        for j, name in enumerate(shard_names):
-            points = []
-            for i, s in enumerate(samples):
-                prev = samples[i - 1].shards[j] if i else None
-                dt = s.t - samples[i - 1].t if i else 0.0
-                points.append(value(s.shards[j], prev, dt))
-            out[name] = points
-        return out
-
-    def worker_field(name: str) -> Callable[[Sample, Sample | None, int], float | None]:
-        return lambda s, _p, w: s.workers.get(w, {}).get(name)
-
-    def steps_rate(s: Sample, prev: Sample | None, w: int) -> float | None:
-        if prev is None:
+    def base(i: int, get: Get) -> int | None:
+        now, j = get(samples[i]), first[i]
+        if now is None or j is None:
             return None
-        return _rate(
-            s.workers.get(w, {}).get("clock"), prev.workers.get(w, {}).get("clock"), s.t - prev.t
+        return next(
+            (k for k in range(j, i) if (v := get(samples[k])) is not None and v <= now), None
         )
 
-    def counter(name: str, scale: float = 1.0) -> Callable[[dict, dict | None, float], Any]:
-        def value(now: dict, prev: dict | None, dt: float) -> float | None:
-            r = _rate(now.get(name), None if prev is None else prev.get(name), dt)
-            return None if r is None else r * scale
+    def values(get: Get, scale: float = 1.0) -> list[Any]:
+        return [None if (v := get(s)) is None else v * scale for s in samples]
 
-        return value
+    def rates(get: Get, scale: float = 1.0) -> list[Any]:
+        out = []
+        for i, s in enumerate(samples):
+            j = base(i, get)
+            dt = 0.0 if j is None else s.t - samples[j].t
+            out.append(None if j is None or dt <= 0 else (get(s) - get(samples[j])) / dt * scale)
+        return out
 
-    def round_wait(now: dict, prev: dict | None, _dt: float) -> float | None:
-        if prev is None or "wait_count" not in now or "wait_count" not in prev:
-            return None
-        calls = now["wait_count"] - prev["wait_count"]
-        return (now["wait_sum"] - prev["wait_sum"]) / calls if calls > 0 else 0.0
+    def means(total: Get, count: Get) -> list[Any]:  # e.g. seconds waited per call
+        out: list[Any] = []
+        for i, s in enumerate(samples):
+            j = base(i, count)
+            if j is None:
+                out.append(None)
+                continue
+            calls = count(s) - count(samples[j])
+            out.append((total(s) - total(samples[j])) / calls if calls > 0 else 0.0)
+        return out
+
+    def worker(w: int, name: str) -> Get:
+        return lambda s: s.workers.get(w, {}).get(name)
+
+    def shard(j: int, name: str) -> Get:
+        return lambda s: s.shards[j].get(name)
+
+    def per_worker(series: Callable[[Get], list[Any]], name: str) -> dict[str, list[Any]]:
+        return {f"worker {w}": series(worker(w, name)) for w in worker_ids}
+
+    def per_shard(series: Callable[[Get], list[Any]], name: str) -> dict[str, list[Any]]:
+        return {n: series(shard(j, name)) for j, n in enumerate(shard_names)}
 
     kib, mib = 1.0 / (1 << 10), 1.0 / (1 << 20)
-    rss = {
-        **{k: [None if v is None else v * mib for v in vs] for k, vs in per_shard(
-            lambda now, _p, _d: now.get("rss")).items()},
-        **{k: [None if v is None else v * mib for v in vs] for k, vs in per_worker(
-            worker_field("rss")).items()},
-    }  # fmt: skip
-    loss = per_worker(worker_field("loss"))
-    updates = per_shard(counter("clock"))
-    steps = {**per_worker(steps_rate), **{f"{k} updates": v for k, v in updates.items()}}
-    spread = per_shard(lambda now, _p, _d: now.get("spread"))
-    staleness = {
-        **per_worker(worker_field("staleness")),
-        **{f"{k} spread": v for k, v in spread.items()},
+    in_mib = functools.partial(values, scale=mib)
+    rss = {**per_shard(in_mib, "rss"), **per_worker(in_mib, "rss")}
+    loss = per_worker(values, "loss")
+    updates = per_shard(rates, "clock")
+    steps = {**per_worker(rates, "clock"), **{f"{k} updates": v for k, v in updates.items()}}
+    spread = per_shard(values, "spread")
+    staleness = {**per_worker(values, "staleness"), **{f"{k} spread": v for k, v in spread.items()}}
+    in_kib = functools.partial(rates, scale=kib)
+    bytes_in, bytes_out = per_shard(in_kib, "bytes_in"), per_shard(in_kib, "bytes_out")
+    wait = {
+        n: means(shard(j, "wait_sum"), shard(j, "wait_count")) for j, n in enumerate(shard_names)
     }
-    bytes_in, bytes_out = per_shard(counter("bytes_in", kib)), per_shard(counter("bytes_out", kib))
+    worker_bytes = {  # totals since the worker started, from its report lines
+        f"worker {w} {way}": in_mib(worker(w, f"bytes_{way}_total"))
+        for w in worker_ids
+        for way in ("sent", "received")
+    }
+    title = _titles(diloco)
     charts = [
-        ("steps", "Steps/s per worker; shards' optimizer updates/s", "1/s", steps),
-        ("loss", "Loss per worker (reported by the script)", "loss", loss),
-        ("wait", "Sync round wait per shard (mean per pull/push)", "s", per_shard(round_wait)),
-        ("staleness", "Staleness per worker; clock spread per shard", "steps", staleness),
-        ("bytes_in", "Bytes in per shard (gradients)", "KiB/s", bytes_in),
-        ("bytes_out", "Bytes out per shard (weights)", "KiB/s", bytes_out),
-        ("refused", "Refused requests per shard", "calls/s", per_shard(counter("refused"))),
-        ("rss", "Resident memory (RSS)", "MiB", rss),
+        ("steps", steps), ("loss", loss), ("wait", wait), ("staleness", staleness),
+        ("bytes_in", bytes_in), ("bytes_out", bytes_out), ("worker_bytes", worker_bytes),
+        ("refused", per_shard(rates, "refused")), ("rss", rss),
     ]  # fmt: skip
-    last = samples[-1] if samples else None
-    newest = max((w.get("clock", 0) for w in last.workers.values()), default=0) if last else 0
+    newest = max((w.get("clock") or 0 for w in last.workers.values()), default=0) if last else 0
+    out = []
+    for i, series in charts:
+        finite = _finite(series)
+        empty = not any(v is not None for vs in finite.values() for v in vs)
+        note = _empty_note(i, sources) if empty and samples else None
+        out.append({"id": i, **title[i], "series": finite, "note": note})
     return {
         "t": t,
         "steps": newest,
+        "step_unit": "outer steps" if diloco else "steps",
+        "diloco": diloco,
         "samples": len(samples),
-        "charts": [
-            {"id": i, "title": title, "unit": unit, "series": _finite(series)}
-            for i, title, unit, series in charts
-        ],
+        "charts": out,
+        "workers": _workers(last, reported or {}),
         "events": list(events),
         "errors": _errors(last),
     }
 
 
-def _finite(series: dict[str, list[Any]]) -> dict[str, list[Any]]:
-    return {
-        k: [v if isinstance(v, int | float) and math.isfinite(v) else None for v in vs]
-        for k, vs in series.items()
+def _diloco(samples: Sequence[Sample]) -> dict[str, Any] | None:
+    """The local-step settings of the job, as the newest shard that answered names them."""
+    for sample in reversed(samples):
+        for shard in sample.shards:
+            if not shard.get("error") and "diloco" in shard:
+                return dict(shard["diloco"]) if shard["diloco"] else None
+    return None
+
+
+def _titles(diloco: dict[str, Any] | None) -> dict[str, dict[str, str]]:
+    """Each chart's title and unit; in a DiLoCo job the shards' clocks, and so the steps/s,
+    staleness and membership steps, count outer steps, and the bytes are pseudo-gradients."""
+    step, gradients, wait = "steps", "gradients", "mean per pull/push"
+    if diloco is not None:
+        h = diloco["local_steps"]
+        each = f"up to {h}" if diloco["dynamic_local_steps"] else f"{h}"
+        step, gradients = "outer steps", "pseudo-gradients"
+        wait = "mean per pull/push, at outer steps"
+    charts = {
+        "steps": (
+            f"Outer steps/s per worker (each {each} inner steps); shards' outer updates/s"
+            if diloco is not None
+            else "Steps/s per worker; shards' optimizer updates/s",
+            f"{step}/s",
+        ),
+        "loss": ("Loss per worker (reported by the script)", "loss"),
+        "wait": (f"Sync round wait per shard ({wait})", "s"),
+        "staleness": (
+            f"Staleness per worker ({step} behind the newest); clock spread per shard",
+            step,
+        ),
+        "bytes_in": (f"Bytes in per shard ({gradients})", "KiB/s"),
+        "bytes_out": ("Bytes out per shard (weights)", "KiB/s"),
+        "worker_bytes": (
+            f"Bytes per worker since it started: sent ({gradients}), received (weights)",
+            "MiB",
+        ),
+        "refused": ("Refused requests per shard", "calls/s"),
+        "rss": ("Resident memory (RSS)", "MiB"),
     }
+    return {k: {"title": title, "unit": unit} for k, (title, unit) in charts.items()}
+
+
+def _empty_note(chart: str, sources: DashboardSources | None) -> str | None:
+    """Why ``chart`` has nothing to plot (None: nothing to say)."""
+    no_reports = sources is not None and sources.reports is None
+    no_metrics = sources is not None and not sources.metrics
+    if chart in ("loss", "worker_bytes") and no_reports:
+        return (
+            "needs the workers' reports: psctl dashboard --reports DIR (the job's $PS_REPORT_DIR)"
+        )
+    if chart in ("wait", "bytes_in", "bytes_out", "refused") and no_metrics:
+        return "needs the shards' /metrics: psserver --metrics-port, psctl dashboard --metrics"
+    if chart == "loss":
+        return (
+            "no worker has reported a loss: the training script calls opt.report(loss=loss) "
+            "(or psworker.report(client, loss=...)) in its loop"
+        )
+    if chart == "worker_bytes":
+        return (
+            "no step report yet: DistributedOptimizer writes one at most once a second, "
+            "in DiLoCo at outer steps"
+        )
+    return None
+
+
+def _workers(last: Sample | None, reported: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per worker: its clock on the shards (outer steps in DiLoCo), whether it is
+    live, and its newest report: its own step count (inner steps in DiLoCo) and steps/s
+    between its last two reads, the last step's bytes sent and received (per outer step in
+    DiLoCo), the totals, the loss."""
+    status = last.workers if last is not None else {}
+    rows = []
+    for w in sorted(set(status) | set(reported)):
+        figures = reported.get(w, {})
+        rows.append(
+            {
+                "worker": w,
+                "clock": status.get(w, {}).get("clock"),
+                "live": status.get(w, {}).get("live"),
+                "step": figures.get("step"),
+                "steps_per_s": figures.get("steps_per_s"),
+                **{k: figures.get(k) for k in WORKER_FIGURES},
+                "reported_at": figures.get("t"),
+            }
+        )
+    return [{k: _finite_number(v) for k, v in row.items()} for row in rows]
+
+
+# The figures of a worker's newest report shown in the workers' table.
+WORKER_FIGURES = (
+    "bytes_sent", "bytes_received", "bytes_sent_total", "bytes_received_total", "loss",
+)  # fmt: skip
+
+
+def _reported_figure(value: Any) -> bool:
+    """Whether a report line's ``value`` is one to keep: a finite number, or None (a gap). A
+    line is any file's in the folder: text, a bool or a NaN there is left out, not plotted."""
+    return value is None or (not isinstance(value, bool) and _finite_number(value) is not None)
+
+
+def _finite_number(value: Any) -> Any:
+    """``value`` if it is a finite number (or a bool, e.g. ``live``), else None."""
+    return value if isinstance(value, int | float) and math.isfinite(value) else None
+
+
+def _finite(series: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    return {k: [_finite_number(v) for v in vs] for k, vs in series.items()}
 
 
 def _errors(last: Sample | None) -> list[str]:

@@ -65,6 +65,7 @@ def render_page(sampler: Sampler) -> str:
     shards = ", ".join(sampler.sources.shards)
     return (
         template.replace("{{steps}}", str(series["steps"]))
+        .replace("{{step_unit}}", series["step_unit"])
         .replace("{{shards}}", html.escape(shards))
         .replace("{{interval_ms}}", str(int(sampler.interval * 1000)))
     )
@@ -110,9 +111,10 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description=(
             "Reads every shard's Status (and, with --metrics, its /metrics) and the workers' "
             "reports each --interval, and serves a page plotting them: steps/s, loss, "
-            "staleness and RSS per worker; sync round wait, bytes in and out, refused "
-            "requests and RSS per shard; membership changes marked on the time axis. The "
-            "page loads nothing from the network. Prints the page's address."
+            "staleness, RSS and bytes sent and received per worker; sync round wait, bytes "
+            "in and out, refused requests and RSS per shard; membership changes marked on "
+            "the time axis; a table of the workers. In a DiLoCo job the steps are outer "
+            "steps. The page loads nothing from the network. Prints the page's address."
         ),
         epilog=admin.SECURITY_EPILOG,
     )

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pscore.job import VARIANT_MARK
 from pswire.errors import PSError
 from pswire.proto import ps_pb2
 from pswire.security import ClientSecurity
@@ -22,6 +24,27 @@ MAX_HISTORY_ROWS = 20
 
 # What one shard answered: its status, or why there is none.
 Status = ps_pb2.StatusResponse | str
+# A DiLoCo job's settings as its workers declare them after the model digest
+# (``DiLoCoSettings.variant`` in psworker/diloco.py; tests/unit/test_status_view.py parses
+# what that writes, so the two cannot drift apart).
+_DILOCO = re.compile(
+    r"diloco\(local_steps=(\d+), outer_sync=(True|False)(, dynamic_local_steps=True)?"
+)
+
+
+def local_steps_of(model_digest: str) -> dict[str, Any] | None:
+    """A DiLoCo job's local-step settings from the model digest a shard's Status carries:
+    ``{"local_steps": H, "outer_sync": bool, "dynamic_local_steps": bool}``; None for a job
+    without local steps (its shard's clock then counts the job's own steps)."""
+    _, _, variant = model_digest.partition(VARIANT_MARK)
+    found = _DILOCO.match(variant)
+    if found is None:
+        return None
+    return {
+        "local_steps": int(found.group(1)),
+        "outer_sync": found.group(2) == "True",
+        "dynamic_local_steps": found.group(3) is not None,
+    }
 
 
 def gather(
@@ -77,8 +100,10 @@ def to_data(
     """The cluster as plain data: ``{"shards": [...], "workers": [...]}``.
 
     Each shard has its address, health, job (mode, ``staleness``: the ssp bound, ``elastic``:
-    its min and max workers or None), clock (and
-    ``clock_counts``: "steps" in sync, "pushes applied" in async and ssp),
+    its min and max workers or None, ``diloco``: a DiLoCo job's ``local_steps``,
+    ``outer_sync`` and ``dynamic_local_steps``, or None), clock (and ``clock_counts``:
+    "steps" in sync, "pushes applied" in async and ssp; in DiLoCo "outer steps" and "outer
+    steps applied (one per push)"),
     variables, embedding tables (rows, bytes, evictions), bytes, push counts,
     ``max_staleness`` (clock spread of the live workers), workers (clock, staleness, live,
     seconds since heard), ``membership`` (joins, leaves, drops, joins pending, and the history
@@ -105,6 +130,7 @@ def _shard_data(index: int, address: str, health: str, status: Status) -> dict[s
     newest = max(clocks.values(), default=0)
     live = set(status.live_workers)
     left = set(status.left_workers)
+    diloco = local_steps_of(job.model_digest) if job else None
     data.update(
         error=None,
         initialized=status.initialized,
@@ -140,8 +166,8 @@ def _shard_data(index: int, address: str, health: str, status: Status) -> dict[s
             else None
         ),
         clock=int(status.clock),
-        # A sync shard's clock counts steps; async and ssp apply each push as one update.
-        clock_counts=("steps" if job.mode == "sync" else "pushes applied") if job else None,
+        diloco=diloco,
+        clock_counts=_clock_counts(job.mode, diloco) if job else None,
         num_variables=len(dense),
         variables=[
             {"name": v.name, "dtype": v.dtype, "shape": [int(d) for d in v.shape]} for v in dense
@@ -178,6 +204,15 @@ def _shard_data(index: int, address: str, health: str, status: Status) -> dict[s
         ),
     )
     return data
+
+
+def _clock_counts(mode: str, diloco: dict[str, Any] | None) -> str:
+    """What a shard's clock (and its workers' clocks) count: a sync shard's, steps (in DiLoCo
+    outer steps); async and ssp apply each push as one update (in DiLoCo each push is one
+    worker's outer step)."""
+    if diloco is not None:
+        return "outer steps" if mode == "sync" else "outer steps applied (one per push)"
+    return "steps" if mode == "sync" else "pushes applied"
 
 
 def _table_data(t: ps_pb2.TableStatus, spec: ps_pb2.VariableSpec | None) -> dict[str, Any]:
@@ -293,6 +328,9 @@ def render_table(
             "CLOCK: updates applied; in async and ssp one per push (each worker's own step is "
             "its CLOCK below), in sync one per step"
         )
+    diloco = next((s["diloco"] for s in shards if s.get("diloco")), None)
+    if diloco is not None:
+        lines.append(_diloco_note(diloco))
 
     answered = [s["shard"] for s in shards if not s.get("error")]
     lines.append("")
@@ -381,7 +419,8 @@ def _history(shards: list[dict[str, Any]]) -> list[str]:
         f"{m['drops']} drops" + (f"; joining now: {m['pending']}" if m["pending"] else "")
     )
     lines = ["", title]
-    lines += _table(["STEP", "WORKER", "CHANGE", "WHEN", "MEMBERS AFTER"], rows)
+    step = "OUTER STEP" if first.get("diloco") else "STEP"
+    lines += _table([step, "WORKER", "CHANGE", "WHEN", "MEMBERS AFTER"], rows)
     if len(m["history"]) > len(events):
         lines.append(f"... {len(m['history']) - len(events)} older changes (--json lists them)")
     return lines
@@ -391,7 +430,30 @@ def _mode(shard: dict[str, Any]) -> str:
     if not shard["initialized"] and shard["mode"] is None:
         return "(no job)"
     mode = shard["mode"] or "-"
+    diloco = shard.get("diloco")
+    if diloco is not None:  # the shard runs the outer steps in its sync or async rule
+        h = ("H<=" if diloco["dynamic_local_steps"] else "H=") + str(diloco["local_steps"])
+        return f"diloco({h})" if diloco["outer_sync"] else f"diloco({h},async)"
     return f"ssp({shard['staleness']})" if mode == "ssp" else mode
+
+
+def _diloco_note(diloco: dict[str, Any]) -> str:
+    """What the clocks of a DiLoCo job count, under the shards' table."""
+    h = diloco["local_steps"]
+    if diloco["dynamic_local_steps"]:
+        inner = f"up to H={h} inner steps (each worker's share of H set by its pace)"
+    else:
+        inner = f"H={h} inner steps"
+    if diloco["outer_sync"]:
+        return (
+            f"CLOCK: outer steps (DiLoCo: each worker takes {inner} between two); the "
+            "workers' CLOCKS and STALENESS below count outer steps too"
+        )
+    return (
+        f"CLOCK: outer steps applied, one per worker's push (DiLoCo, asynchronous: each "
+        f"worker takes {inner} between two); the workers' CLOCKS and STALENESS below count "
+        "each worker's own outer steps"
+    )
 
 
 def _checkpoint(checkpoint: dict[str, Any] | None) -> str:

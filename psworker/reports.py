@@ -1,5 +1,5 @@
-"""A worker's own figures (the script's loss, this process's memory, step time) for the live
-dashboard: one JSON line per report, appended to ``$PS_REPORT_DIR/worker<id>.jsonl``.
+"""A worker's own figures (the script's loss, this process's memory, step time and bytes) for
+the live dashboard: one JSON line per report, appended to ``$PS_REPORT_DIR/worker<id>.jsonl``.
 
 The folder is the one ``psctl dashboard --reports DIR`` reads; with ``$PS_REPORT_DIR`` unset
 a report costs nothing and goes nowhere. A file per worker (opened once, each line flushed)
@@ -9,11 +9,13 @@ after the job.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import IO, Any
 
@@ -73,9 +75,12 @@ class Reporter:
                 self._file = None
 
 
-def _number(name: str, value: Any) -> float | None:
-    """``value`` as a float (a 0-d tensor or numpy scalar too); None for NaN/inf, which JSON
-    cannot carry and the dashboard shows as a gap."""
+def _number(name: str, value: Any) -> float | int | None:
+    """``value`` as a float (a 0-d tensor or numpy scalar too; a Python int stays one, as a
+    count of steps or bytes); None for NaN/inf, which JSON cannot carry and the dashboard
+    shows as a gap."""
+    if type(value) is int:
+        return value
     if hasattr(value, "detach"):  # a torch tensor, e.g. the loss itself: no autograd warning
         value = value.detach()
     try:
@@ -123,6 +128,16 @@ def report(client: Any, **values: Any) -> bool:
     return True
 
 
+def _write_held(reporter: Reporter, held: list[Any], lock: threading.Lock) -> None:
+    """Writes the line a ``StepLog`` held back (``held[0]``), if any: from ``flush()``, when
+    the log is collected, and at the process's exit (a process killed loses it)."""
+    with lock:
+        line, held[0] = held[0], None
+        if line is not None:
+            with contextlib.suppress(OSError):  # the folder went away: nowhere to write it
+                reporter.write(*line)
+
+
 class StepLog:
     """What ``DistributedOptimizer`` records per step: to a TensorBoard ``SummaryWriter`` (any
     object with ``add_scalar(tag, value, step)``) when given one, and to the report folder
@@ -133,7 +148,15 @@ class StepLog:
     (``psworker/staleness_steps``: steps behind the most advanced worker, as the shards'
     ``psserver_worker_staleness_steps``; read from the shards' Status at most every
     ``staleness_every_s`` seconds, 0 in ``local`` and ``allreduce``); and whatever the script
-    reports (``report(loss=...)``) under its own name.
+    reports (``report(loss=...)``) under its own name. In DiLoCo ``DiLoCoOptimizer`` records
+    its outer steps only: the step is the outer step, its time the outer step's push and pull.
+
+    A report line (at most every ``report_every_s``) carries the client's ``step`` (the steps
+    this worker has finished, as ``report()``'s lines: inner steps in DiLoCo), the
+    ``pushed_step`` of the last push (the shards' clock: the outer step in DiLoCo), its time,
+    its bytes (``bytes_sent``, ``bytes_received``) and the totals of every step recorded so
+    far (``bytes_sent_total``, ``bytes_received_total``: also those of steps whose line the
+    rate limit left out).
     """
 
     def __init__(
@@ -151,6 +174,12 @@ class StepLog:
         self._staleness = 0
         self._staleness_read = -math.inf
         self._reported = -math.inf
+        self.bytes_sent_total = 0
+        self.bytes_received_total = 0
+        self._lock = threading.Lock()
+        self._held: list[Any] = [None]  # the line the rate limit held back: (step, figures)
+        if self.reporter is not None:
+            weakref.finalize(self, _write_held, self.reporter, self._held, self._lock)
 
     @property
     def active(self) -> bool:
@@ -160,14 +189,37 @@ class StepLog:
     def step(self, step: int, seconds: float, sent: int, received: int) -> None:
         """Records one finished step (``step``: the step it pushed)."""
         now = time.monotonic()
+        self.bytes_sent_total += int(sent)
+        self.bytes_received_total += int(received)
         if self.writer is not None:
             self.writer.add_scalar("psworker/step_time_s", seconds, step)
             self.writer.add_scalar("psworker/bytes_sent", sent, step)
             self.writer.add_scalar("psworker/bytes_received", received, step)
             self.writer.add_scalar("psworker/staleness_steps", self._read_staleness(now), step)
-        if self.reporter is not None and now - self._reported >= self._report_every_s:
-            self._reported = now
-            self.reporter.write(step, {"step_time_s": seconds})
+        if self.reporter is None:
+            return
+        figures = {
+            "pushed_step": step,
+            "step_time_s": seconds,
+            "bytes_sent": sent,
+            "bytes_received": received,
+            "bytes_sent_total": self.bytes_sent_total,
+            "bytes_received_total": self.bytes_received_total,
+        }
+        with self._lock:
+            if now - self._reported >= self._report_every_s:
+                self._reported = now
+                self._held[0] = None
+                self.reporter.write(int(self.client.step), figures)
+            else:  # replaced by the next step's, written by flush() at the latest
+                self._held[0] = (int(self.client.step), figures)
+
+    def flush(self) -> None:
+        """Writes the last step's line if the once-a-second limit held it back, so the
+        report folder ends with the worker's final step and totals (also done when the log
+        is collected and at exit)."""
+        if self.reporter is not None:
+            _write_held(self.reporter, self._held, self._lock)
 
     def report(self, values: dict[str, Any]) -> None:
         """The script's own figures at the client's current step, e.g. ``loss``.

@@ -44,6 +44,9 @@ function makePlot(chart, t) {
   const title = document.createElement("h2");
   title.textContent = `${chart.title} (${chart.unit})`;
   box.appendChild(title);
+  const note = document.createElement("p");
+  note.className = "note";
+  box.appendChild(note);
   document.getElementById("charts").appendChild(box);
   const names = Object.keys(chart.series);
   const opts = {
@@ -58,13 +61,75 @@ function makePlot(chart, t) {
                  values: (u, vals) => vals.map((v) => (v == null ? "" : String(+v.toPrecision(3)))) }],
     plugins: [eventMarks()],
   };
-  return { plot: new uPlot(opts, chartData(t, chart), box), names: names.join("|") };
+  return {
+    plot: new uPlot(opts, chartData(t, chart), box), names: names.join("|") + "#" + chart.unit,
+    title, note,
+  };
+}
+
+// What the steps count, in words: a DiLoCo job's shards count outer steps.
+function jobLine(diloco) {
+  if (!diloco) return "";
+  const h = diloco.dynamic_local_steps
+    ? `up to ${diloco.local_steps} inner steps (each worker's share set by its pace)`
+    : `${diloco.local_steps} inner steps`;
+  const outer = diloco.outer_sync ? "synchronous" : "asynchronous";
+  return `DiLoCo, ${outer} outer steps, each after ${h}: the shards' clocks, steps/s, ` +
+    "staleness and membership steps count outer steps; the table's inner steps and bytes " +
+    "per outer step come from the workers' reports.";
+}
+
+function cell(row, text, header) {
+  const c = document.createElement(header ? "th" : "td");
+  c.textContent = text;
+  row.appendChild(c);
+}
+
+function size(bytes) {
+  if (bytes == null) return "-";
+  let value = bytes;
+  for (const unit of ["B", "KiB", "MiB"]) {
+    if (value < 1024) return unit === "B" ? `${value} B` : `${value.toFixed(1)} ${unit}`;
+    value /= 1024;
+  }
+  return `${value.toFixed(1)} GiB`;
+}
+
+// One row per worker: its clock on the shards, its own steps and bytes from its reports.
+function drawWorkers(data) {
+  const table = document.getElementById("workers");
+  table.replaceChildren();
+  if (!data.workers.length) return;
+  const diloco = data.diloco != null;
+  const per = diloco ? "per outer step" : "per step";
+  const head = table.insertRow();
+  for (const h of ["worker", "live", diloco ? "outer steps" : "steps (shards)",
+                   diloco ? "inner steps" : "steps (reported)",
+                   diloco ? "inner steps/s" : "steps/s (reported)", `sent ${per}`,
+                   `received ${per}`, "sent, total", "received, total", "loss"]) {
+    cell(head, h, true);
+  }
+  for (const w of data.workers) {
+    const row = table.insertRow();
+    row.id = `worker-${w.worker}`;
+    cell(row, String(w.worker));
+    cell(row, w.live == null ? "-" : (w.live ? "yes" : "no"));
+    cell(row, w.clock == null ? "-" : String(w.clock));
+    cell(row, w.step == null ? "-" : String(w.step));
+    cell(row, w.steps_per_s == null ? "-" : w.steps_per_s.toFixed(2));
+    cell(row, size(w.bytes_sent));
+    cell(row, size(w.bytes_received));
+    cell(row, size(w.bytes_sent_total));
+    cell(row, size(w.bytes_received_total));
+    cell(row, w.loss == null ? "-" : String(+w.loss.toPrecision(4)));
+  }
 }
 
 function draw(data) {
   events = data.events;
   for (const chart of data.charts) {
-    const names = Object.keys(chart.series).join("|");
+    // A new series, or a new unit (the job turned out to be DiLoCo): drawn afresh.
+    const names = Object.keys(chart.series).join("|") + "#" + chart.unit;
     const have = plots[chart.id];
     if (have && have.names === names) {
       have.plot.setData(chartData(data.t, chart));
@@ -72,7 +137,12 @@ function draw(data) {
       if (have) { have.plot.destroy(); document.getElementById("chart-" + chart.id).remove(); }
       plots[chart.id] = makePlot(chart, data.t);
     }
+    plots[chart.id].title.textContent = `${chart.title} (${chart.unit})`;
+    plots[chart.id].note.textContent = chart.note || "";
   }
+  drawWorkers(data);
+  document.getElementById("job").textContent = jobLine(data.diloco);
+  document.getElementById("step-unit").textContent = data.step_unit;
   document.getElementById("steps").textContent = String(data.steps);
   document.getElementById("samples").textContent = String(data.samples);
   document.getElementById("errors").textContent = data.errors.join("; ");

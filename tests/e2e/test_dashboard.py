@@ -4,56 +4,22 @@ screenshot saved under ``out/``."""
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_support import REPO, Lines, Processes, child_env, free_port, wait_port_file
+from dashboard_pages import browse, chromium, metered_shards, series, start_dashboard, wait_for
+from e2e_support import REPO, Lines, Processes, child_env
 
 WORKER = str(REPO / "tests" / "e2e" / "reporting_worker.py")
 SCREENSHOT = REPO / "out" / "dashboard.png"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-CHARTS = ("steps", "loss", "wait", "staleness", "bytes_in", "bytes_out", "refused", "rss")
-
-
-def chromium() -> str:
-    for name in ("chromium", "chromium-browser"):
-        found = shutil.which(name)
-        if found:
-            return found
-    pytest.skip("chromium is not installed (apt-get install chromium; scripts/dev.sh test does)")
-
-
-def browse(browser: str, profile: Path, url: str, *args: str) -> str:
-    """Chromium, headless, on ``url`` with ``args``; its stdout. The page's scripts get 4 s of
-    (virtual) time to fetch and draw before the DOM or screenshot is taken."""
-    command = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
-    command += [f"--user-data-dir={profile}", "--virtual-time-budget=4000", *args, url]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=90)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
-
-
-def series(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url + "api/series", timeout=10) as reply:
-        return json.loads(reply.read())
-
-
-def wait_for(predicate: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.25)
-    raise AssertionError(f"gave up after {timeout:g}s waiting for {what}")
+CHARTS = (
+    "steps", "loss", "wait", "staleness", "bytes_in", "bytes_out", "worker_bytes", "refused", "rss",
+)  # fmt: skip
 
 
 @pytest.mark.timeout(240)
@@ -61,9 +27,8 @@ def test_the_dashboard_shows_a_live_two_shard_two_worker_job_in_chromium(
     procs: Processes, tmp_path: Path
 ) -> None:
     browser = chromium()
-    metrics = [free_port(), free_port()]
-    shards = [procs.psserver("--metrics-port", str(port)) for port in metrics]
-    addresses = ",".join(s.address for s in shards)
+    shards, metrics = metered_shards(procs)
+    addresses = ",".join(shards)
     reports = tmp_path / "reports"
     env = child_env(PS_REPORT_DIR=str(reports))
     # Worker 1 leaves after a few seconds: its leaving is a membership change on the axis.
@@ -71,17 +36,7 @@ def test_the_dashboard_shows_a_live_two_shard_two_worker_job_in_chromium(
         Lines(procs.start([sys.executable, WORKER, addresses, "0", "2", "120"], env)),
         Lines(procs.start([sys.executable, WORKER, addresses, "1", "2", "6"], env)),
     ]
-    port_file = tmp_path / "dashboard.port"
-    dashboard = procs.start(
-        [
-            sys.executable, "-m", "psctl.main", "dashboard", *addresses.split(","),
-            "--metrics", ",".join(f"127.0.0.1:{p}" for p in metrics),
-            "--reports", str(reports), "--port", "0", "--port-file", str(port_file),
-            "--interval", "0.5",
-        ],
-        child_env(),
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{wait_port_file(dashboard, port_file, 30.0)}/"
+    url = start_dashboard(procs, shards, metrics, reports, tmp_path)
 
     # The sources reach the page's data: steps, the workers' loss, every shard's metrics.
     def ready() -> dict[str, Any] | None:

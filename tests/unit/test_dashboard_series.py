@@ -12,7 +12,7 @@ import pytest
 from psctl.dashboard import DashboardSources, ReportTail, Sample, build_series, parse_metrics
 from psctl.main import main as psctl_main
 from pswire.errors import ConfigError
-from psworker.reports import Reporter, report, reporter_for
+from psworker.reports import Reporter, StepLog, report, reporter_for
 
 METRICS = """\
 # TYPE psserver_push_bytes counter
@@ -60,7 +60,7 @@ def test_series_are_rates_per_interval_with_gaps_where_nothing_is_known() -> Non
                {0: {"clock": 13, "staleness": 0}}),
     ]  # fmt: skip
     events = [{"t": 101.0, "text": "worker 1 left at step 6"}]
-    data = build_series(samples, events, num_shards=1)
+    data = build_series(samples, events, num_shards=1, window_s=0.0)  # rates per interval
     charts = {c["id"]: c for c in data["charts"]}
     assert data["t"] == [100.0, 102.0, 103.0] and data["steps"] == 13
     assert charts["steps"]["series"] == {
@@ -139,3 +139,106 @@ def test_psctl_dashboard_bad_flags_are_usage_errors(capsys: pytest.CaptureFixtur
         psctl_main(["dashboard", "127.0.0.1:1", "--port", "70000"])
     assert exit_.value.code == 2
     assert "--port must be in [0, 65535], got 70000" in capsys.readouterr().err
+
+
+def test_rates_are_means_over_the_window_so_rare_steps_do_not_read_as_0_and_1() -> None:
+    # An outer step every 2 s, sampled every second: per interval 0, 1, 0, 1 steps/s.
+    clocks = [0, 0, 1, 1, 2, 2, 3, 3, 4]
+    samples = [
+        Sample(100.0 + i, [shard(clock=10 * c)], {0: {"clock": c}}) for i, c in enumerate(clocks)
+    ]
+    steps = next(c for c in build_series(samples, [], 1, window_s=4.0)["charts"])["series"]
+    assert steps["worker 0"] == [None, 0.0, 0.5, 1 / 3, 0.5, 0.5, 0.5, 0.5, 0.5]
+    assert steps["shard 0 updates"][-1] == 5.0
+    per_interval = build_series(samples, [], 1, window_s=0.0)["charts"][0]["series"]
+    assert per_interval["worker 0"][1:] == [0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+
+
+def test_a_rate_skips_a_restarted_counter_and_a_worker_not_yet_known() -> None:
+    samples = [
+        Sample(100.0, [shard(bytes_in=4096)], {}),
+        Sample(101.0, [shard(bytes_in=8192)], {0: {"clock": 5}}),
+        Sample(102.0, [shard(bytes_in=1024)], {0: {"clock": 7}}),  # the shard restarted
+        Sample(103.0, [shard(bytes_in=3072)], {0: {"clock": 9}}),
+    ]
+    charts = {c["id"]: c["series"] for c in build_series(samples, [], 1)["charts"]}
+    # Within the window: from the first sample that knows the worker, from after the restart.
+    assert charts["steps"]["worker 0"] == [None, None, 2.0, 2.0]
+    assert charts["bytes_in"]["shard 0"] == [None, 4.0, None, 2.0]
+
+
+def diloco_shard(**settings: object) -> dict:
+    diloco = {"local_steps": 5, "outer_sync": True, "dynamic_local_steps": False, **settings}
+    return shard(diloco=diloco)
+
+
+def test_a_diloco_job_says_its_steps_are_outer_steps_and_its_bytes_pseudo_gradients() -> None:
+    data = build_series([Sample(1.0, [diloco_shard()], {0: {"clock": 3}})], [], 1)
+    charts = {c["id"]: c for c in data["charts"]}
+    assert (data["steps"], data["step_unit"]) == (3, "outer steps")
+    assert data["diloco"]["local_steps"] == 5
+    assert charts["steps"]["unit"] == "outer steps/s"
+    assert "each 5 inner steps" in charts["steps"]["title"]
+    assert charts["staleness"]["unit"] == "outer steps"
+    assert "pseudo-gradients" in charts["bytes_in"]["title"]
+    dynamic = build_series([Sample(1.0, [diloco_shard(dynamic_local_steps=True)], {})], [], 1)
+    assert "each up to 5 inner steps" in dynamic["charts"][0]["title"]
+    plain = build_series([Sample(1.0, [shard(diloco=None)], {0: {"clock": 3}})], [], 1)
+    assert (plain["step_unit"], plain["diloco"]) == ("steps", None)
+    assert plain["charts"][0]["unit"] == "steps/s"
+    # A shard that does not answer does not hide what the others say.
+    both = build_series([Sample(1.0, [{"error": "down"}, diloco_shard()], {})], [], 2)
+    assert both["step_unit"] == "outer steps"
+
+
+def test_an_empty_chart_says_what_would_fill_it() -> None:
+    samples = [Sample(1.0, [shard()], {0: {"clock": 1, "live": True}})]
+    bare = build_series(samples, [], 1, sources=DashboardSources(("a:1",)))
+    notes = {c["id"]: c["note"] for c in bare["charts"]}
+    assert "--reports" in notes["loss"] and "--reports" in notes["worker_bytes"]
+    assert "--metrics" in notes["bytes_in"] and notes["steps"] is None
+    full = DashboardSources(("a:1",), ("a:9",), Path("reports"))
+    notes = {c["id"]: c["note"] for c in build_series(samples, [], 1, sources=full)["charts"]}
+    assert "opt.report(loss=loss)" in notes["loss"] and notes["bytes_in"] is None
+    samples[0].workers[0]["loss"] = 0.5
+    notes = {c["id"]: c["note"] for c in build_series(samples, [], 1, sources=full)["charts"]}
+    assert notes["loss"] is None
+
+
+def test_the_workers_table_has_each_workers_clock_and_newest_report() -> None:
+    samples = [Sample(1.0, [diloco_shard()], {0: {"clock": 3, "live": True}})]
+    reported = {
+        0: {"t": 0.5, "step": 15, "steps_per_s": 12.5, "bytes_sent": 644, "loss": 0.25},
+        1: {"t": 0.4, "step": 10, "bytes_sent_total": 1288.0, "loss": math.inf},
+    }
+    rows = build_series(samples, [], 1, reported)["workers"]
+    assert rows[0] == {
+        "worker": 0, "clock": 3, "live": True, "step": 15, "steps_per_s": 12.5,
+        "bytes_sent": 644, "bytes_received": None, "bytes_sent_total": None,
+        "bytes_received_total": None, "loss": 0.25, "reported_at": 0.5,
+    }  # fmt: skip
+    # Known from its reports only (the shards have not heard of it): no clock, no liveness.
+    assert (rows[1]["clock"], rows[1]["live"], rows[1]["step"]) == (None, None, 10)
+    assert rows[1]["bytes_sent_total"] == 1288.0 and rows[1]["loss"] is None
+
+
+def test_step_log_lines_carry_the_workers_step_the_pushed_step_and_its_bytes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    class Client:  # a DiLoCo client at its 2nd outer step: 10 inner steps finished
+        worker_id, step = 5, 10
+
+    monkeypatch.setenv("PS_REPORT_DIR", str(tmp_path))
+    log = StepLog(Client(), report_every_s=3600.0)
+    log.step(1, 0.01, sent=644, received=644)
+    Client.step = 15
+    log.step(2, 0.02, sent=322, received=644)  # held back: within the second of the first
+    path = tmp_path / "worker5.jsonl"
+    assert len(path.read_text().splitlines()) == 1
+    log.flush()  # as when the log is collected or the process exits
+    first, last = (json.loads(line) for line in path.read_text().splitlines())
+    assert (first["step"], first["pushed_step"], first["bytes_sent"]) == (10, 1, 644)
+    assert (last["step"], last["pushed_step"], last["bytes_sent"]) == (15, 2, 322)
+    assert (last["bytes_sent_total"], last["bytes_received_total"]) == (966, 1288)
+    log.flush()
+    assert len(path.read_text().splitlines()) == 2  # nothing held: nothing more

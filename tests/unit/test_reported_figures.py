@@ -1,5 +1,6 @@
 """Figures the tools report are true: the demo's wall time is the slowest worker's, status
-says what a shard's clock counts, and a checkpoint file knows when it was written."""
+says what a shard's clock counts (outer steps in a DiLoCo job), and a checkpoint file knows
+when it was written."""
 
 from __future__ import annotations
 
@@ -8,15 +9,17 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from pscore.job import Job, VarSpec
 from pscore.optim import SGD
 from psctl import demo_results
-from psctl.status_view import render_json, render_table
+from psctl.status_view import local_steps_of, render_json, render_table
 from psserver.checkpoint import Checkpointer
 from psserver.records import Limits
 from psserver.shard import Shard
 from pswire.proto import ps_pb2
+from psworker.diloco import DiLoCoSettings
 
 METRICS = {
     "mode": "sync",
@@ -60,6 +63,53 @@ def test_status_says_what_an_async_shards_clock_counts() -> None:
     assert "CLOCK: updates applied" not in sync
     (shard,) = json.loads(render_json(["ps0:1"], [status_reply("sync")]))["shards"]
     assert shard["clock_counts"] == "steps"
+
+
+def diloco_reply(settings: DiLoCoSettings, mode: str) -> ps_pb2.StatusResponse:
+    reply = status_reply(mode)
+    reply.job.model_digest = "1dd2e9643d8c52fe" + settings.variant("AdamW[{lr=0.01}]")
+    reply.history.add(step=12, worker_id=1, kind="left", seconds_ago=1.0)
+    return reply
+
+
+@pytest.mark.parametrize(
+    ("settings", "mode", "shown"),
+    [
+        (DiLoCoSettings(local_steps=25), "sync", "diloco(H=25)"),
+        (DiLoCoSettings(local_steps=5, outer_sync=False), "async", "diloco(H=5,async)"),
+        (
+            DiLoCoSettings(local_steps=8, outer_sync=False, dynamic_local_steps=True),
+            "async",
+            "diloco(H<=8,async)",
+        ),
+    ],
+)
+def test_status_says_a_diloco_jobs_clocks_count_outer_steps(
+    settings: DiLoCoSettings, mode: str, shown: str
+) -> None:
+    # What the workers declare (psworker/diloco.py) is what status reads back.
+    reply = diloco_reply(settings, mode)
+    assert local_steps_of(reply.job.model_digest) == {
+        "local_steps": settings.local_steps,
+        "outer_sync": settings.outer_sync,
+        "dynamic_local_steps": settings.dynamic_local_steps,
+    }
+    table = render_table(["ps0:1"], [reply], ["SERVING"])
+    assert table.splitlines()[1].split()[3] == shown
+    assert f"H={settings.local_steps} inner steps" in table
+    assert "CLOCK: outer steps" in table and "OUTER STEP  WORKER" in table
+    assert "CLOCK: updates applied" not in table  # the async note would say pushes of steps
+    (shard,) = json.loads(render_json(["ps0:1"], [reply]))["shards"]
+    assert shard["clock_counts"] == (
+        "outer steps" if settings.outer_sync else "outer steps applied (one per push)"
+    )
+
+
+def test_a_job_without_local_steps_has_no_diloco_settings() -> None:
+    assert local_steps_of("1dd2e9643d8c52fe") is None
+    assert local_steps_of("") is None
+    (shard,) = json.loads(render_json(["ps0:1"], [status_reply("sync")]))["shards"]
+    assert shard["diloco"] is None and shard["clock_counts"] == "steps"
 
 
 def test_a_checkpoint_records_when_it_was_written(tmp_path: Path) -> None:
