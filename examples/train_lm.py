@@ -237,6 +237,7 @@ for epoch in range(epochs):
         scaler.step(opt)
         scaler.update()
         sched.step()
+        opt.report(loss=loss.item())  # the live view's loss chart (psctl dashboard, TensorBoard)
         if args.pace > 0:  # a device of fixed speed: each step takes pace x slow seconds
             left = args.pace * args.slow - (time.perf_counter() - began)
             overruns += left < 0

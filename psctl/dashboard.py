@@ -389,13 +389,12 @@ def _titles(diloco: dict[str, Any] | None) -> dict[str, dict[str, str]]:
     staleness and membership steps, count outer steps, and the bytes are pseudo-gradients."""
     step, gradients, wait = "steps", "gradients", "mean per pull/push"
     if diloco is not None:
-        h = diloco["local_steps"]
-        each = f"up to {h}" if diloco["dynamic_local_steps"] else f"{h}"
+        each = diloco["between"]
         step, gradients = "outer steps", "pseudo-gradients"
         wait = "mean per pull/push, at outer steps"
     charts = {
         "steps": (
-            f"Outer steps/s per worker (each {each} inner steps); shards' outer updates/s"
+            f"Outer steps/s per worker (each after {each}); shards' outer updates/s"
             if diloco is not None
             else "Steps/s per worker; shards' optimizer updates/s",
             f"{step}/s",

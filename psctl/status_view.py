@@ -29,21 +29,39 @@ Status = ps_pb2.StatusResponse | str
 # what that writes, so the two cannot drift apart).
 _DILOCO = re.compile(
     r"diloco\(local_steps=(\d+), outer_sync=(True|False)(, dynamic_local_steps=True)?"
+    r"(?:, fragments=(\d+))?"
 )
 
 
 def local_steps_of(model_digest: str) -> dict[str, Any] | None:
     """A DiLoCo job's local-step settings from the model digest a shard's Status carries:
-    ``{"local_steps": H, "outer_sync": bool, "dynamic_local_steps": bool}``; None for a job
-    without local steps (its shard's clock then counts the job's own steps)."""
+    ``{"local_steps": H, "outer_sync": bool, "dynamic_local_steps": bool, "fragments": P,
+    "between": what the inner steps between two outer steps are, in words}``; None for a job
+    without local steps (its shard's clock then counts the job's own steps). With P
+    fragments (Streaming DiLoCo) an outer step exchanges one of them every H/P inner steps."""
     _, _, variant = model_digest.partition(VARIANT_MARK)
     found = _DILOCO.match(variant)
     if found is None:
         return None
+    h, dynamic, fragments = (
+        int(found.group(1)),
+        found.group(3) is not None,
+        int(found.group(4) or 1),
+    )
+    if dynamic:
+        between = f"up to H={h} inner steps (each worker's share of H set by its pace)"
+    elif fragments > 1:
+        between = (
+            f"H/P={h // fragments} inner steps (each exchanging one of P={fragments} fragments)"
+        )
+    else:
+        between = f"H={h} inner steps"
     return {
-        "local_steps": int(found.group(1)),
+        "local_steps": h,
         "outer_sync": found.group(2) == "True",
-        "dynamic_local_steps": found.group(3) is not None,
+        "dynamic_local_steps": dynamic,
+        "fragments": fragments,
+        "between": between,
     }
 
 
@@ -433,17 +451,15 @@ def _mode(shard: dict[str, Any]) -> str:
     diloco = shard.get("diloco")
     if diloco is not None:  # the shard runs the outer steps in its sync or async rule
         h = ("H<=" if diloco["dynamic_local_steps"] else "H=") + str(diloco["local_steps"])
+        if diloco["fragments"] > 1:
+            h += f",P={diloco['fragments']}"
         return f"diloco({h})" if diloco["outer_sync"] else f"diloco({h},async)"
     return f"ssp({shard['staleness']})" if mode == "ssp" else mode
 
 
 def _diloco_note(diloco: dict[str, Any]) -> str:
     """What the clocks of a DiLoCo job count, under the shards' table."""
-    h = diloco["local_steps"]
-    if diloco["dynamic_local_steps"]:
-        inner = f"up to H={h} inner steps (each worker's share of H set by its pace)"
-    else:
-        inner = f"H={h} inner steps"
+    inner = diloco["between"]
     if diloco["outer_sync"]:
         return (
             f"CLOCK: outer steps (DiLoCo: each worker takes {inner} between two); the "

@@ -70,9 +70,7 @@ function makePlot(chart, t) {
 // What the steps count, in words: a DiLoCo job's shards count outer steps.
 function jobLine(diloco) {
   if (!diloco) return "";
-  const h = diloco.dynamic_local_steps
-    ? `up to ${diloco.local_steps} inner steps (each worker's share set by its pace)`
-    : `${diloco.local_steps} inner steps`;
+  const h = diloco.between;  // the inner steps between outer steps, in words (psctl status)
   const outer = diloco.outer_sync ? "synchronous" : "asynchronous";
   return `DiLoCo, ${outer} outer steps, each after ${h}: the shards' clocks, steps/s, ` +
     "staleness and membership steps count outer steps; the table's inner steps and bytes " +

@@ -55,7 +55,13 @@ def test_the_dashboard_of_a_diloco_job_counts_outer_steps_and_each_workers_bytes
 
     data = wait_for(running, 60.0, f"both workers' reports at {url}api/series")
     assert data["step_unit"] == "outer steps"
-    assert data["diloco"] == {"local_steps": H, "outer_sync": True, "dynamic_local_steps": False}
+    assert data["diloco"] == {
+        "local_steps": H,
+        "outer_sync": True,
+        "dynamic_local_steps": False,
+        "fragments": 1,
+        "between": f"H={H} inner steps",
+    }
     units = {c["id"]: c["unit"] for c in data["charts"]}
     assert (units["steps"], units["staleness"]) == ("outer steps/s", "outer steps")
     for row in data["workers"]:
@@ -99,4 +105,4 @@ def test_the_dashboard_of_a_diloco_job_counts_outer_steps_and_each_workers_bytes
         dom = browse(browser, tmp_path / "profile", url, "--dump-dom")
         assert re.search(rf'id="step-unit">outer steps</span>: <b id="steps">{OUTER}<', dom)
         assert "<th>inner steps</th>" in dom and "<th>sent per outer step</th>" in dom
-        assert "DiLoCo, synchronous outer steps, each after 4 inner steps" in dom
+        assert "DiLoCo, synchronous outer steps, each after H=4 inner steps" in dom

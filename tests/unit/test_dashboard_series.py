@@ -11,7 +11,9 @@ import pytest
 
 from psctl.dashboard import DashboardSources, ReportTail, Sample, build_series, parse_metrics
 from psctl.main import main as psctl_main
+from psctl.status_view import local_steps_of
 from pswire.errors import ConfigError
+from psworker.diloco import DiLoCoSettings
 from psworker.reports import Reporter, StepLog, report, reporter_for
 
 METRICS = """\
@@ -168,8 +170,9 @@ def test_a_rate_skips_a_restarted_counter_and_a_worker_not_yet_known() -> None:
 
 
 def diloco_shard(**settings: object) -> dict:
-    diloco = {"local_steps": 5, "outer_sync": True, "dynamic_local_steps": False, **settings}
-    return shard(diloco=diloco)
+    """A DiLoCo shard's figures, its settings read as psctl status reads what workers declare."""
+    declared = DiLoCoSettings(**{"local_steps": 5, **settings}).variant("SGD[{lr=0.1}]")  # type: ignore[arg-type]
+    return shard(diloco=local_steps_of("1dd2e9643d8c52fe" + declared))
 
 
 def test_a_diloco_job_says_its_steps_are_outer_steps_and_its_bytes_pseudo_gradients() -> None:
@@ -178,11 +181,15 @@ def test_a_diloco_job_says_its_steps_are_outer_steps_and_its_bytes_pseudo_gradie
     assert (data["steps"], data["step_unit"]) == (3, "outer steps")
     assert data["diloco"]["local_steps"] == 5
     assert charts["steps"]["unit"] == "outer steps/s"
-    assert "each 5 inner steps" in charts["steps"]["title"]
+    assert "each after H=5 inner steps" in charts["steps"]["title"]
     assert charts["staleness"]["unit"] == "outer steps"
     assert "pseudo-gradients" in charts["bytes_in"]["title"]
-    dynamic = build_series([Sample(1.0, [diloco_shard(dynamic_local_steps=True)], {})], [], 1)
-    assert "each up to 5 inner steps" in dynamic["charts"][0]["title"]
+    dynamic = build_series(
+        [Sample(1.0, [diloco_shard(outer_sync=False, dynamic_local_steps=True)], {})], [], 1
+    )
+    assert "each after up to H=5 inner steps" in dynamic["charts"][0]["title"]
+    streaming = build_series([Sample(1.0, [diloco_shard(fragments=5)], {})], [], 1)
+    assert "each after H/P=1 inner steps" in streaming["charts"][0]["title"]
     plain = build_series([Sample(1.0, [shard(diloco=None)], {0: {"clock": 3}})], [], 1)
     assert (plain["step_unit"], plain["diloco"]) == ("steps", None)
     assert plain["charts"][0]["unit"] == "steps/s"

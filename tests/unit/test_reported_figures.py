@@ -82,6 +82,11 @@ def diloco_reply(settings: DiLoCoSettings, mode: str) -> ps_pb2.StatusResponse:
             "async",
             "diloco(H<=8,async)",
         ),
+        (
+            DiLoCoSettings(local_steps=10, fragments=5, overlap_steps=1, mix=0.5),
+            "sync",
+            "diloco(H=10,P=5)",
+        ),
     ],
 )
 def test_status_says_a_diloco_jobs_clocks_count_outer_steps(
@@ -89,14 +94,21 @@ def test_status_says_a_diloco_jobs_clocks_count_outer_steps(
 ) -> None:
     # What the workers declare (psworker/diloco.py) is what status reads back.
     reply = diloco_reply(settings, mode)
-    assert local_steps_of(reply.job.model_digest) == {
+    read = local_steps_of(reply.job.model_digest)
+    assert read is not None
+    assert {
+        k: read[k] for k in ("local_steps", "outer_sync", "dynamic_local_steps", "fragments")
+    } == {
         "local_steps": settings.local_steps,
         "outer_sync": settings.outer_sync,
         "dynamic_local_steps": settings.dynamic_local_steps,
+        "fragments": settings.fragments,
     }
     table = render_table(["ps0:1"], [reply], ["SERVING"])
     assert table.splitlines()[1].split()[3] == shown
-    assert f"H={settings.local_steps} inner steps" in table
+    between = settings.local_steps // settings.fragments
+    said = f"H={between} inner steps" if settings.fragments == 1 else f"H/P={between} inner steps"
+    assert said in table
     assert "CLOCK: outer steps" in table and "OUTER STEP  WORKER" in table
     assert "CLOCK: updates applied" not in table  # the async note would say pushes of steps
     (shard,) = json.loads(render_json(["ps0:1"], [reply]))["shards"]
