@@ -382,7 +382,11 @@ def over_link(args: argparse.Namespace) -> int:
         (*diloco_flags, "--lr", str(args.diloco_lr), *shlex.split(args.diloco_flags)),
         (diloco_steps,) * WORKERS,
     )
-    streaming_run = Run(STREAMING_LABEL, (*diloco_run.flags, *STREAMING), (diloco_steps,) * WORKERS)
+    streaming_run = Run(
+        f"Streaming DiLoCo H={H}, {args.streaming_flags}",
+        (*diloco_run.flags, *shlex.split(args.streaming_flags)),
+        (diloco_steps,) * WORKERS,
+    )
     results, rows = {}, {}
     with Hosts(WORKERS + SHARDS, args.net) as hosts:
         link = f"tbf {args.net} both ways on each host's link" + (
@@ -449,6 +453,11 @@ def main(argv: list[str] | None = None) -> int:
         "--diloco-flags",
         default=NET_OUTER,
         help=f'--net: more of DiLoCo\'s example flags (default "{NET_OUTER}")',
+    )
+    parser.add_argument(
+        "--streaming-flags",
+        default=" ".join(STREAMING),
+        help=f'--net: Streaming DiLoCo\'s example flags (default "{" ".join(STREAMING)}")',
     )
     args = parser.parse_args(argv)
     if args.net:

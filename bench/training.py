@@ -273,14 +273,32 @@ def run_worker(args: argparse.Namespace) -> None:
     for t in range(sizes.warmup):
         step(t)
     windows = []  # the rounds: one process start for all of them (a start costs more)
+    busy = []  # the machine's CPUs: the share of their time spent running anything
     for r in range(args.rounds):
-        started = time.perf_counter()
+        started, cpus = time.perf_counter(), machine_cpu()
         for t in range(sizes.steps):
             step(sizes.warmup + r * sizes.steps + t)
         landed()
         windows.append(time.perf_counter() - started)
-    Path(args.out).write_text(json.dumps({"elapsed": windows, "samples": n * sizes.steps}))
+        (busy_before, all_before), (busy_after, all_after) = cpus, machine_cpu()
+        busy.append((busy_after - busy_before) / max(1, all_after - all_before))
+    Path(args.out).write_text(
+        json.dumps({"elapsed": windows, "samples": n * sizes.steps, "machine_busy": busy})
+    )
     closer()
+
+
+def machine_cpu() -> tuple[int, int]:
+    """This machine's CPU time so far, in clock ticks over all CPUs: (busy, all), busy being
+    all but idle and iowait (``/proc/stat``: the same in every network namespace); (0, 0)
+    where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return 0, 0
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+    return sum(ticks) - idle, sum(ticks)
 
 
 # -- hosts: loopback or a namespace each -----------------------------------------------------
@@ -469,10 +487,12 @@ def run_once(
     sizes: Sizes,
     rounds: int,
     tree: Path | None = None,
-) -> list[float]:
-    """The job's samples/s in each round: every worker's samples over the slowest worker's
-    time. ``tree``: the checkout whose code the shards and workers run (default: this one),
-    so two commits compare interleaved in one run."""
+) -> tuple[list[float], float]:
+    """The job's samples/s in each round (every worker's samples over the slowest worker's
+    time), and the share of the machine's CPU time busy while the workers' timed steps ran
+    (their mean: near 1, the run is CPU-bound and overlap has no idle time to fill).
+    ``tree``: the checkout whose code the shards and workers run (default: this one), so
+    two commits compare interleaved in one run."""
     root = tree or Path(__file__).resolve().parents[1]
     env_base = {**os.environ, "PYTHONPATH": str(root)}
     with tempfile.TemporaryDirectory(prefix="ov29-") as tmp, processes() as procs:
@@ -534,7 +554,8 @@ def run_once(
                 raise RuntimeError(f"{mode} (overlap={overlap}) worker failed:\n{out[-3000:]}")
         results = [json.loads((Path(tmp) / f"w{r}.json").read_text()) for r in range(workers)]
     total = sum(r["samples"] for r in results)
-    return [total / max(r["elapsed"][i] for r in results) for i in range(rounds)]
+    busy = statistics.mean(b for r in results for b in r["machine_busy"])
+    return [total / max(r["elapsed"][i] for r in results) for i in range(rounds)], busy
 
 
 # -- the suite -------------------------------------------------------------------------------
@@ -561,6 +582,7 @@ def measure(
     chosen = [SYSTEMS[name] for name in systems]
     started = time.perf_counter()
     samples: dict[tuple[str, str, str, bool], list[float]] = {}
+    cpu_busy: dict[tuple[str, str, str, bool], list[float]] = {}
     loads: list[float] = []
     failures: list[str] = []
     links: list[str] = []
@@ -577,15 +599,19 @@ def measure(
                         key = (model, net, label, overlap)
                         loads.append(os.getloadavg()[0])
                         try:
-                            rate = run_once(hosts, model, mode, overlap, workers, shards, sizes, 1)
+                            rate, busy = run_once(
+                                hosts, model, mode, overlap, workers, shards, sizes, 1
+                            )
                         except RuntimeError as exc:
                             failures.append(f"{key} round {r}: {str(exc)[-400:]}")
                             print(f"  FAILED {key}: {str(exc)[-2000:]}", flush=True)
                             continue
                         samples.setdefault(key, []).append(rate[0])
+                        cpu_busy.setdefault(key, []).append(busy)
                         print(
                             f"  round {r} {model} {net} {label} overlap={overlap}: "
-                            f"{rate[0]:.2f} samples/s (load {loads[-1]:.1f})",
+                            f"{rate[0]:.2f} samples/s (load {loads[-1]:.1f}, CPUs "
+                            f"{busy:.0%} busy in the timed steps)",
                             flush=True,
                         )
     med = {k: statistics.median(v) for k, v in samples.items()}
@@ -697,6 +723,7 @@ def measure(
         plot=((2, 3, 0, 1), 4, "samples/s"),
         raw={
             "samples": {" | ".join(map(str, k)): v for k, v in samples.items()},
+            "cpu_busy": {" | ".join(map(str, k)): v for k, v in cpu_busy.items()},
             "sizes": sizes.__dict__,
             "load": loads,
         },
