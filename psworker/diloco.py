@@ -464,7 +464,9 @@ class OuterSteps:
         self.done = 0  # inner steps since the last exchange started
         settings = client.settings
         self.settings = settings
-        trained = [n for n in (order if order is not None else self.start) if n in self.start]
+        ordered = [n for n in (order or ()) if n in self.start]
+        placed = set(ordered)
+        trained = ordered + [n for n in self.start if n not in placed]  # none left out
         self.fragments = split_fragments(
             {n: int(self.start[n].size) for n in trained}, settings.fragments
         )
