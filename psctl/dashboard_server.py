@@ -188,7 +188,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     sampler.start()
     server.start()
     if args.port_file:
-        Path(args.port_file).write_text(f"{server.httpd.server_address[1]}\n")
+        # Whole or not at all: a reader polling for the file never sees it empty.
+        cli.write_port_file(Path(args.port_file), server.httpd.server_address[1])
     print(f"dashboard at {server.url} (shards {', '.join(addresses)})", flush=True)
     try:
         stop.wait()

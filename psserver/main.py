@@ -6,9 +6,7 @@ import ctypes
 import logging
 import os
 import signal
-import tempfile
 import threading
-from pathlib import Path
 
 from psserver.checkpoint import Checkpointer, CheckpointScheduler
 from psserver.config import LOOPBACK_HOST, WILDCARD_HOST, ServerConfig, parse_config
@@ -17,6 +15,7 @@ from psserver.metrics import MetricsServer, ShardMetrics
 from psserver.server import start_server
 from psserver.shard import Shard
 from pswire import envnames
+from pswire.cli import write_port_file
 from pswire.errors import PSError
 from pswire.flightwire import tune_malloc
 
@@ -176,17 +175,3 @@ def open_checkpoints(config: ServerConfig, shard: Shard) -> CheckpointScheduler 
             state.job.mode,
         )
     return saver
-
-
-def write_port_file(path: Path, port: int) -> None:
-    """Writes ``port`` to ``path`` so a reader sees either nothing or the whole number."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{port}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -1,10 +1,13 @@
-"""Command-line precedence shared by every daemon: argument, then PS_* environment, then default."""
+"""Command-line precedence shared by every daemon: argument, then PS_* environment, then default;
+and the port file a daemon writes once it serves."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from pswire.errors import ConfigError
@@ -100,3 +103,17 @@ def _naming_env(
 
     checked.__name__ = getattr(convert, "__name__", "value")
     return checked
+
+
+def write_port_file(path: Path, port: int) -> None:
+    """Writes ``port`` to ``path`` so a reader sees either nothing or the whole number."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{port}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
