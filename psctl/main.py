@@ -7,6 +7,7 @@ import importlib.util
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from psctl import (
@@ -313,17 +314,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "certs":
-        return certs.run(args)
+        return _to_a_reader(lambda: certs.run(args))
     if args.command in admin.COMMANDS:
-        return admin.main(parser, args)
+        return _to_a_reader(lambda: admin.main(parser, args))
     if args.command == "status":
-        return _status(parser, args)
+        return _to_a_reader(lambda: _status(parser, args))
     if args.command == "dashboard":
         return dashboard_server.run(parser, args)
     if args.command == "demo":
         return _demo(parser, args)
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     return run_local(_local_config(parser, args, command))
+
+
+def _to_a_reader(command: Callable[[], int]) -> int:
+    """Runs a command whose output is for a reader; one that stops reading early (``psctl
+    status | head -3``) ends it quietly with 0: it took what it wanted, and nothing failed
+    here (no traceback, no error exit under ``set -o pipefail``)."""
+    try:
+        return command()
+    except BrokenPipeError:
+        # The interpreter flushes stdout once more at exit: into nothing, not the closed pipe.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 def _local_config(

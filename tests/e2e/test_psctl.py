@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -253,3 +255,24 @@ def test_status_of_a_refused_port_says_nothing_listens(procs: Processes) -> None
     assert code == 1, text
     assert "within 5s" not in text  # it did not wait 5 s: the port refused at once
     assert "Connection refused" in text and "nothing accepts connections there" in text
+
+
+def test_status_into_a_reader_that_stops_early_ends_quietly(procs: Processes) -> None:
+    """``psctl status | head -1``: the reader closes the pipe before psctl writes; psctl
+    exits 0 with no traceback (a docs block runs it under ``set -o pipefail``)."""
+    shard = procs.psserver()
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    try:
+        done = subprocess.run(
+            [*PSCTL, "status", shard.address],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+            timeout=60,
+        )
+    finally:
+        os.close(write)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr
