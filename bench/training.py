@@ -67,7 +67,7 @@ class Sizes:
 
 
 FULL = Sizes(
-    lm_dim=512, lm_layers=8, seq=64, lm_batch=4, cnn_width=64, cnn_batch=16, warmup=2, steps=3
+    lm_dim=512, lm_layers=8, seq=64, lm_batch=4, cnn_width=64, cnn_batch=16, warmup=2, steps=6
 )
 QUICK = Sizes(
     lm_dim=128, lm_layers=2, seq=32, lm_batch=4, cnn_width=16, cnn_batch=8, warmup=1, steps=3
@@ -272,6 +272,11 @@ def run_worker(args: argparse.Namespace) -> None:
         closer = client.close
     for t in range(sizes.warmup):
         step(t)
+    # The timer starts with no step in flight: with overlap the last warm-up step's weights
+    # may still be landing, and a window opened now would count that step's communication
+    # beside its own steps' (one step more than the serial systems'). Each window then ends
+    # with the weights of its last step landed, so the next one starts the same way.
+    landed()
     windows = []  # the rounds: one process start for all of them (a start costs more)
     busy = []  # the machine's CPUs: the share of their time spent running anything
     for r in range(args.rounds):
@@ -691,7 +696,8 @@ def measure(
     notes = [
         f"{workers} workers, {shards} shards (one host each on emulated links), models: "
         + ", ".join(f"{m} {params[m] / 1e6:.1f}M parameters" for m in models)
-        + f"; {sizes.warmup} warm-up + {sizes.steps} timed steps per process start; the "
+        + f"; {sizes.warmup} warm-up + {sizes.steps} timed steps per process start (the timer "
+        "starts with no step in flight and stops once the last step's weights have landed); the "
         f"median of {rounds} rounds, each round one start per system, systems interleaved "
         "(the order reversed every other round); min-max: the rounds' spread",
         f"1-minute load average when each run started: {load}",
