@@ -293,6 +293,17 @@ class Variables:
         self._squares[key] = squares
         return bool(np.isfinite(squares)) or self._finite(key)
 
+    def shadow(self, keys: list[str]) -> Variables:
+        """Copies of ``keys``' values, optimizer slots and risk measures, as a ``Variables`` of
+        their own: ``apply`` there computes exactly the step it would compute here (every
+        optimizer steps each variable on its own), leaving these untouched
+        (psserver/pipeline.py's preview of a sync round)."""
+        other = Variables()
+        other.values = {k: self.values[k].copy() for k in keys}
+        other.slots = {k: _copy_slots(self.slots[k]) for k in keys if k in self.slots}
+        other._squares = {k: self._squares[k] for k in keys if k in self._squares}
+        return other
+
     def optimizer_state(self) -> dict[str, dict[str, Any]]:
         """Copies of every trained variable's optimizer slots (slots not made yet left out)."""
         return {

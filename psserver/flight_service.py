@@ -15,7 +15,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -27,6 +27,7 @@ from google.protobuf.message import DecodeError
 
 from psserver.admission import DEFAULT_THREADS, Admission
 from psserver.metrics import ShardMetrics
+from psserver.pipeline import Preview
 from psserver.servicer import DEADLINE_MARGIN_S, push_response, row_query, step_reply
 from psserver.shard import Shard
 from pswire import flightwire as fw
@@ -50,6 +51,7 @@ DEFAULT_PIECE_BYTES = fw.PIECE_BYTES
 RPC_OF = {
     fw.PUSH_PULL: "PushPull",
     fw.STREAMED: "PushPullStreamed",
+    fw.PIPELINED: "PushPullStreamed",
     fw.PUSH: "Push",
     fw.PULL: "Pull",
     fw.STEP: "PushPull",
@@ -132,6 +134,7 @@ class FlightShardService(flight.FlightServerBase):
             fw.PUSH_PULL: self._push_pull,
             # Read as it arrives: see _read_push.
             fw.STREAMED: functools.partial(self._push_pull, turn=False),
+            fw.PIPELINED: self._pipelined,
             fw.PUSH: self._push,
             fw.PULL: self._pull,
             fw.STEP: self._step,
@@ -212,6 +215,9 @@ class FlightShardService(flight.FlightServerBase):
             held.enter_context(self.admission.step_stream(h.worker_id))  # step streams
             held.worker = h.worker_id
         rows = row_query(request)
+        # Other workers' pushes of this round may be pipelined (``_pipelined``): this one,
+        # sent whole, feeds their preview too, or it could never be complete.
+        preview = None if rows else self._feed_preview(request, grads)
         gathered = frozenset(table for table, _ in rows)  # copies made for this reply
         result, held_reply, clock = self.shard.push_pull(
             h.worker_id,
@@ -220,12 +226,99 @@ class FlightShardService(flight.FlightServerBase):
             encode=lambda arrays, _: self._held(arrays, gathered),
             timeout=timeout,
             incarnation=h.incarnation,
-            take=True,  # the arrays were decoded for this call alone
+            # The arrays were decoded for this call alone (unless a preview reads them).
+            take=preview is None,
             session=h.session,
             options=header_options(h),
             rows=rows,
         )
         self._reply(writer, push_response(result, self.shard.incarnation), held_reply, clock)
+
+    def _pipelined(
+        self, context: Any, first: Any, reader: Any, writer: Any, held: _Exchange
+    ) -> None:
+        """A streamed push (``fw.PIPELINED``) whose reply streams back while it arrives: the
+        round's next weights, each predicted once every worker's gradient of it is in
+        (psserver/pipeline.py), written by a thread of this call's own while this one reads
+        the push; then, once the round has closed, a trailer with the push's result, sent only
+        where every prediction held (else UNAVAILABLE: the worker sends the step again whole
+        and is answered with the round's weights). Where no prediction can hold
+        (``Shard.preview``), the step is ``fw.STREAMED``'s."""
+        where = "push_pull"
+        arrived = time.monotonic()
+        request = fw.parse(ps_pb2.PushPullRequest, first.app_metadata, where)
+        h = request.header
+        preview = None
+        if first.data is None and not request.rows:
+            keys = [c.name for c in request.chunks]
+            preview = self.shard.preview(
+                h.worker_id, h.step, keys, header_options(h), h.incarnation, h.session
+            )
+        if preview is None:
+            self._push_pull(context, first, reader, writer, held, turn=False)
+            return
+        limit = self.shard.limits.max_request_bytes
+        fw.check_manifest(request.chunks, limit, where)
+        if held.worker is None:  # the exchange's first step: it holds one of the worker's
+            held.enter_context(self.admission.step_stream(h.worker_id))  # step streams
+            held.worker = h.worker_id
+        timeout = _left(request.timeout_ms, arrived)
+        deadline = arrived + (timeout if timeout is not None else self.shard.limits.max_wait_s)
+        reply = _PreviewReply(writer, preview, self.piece_bytes, deadline, context.is_cancelled)
+        try:
+            with self.admission.inflight() as reserve:
+                assembler = ChunkAssembler(limit, reserve=reserve)
+                fw.read_step(
+                    reader,
+                    None,
+                    request.chunks,
+                    assembler,
+                    where,
+                    completed=functools.partial(preview.add, h.worker_id),
+                )
+                grads = assembled_grads(assembler)
+            result, holds, clock = self.shard.push_pull(
+                h.worker_id,
+                h.step,
+                grads,
+                encode=lambda _, __: self.shard.preview_held(preview),
+                timeout=_left(request.timeout_ms, arrived),
+                incarnation=h.incarnation,
+                # Not the round's to sum into: the preview reads these very arrays.
+                take=False,
+                session=h.session,
+                options=header_options(h),
+            )
+        except BaseException:
+            reply.stop()  # a prediction it waits for may never come
+            raise
+        if not holds:
+            reply.stop()
+            raise UnavailableError(
+                f"{where}: the weights sent ahead of step {h.step}'s round are not the round's "
+                "(it closed with other workers, or the shard's values changed meanwhile); "
+                "send the step again"
+            )
+        reply.finish()  # every prediction is made: the thread writes what is left
+        trailer = ps_pb2.PushPullResponse(clock=clock)
+        trailer.push.CopyFrom(push_response(result, self.shard.incarnation))
+        writer.write_metadata(trailer.SerializeToString())
+
+    def _feed_preview(self, request: Any, grads: Mapping[str, Any]) -> Preview | None:
+        """The open round's preview, if pipelined pushes made one, given this whole push's
+        gradients (a gradient it refuses fails it: the push then refuses the same)."""
+        h = request.header
+        preview = self.shard.preview(
+            h.worker_id, h.step, list(grads), header_options(h), h.incarnation, h.session, False
+        )
+        if preview is None:
+            return None
+        try:
+            for key, grad in grads.items():
+                preview.add(h.worker_id, key, grad)
+        except PSError as exc:
+            preview.fail(str(exc))
+        return preview
 
     def _push(self, context: Any, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
         request, grads, timeout = self._read_push(context, first, reader, "push")
@@ -294,6 +387,73 @@ class FlightShardService(flight.FlightServerBase):
             fw.write_step(writer, header, held.raws, self.piece_bytes, held.live.read)
         finally:
             held.live.release()
+
+
+class _PreviewReply:
+    """A pipelined step's reply (``FlightShardService._pipelined``) written on a thread of
+    its own while the call's thread reads the push: the header (the manifest of the round's
+    variables, no ``push``), then each variable's predicted value in the push's order as it
+    is made. ``stop`` ends it early (the push failed, or the round closed: whatever was not
+    predicted by then never will be)."""
+
+    def __init__(
+        self,
+        writer: Any,
+        preview: Preview,
+        piece_bytes: int,
+        deadline: float,
+        cancelled: Callable[[], bool],
+    ) -> None:
+        self._writer = writer
+        self._preview = preview
+        self._piece_bytes = piece_bytes
+        self._deadline = deadline
+        self._cancelled = cancelled
+        self._stopped = threading.Event()
+        self._error: BaseException | None = None
+        self._complete = False
+        self._thread = threading.Thread(target=self._run, name="ps-preview-reply", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            keys = self._preview.keys
+            entries = [fw.manifest_entry(k, *self._preview.wire_of(k)) for k in keys]
+            header = ps_pb2.PushPullResponse(chunks=entries).SerializeToString()
+            out = fw.StepWriter(self._writer, header, self._piece_bytes)
+            out.header()
+            for key in self._preview.keys:
+                value = self._preview.value(key, self._deadline, self._gone)
+                if value is None:
+                    return
+                out.write([fw.encode_tensor(key, value)[1]])
+            self._complete = True
+        except BaseException as exc:  # the call failed: the handler raises it
+            self._error = exc
+
+    def _gone(self) -> bool:
+        return self._stopped.is_set() or self._cancelled()
+
+    def stop(self) -> None:
+        """Ends the reply where it is, once the thread has returned (the call then fails)."""
+        self._stopped.set()
+        self._thread.join()
+
+    def finish(self) -> None:
+        """Returns once the thread has written every value (each one made): bounded by the
+        step's deadline, and by the call's (a write the worker does not read fails when the
+        call ends).
+
+        Raises:
+            what the thread failed with; UnavailableError: the reply was cut short.
+        """
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        if not self._complete:
+            raise UnavailableError(
+                "push_pull: the round's weights were not all sent in time; send the step again"
+            )
 
 
 def _left(timeout_ms: int, arrived: float) -> float | None:

@@ -25,10 +25,12 @@ from pscore.tables import RowSparse
 from pscore.variables import Variables
 from psserver.agreement import JobAgreement
 from psserver.consistency import ConsistencyPolicy, make_policy
+from psserver.consistency.sync import SyncPolicy
 from psserver.elastic import PHASES, JoinResult, Joins, MembersView
 from psserver.marks import CheckpointMarks
 from psserver.observer import Observer, observed
 from psserver.paces import Paces
+from psserver.pipeline import Preview
 from psserver.progress import Progress
 from psserver.records import Beat, Limits, PushResult, Registration, ShardState, ShardStatus
 from psserver.roster import Roster
@@ -38,6 +40,7 @@ from pswire.errors import (
     InvalidRequestError,
     ModelMismatchError,
     NotInitializedError,
+    PSError,
     ShardRestartedError,
     StepRefusedError,
     TooLargeError,
@@ -71,6 +74,10 @@ class Shard:
         self._failure = ""  # a refused sync step: every later step fails with it
         self._closed = False
         self._before_change: set[Callable[[], None]] = set()  # live replies (steady_reader)
+        self._changes = 0  # how often the values changed in place or were replaced
+        self._previews: dict[int, Preview] = {}  # the open sync round's (psserver/pipeline.py)
+        # The last update's hyper-parameters and skip, as applied (what a preview assumed).
+        self._last_applied: tuple[Any, bool] = ((), False)
         self._paces = Paces()  # DiLoCo's dynamic local steps: soft state, not checkpointed
         progress = Progress()
         self._compose(
@@ -92,6 +99,7 @@ class Shard:
         job: Job | None,
     ) -> None:
         """Installs the shard's parts (lock held, or before serving), wired to each other."""
+        self._changes += 1  # values replaced wholesale: no preview holds across it
         self._agreement = agreement
         self._state = state
         self._progress = progress
@@ -163,6 +171,7 @@ class Shard:
             if values is None or self._ready:
                 return False
             self._state = state
+            self._changes += 1
             self._ready = True
             self._cond.notify_all()
             return True
@@ -263,6 +272,7 @@ class Shard:
 
     def _changing(self) -> None:
         """The values are about to change in place (lock held): live replies copy first."""
+        self._changes += 1
         hooks, self._before_change = self._before_change, set()
         for hook in hooks:
             hook()
@@ -429,6 +439,77 @@ class Shard:
             result.absent = self._roster.absent(self._agreement.job)
         result.skipped = options.skip or self.step_skipped(step)
         return result, snapshot, clock
+
+    def preview(
+        self,
+        worker_id: int,
+        step: int,
+        keys: Sequence[str],
+        options: StepOptions = NO_OPTIONS,
+        incarnation: str = "",
+        session: str = "",
+        make: bool = True,
+    ) -> Preview | None:
+        """The open sync round's ``Preview`` (psserver/pipeline.py), shared by its workers'
+        pushes, joined by ``worker_id``'s push of ``step`` carrying ``keys``: None where no
+        prediction can hold, and the push goes as without one (another rule than sync
+        without quorum, an elastic job, a step that is not the open round's or that this
+        worker already pushed, a push that skips its update, keys other than every dense
+        variable of this shard, a worker id another process holds). ``make`` False: only an
+        existing preview (a push sent whole feeds one that pipelined pushes made).
+        """
+        with self._cond:
+            job, policy = self._job, self._policy
+            if (
+                job is None
+                or not isinstance(policy, SyncPolicy)
+                or policy.quorum
+                or self._failure
+                or options.skip
+                or (incarnation and incarnation != self.incarnation)
+                or not 0 <= worker_id < job.num_workers
+                or step != self._progress.updates
+            ):
+                return None
+            clocks = self._roster.clocks()
+            if clocks.joined or policy.classify(clocks, worker_id, step) is not None:
+                return None
+            if sorted(keys) != sorted(job.pull_keys((), ())):
+                return None
+            try:
+                self._roster.members.check(worker_id, session)
+            except PSError:
+                return None  # the push refuses it, with the message it gives
+            made = self._previews.get(step)
+            if made is None and not make:
+                return None
+            if made is None:
+                try:
+                    optimizers = job.step_optimizers(options)
+                except PSError:
+                    return None  # the push refuses them, with the message it gives
+                made = Preview(
+                    step, sorted(clocks.live), keys, job, optimizers, self._preview_base(step)
+                )
+                self._previews = {step: made}  # an older round's is done with
+            if worker_id not in made.workers or not made.join(worker_id):
+                return None
+            return made
+
+    def _preview_base(self, step: int) -> Callable[[list[str]], tuple[Variables, int] | None]:
+        def base(keys: list[str]) -> tuple[Variables, int] | None:
+            with self._cond:
+                if self._progress.updates != step or self._failure:
+                    return None
+                return self._state.shadow(keys), self._changes
+
+        return base
+
+    def preview_held(self, preview: Preview) -> bool:
+        """(lock held: a pull's ``encode``) Whether ``preview``'s values are the round's, now
+        that it has closed (``Preview.held``)."""
+        closed_with = self._policy.last_closed if isinstance(self._policy, SyncPolicy) else ()
+        return preview.held(self._changes, closed_with, self._progress.updates, self._last_applied)
 
     def register_worker(self, worker_id: int, num_workers: int, session: str = "") -> Registration:
         """Records a worker (new, restarted or reconnecting); says where it (re)joins.
@@ -834,6 +915,8 @@ class Shard:
             StepRefusedError: the update's result would not be finite; nothing applied.
         """
         optimizers, skip = self._optim.steps.pop(self._progress.updates)
+        self._last_applied = (optimizers or self._require_job().optimizers, skip)
+        self._previews = {}  # the round closes: its pushes hold its preview while they answer
         try:
             self._changing()
             self._state.apply(

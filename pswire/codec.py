@@ -213,6 +213,10 @@ class ChunkAssembler:
         self._name = None
         self._buffer = None
 
+    def completed(self, name: str) -> np.ndarray:
+        """Tensor ``name``, complete (its array as ``finish`` returns it)."""
+        return self._done[name]
+
     def placed(self, name: str) -> bool:
         """Whether tensor ``name`` is complete, decoded straight into its ``into`` array."""
         return name in self._placed

@@ -1,9 +1,9 @@
 """Tensor bytes on Arrow Flight: the DoExchange framing both ends share, and errors both ways.
 
 A data call is one Flight ``DoExchange`` whose descriptor command names the operation
-(``PUSH_PULL``, ``PUSH``, ``PULL``, or ``STREAMED``: a push_pull whose tensors follow as
-backward produces them) and that carries any number of steps in turn. A step is a header and
-a byte stream:
+(``PUSH_PULL``, ``PUSH``, ``PULL``; ``STREAMED``: a push_pull whose tensors follow as
+backward produces them; ``PIPELINED``: the same, its reply streaming back meanwhile) and that
+carries any number of steps in turn. A step is a header and a byte stream:
 
 - the header is the request's protobuf, as app metadata of the step's first message:
   ``PushPullRequest`` for a push, whose ``chunks`` are the tensors' manifest (name, dtype,
@@ -70,6 +70,12 @@ PUSH_PULL = b"ps.push_pull/1"
 # A push_pull streamed from backward (overlap=True), framed as PUSH_PULL: the shard reads it as
 # it arrives, never holding it for its turn in a sync round (psserver/flight_service.py).
 STREAMED = b"ps.push_pull_streamed/1"
+# STREAMED, whose reply may stream back while the push still arrives: a sync round's next
+# weights, each predicted as soon as every worker's gradient of it is in (psserver/pipeline.py).
+# Such a reply's header carries no ``push``; after its tensors a trailer does (a message of
+# metadata alone: a PushPullResponse with ``push`` and ``clock``). Where the shard cannot
+# predict the round, the reply is STREAMED's.
+PIPELINED = b"ps.push_pull_pipelined/1"
 PUSH = b"ps.push/1"
 PULL = b"ps.pull/1"
 # A small step: the step stream's own messages (a PushPullRequest with its tensors' bytes
@@ -77,7 +83,7 @@ PULL = b"ps.pull/1"
 # message each way, with no record batch: the shortest way a small model's step can travel
 # (bench/NOTES.md entry 36).
 STEP = b"ps.step/1"
-COMMANDS = (PUSH_PULL, STREAMED, PUSH, PULL, STEP)
+COMMANDS = (PUSH_PULL, STREAMED, PIPELINED, PUSH, PULL, STEP)
 # A record batch's largest body: the bench's sweep (bench/flight.py --piece-mib) found 1-4 MiB
 # alike and 16 MiB slower (less overlap, larger buffers to fault in).
 PIECE_BYTES = 4 << 20
@@ -359,11 +365,12 @@ def read_step(
     assembler: ChunkAssembler,
     where: str,
     placed: Callable[[str], None] | None = None,
+    completed: Callable[[str, np.ndarray], None] | None = None,
 ) -> dict[str, np.ndarray]:
     """Reads a step's tensors, in manifest order, from the stream of record batches that
     began with ``first`` (the batch the header rode on, or None), into ``assembler``;
     ``placed(name)`` as each tensor is complete in its ``into`` array (the caller may use it
-    while the rest still arrives).
+    while the rest still arrives); ``completed(name, array)`` as each tensor is complete.
 
     Raises:
         InvalidRequestError: the stream ended mid-step, bytes left over after the last
@@ -405,6 +412,8 @@ def read_step(
             if received >= e.total_bytes:
                 if placed is not None and assembler.placed(e.name):
                     placed(e.name)
+                if completed is not None:
+                    completed(e.name, assembler.completed(e.name))
                 break
     if data:
         raise InvalidRequestError(

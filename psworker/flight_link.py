@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,9 @@ from pswire.write import push_header
 from psworker.stepstream import step_timeout_ms
 
 _FAILURES = (flight.FlightError, pa.ArrowException, OSError)
+# A streamed step's reply is read on a thread bounded by the exchange's deadline; past it by
+# this much, the wait for that thread gives up.
+_READ_SLACK_S = 30.0
 
 
 class FlightLink:
@@ -229,6 +233,12 @@ class FlightLink:
         other steps is closed first: a worker holds at most two step streams on a shard.
         ``placed(key)``: told as each tensor of the reply is decoded into ``into``.
 
+        Its reply may stream back while the push is still being written (``fw.PIPELINED``:
+        a sync round's weights, predicted as their gradients arrive). It is read, on a
+        thread, once ``FlightStream.read_reply`` says so (the caller's backward is over, so
+        the parameters in ``into`` may change); the pieces of a predicted reply are
+        ``placed`` only once its trailer confirmed them.
+
         Raises:
             PSError: the exchange could not be opened, or the shard refused at once.
         """
@@ -237,7 +247,7 @@ class FlightLink:
         request.chunks.extend(entries)
         with self._lock:
             self._close_open()
-            writer, reader = self._exchange(fw.STREAMED, self.timeout, where)
+            writer, reader = self._exchange(fw.PIPELINED, self.timeout, where)
         out = fw.StepWriter(writer, request.SerializeToString(), self.piece_bytes)
         stream = FlightStream(self, writer, reader, out, into, where, placed)
         self._streaming = stream
@@ -397,6 +407,25 @@ class FlightStream:
         self.deadline = time.monotonic() + link.timeout  # the exchange's gRPC deadline
         self._ended = False  # the reply was read: nothing to cancel
         self._closed = False
+        self._reading: Future[tuple[ps_pb2.PushPullResponse, dict[str, np.ndarray]]] | None = None
+        self._read_lock = threading.Lock()
+
+    def read_reply(self) -> Future[tuple[ps_pb2.PushPullResponse, dict[str, np.ndarray]]]:
+        """Starts reading the reply, on a thread, into ``into`` (once: later calls return the
+        same read). Called when the parameters may change: backward is over."""
+        with self._read_lock:
+            if self._reading is None:
+                self._reading = Future()
+                threading.Thread(
+                    target=_fill,
+                    args=(self._reading, self._read),
+                    name="ps-flight-reply",
+                    daemon=True,
+                ).start()
+            return self._reading
+
+    def _read(self) -> tuple[ps_pb2.PushPullResponse, dict[str, np.ndarray]]:
+        return _read_streamed_reply(self._reader, self._into, self._where, self._placed)
 
     def write(self, raws: Sequence[np.ndarray]) -> None:
         """The next tensors of the manifest (uint8 arrays, ``encode_tensor``'s).
@@ -419,7 +448,16 @@ class FlightStream:
         try:
             self._out.close()
             self._writer.done_writing()
-            reply, arrays = _read_reply(self._reader, self._into, self._where, self._placed)
+            reading = self.read_reply()
+            # The read is bounded by the exchange's gRPC deadline; the slack only guards
+            # against a thread that never returns.
+            left = self.deadline - time.monotonic() + _READ_SLACK_S
+            try:
+                reply, arrays = reading.result(timeout=max(0.0, left))
+            except FutureTimeout:
+                raise WaitTimeoutError(
+                    f"{self._where}: no reply within {self._link.timeout:.1f}s"
+                ) from None
             self._ended = True
             # The shard ends the call once our side is done: wait for it, so the step stream
             # it held is free before this worker opens the next.
@@ -449,6 +487,13 @@ class FlightStream:
             self._link._streaming = None
 
 
+def _fill(future: Future[Any], read: Callable[[], Any]) -> None:
+    try:
+        future.set_result(read())
+    except BaseException as exc:  # the caller of ``result`` raises it
+        future.set_exception(exc)
+
+
 def _read_reply(
     reader: Any,
     into: Mapping[str, np.ndarray] | None,
@@ -462,14 +507,64 @@ def _read_reply(
         UnavailableError: the shard ended the exchange without a reply.
         InvalidRequestError: a malformed reply.
     """
+    reply, first = _read_header(reader, where)
+    assembler = ChunkAssembler(into=into)
+    arrays = fw.read_step(reader, first.data, reply.chunks, assembler, where, placed)
+    return reply, arrays
+
+
+def _read_header(reader: Any, where: str) -> tuple[Any, Any]:
+    """(a reply's header, a PushPullResponse; the message it rode on, whose data are the
+    reply's first bytes).
+
+    Raises:
+        UnavailableError: the shard ended the exchange without a reply.
+    """
     try:
         first = reader.read_chunk()
     except StopIteration:
         raise UnavailableError(f"{where}: the shard ended the exchange without a reply") from None
     reply = fw.parse(ps_pb2.PushPullResponse, first.app_metadata, where)
+    return reply, first
+
+
+def _read_streamed_reply(
+    reader: Any,
+    into: Mapping[str, np.ndarray] | None,
+    where: str,
+    placed: Callable[[str], None] | None = None,
+) -> tuple[ps_pb2.PushPullResponse, dict[str, np.ndarray]]:
+    """A streamed step's reply (``fw.PIPELINED``): as ``_read_reply``, or, where its header
+    carries no ``push``, predicted before its round closed: a trailer after the tensors
+    carries the push's result and the clock and confirms them; only then are they
+    ``placed``.
+
+    Raises:
+        UnavailableError: the shard ended the exchange before the reply or its trailer.
+        InvalidRequestError: a malformed reply.
+    """
+    reply, first = _read_header(reader, where)
     assembler = ChunkAssembler(into=into)
-    arrays = fw.read_step(reader, first.data, reply.chunks, assembler, where, placed)
-    return reply, arrays
+    if reply.HasField("push"):
+        arrays = fw.read_step(reader, first.data, reply.chunks, assembler, where, placed)
+        return reply, arrays
+    arrays = fw.read_step(reader, first.data, reply.chunks, assembler, where)
+    try:
+        last = reader.read_chunk()
+    except StopIteration:
+        raise UnavailableError(
+            f"{where}: the shard ended the exchange before the trailer"
+        ) from None
+    if last.data is not None:
+        raise InvalidRequestError(f"{where}: bytes after the reply's last tensor")
+    trailer = fw.parse(ps_pb2.PushPullResponse, last.app_metadata, where)
+    if not trailer.HasField("push"):
+        raise InvalidRequestError(f"{where}: a predicted reply's trailer carries no push")
+    if placed is not None:
+        for chunk in reply.chunks:
+            if assembler.placed(chunk.name):
+                placed(chunk.name)
+    return trailer, arrays
 
 
 def _read_small_reply(

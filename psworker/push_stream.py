@@ -133,6 +133,10 @@ class ShardStream:
             else:
                 self._state = "finished"
                 self._cond.notify()
+                stream = self._stream
+                if stream is not None:
+                    # Backward is over: the reply may land in the parameters from now on.
+                    stream.read_reply()
                 return True
         self._cancel()
         return False
@@ -157,9 +161,13 @@ class ShardStream:
         link = self.link
         failure: grpc.RpcError | None = None
         try:
-            self._stream = link.begin_stream(
+            stream = link.begin_stream(
                 self.step, self._entries, self._into, self._options, self._landing
             )
+            with self._cond:
+                self._stream = stream
+                if self._state == "finished":  # finish() came first
+                    stream.read_reply()
         except grpc.RpcError as exc:
             failure = exc
         deadline = time.monotonic() + link.timeout

@@ -140,6 +140,10 @@ class StreamedStep:
         with _failures(self._link, "push_pull", self._where):
             self._stream.write(raws)
 
+    def read_reply(self) -> None:
+        """Starts reading the reply (``FlightStream.read_reply``): backward is over."""
+        self._stream.read_reply()
+
     def end(self) -> Reply:
         with _failures(self._link, "push_pull", self._where):
             return self._stream.end()

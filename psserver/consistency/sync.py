@@ -41,6 +41,9 @@ class SyncPolicy(ConsistencyPolicy):
         self._owned: set[int] = set()  # held workers whose arrays are ours to change
         self._sum: dict[str, np.ndarray] = {}  # dense gradients added so far, in worker order
         self._rows: dict[str, list[RowSparse]] = {}  # table rows added so far, in order
+        # The workers whose pushes the last round to close averaged, in order (what a preview
+        # of that round assumed: psserver/pipeline.py).
+        self.last_closed: tuple[int, ...] = ()
 
     def push_ready(self, clocks: Clocks, worker: int, step: int) -> bool:
         # A push for a later step waits for the current round to close.
@@ -158,6 +161,7 @@ class SyncPolicy(ConsistencyPolicy):
         while self._held:  # no other push joins this round: the rest in worker order
             self._add(min(self._held))
         count = len(pushed)
+        self.last_closed = tuple(sorted(pushed))
         mean = self._sum
         for key, acc in mean.items():
             if acc.dtype.kind == "f":

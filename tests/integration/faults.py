@@ -281,6 +281,9 @@ class _FaultyStream:
     def write(self, raws) -> None:
         self.inner.write(raws)
 
+    def read_reply(self) -> None:
+        self.inner.read_reply()
+
     def end(self):
         if self.action == "delay":
             time.sleep(self.delay_s)

@@ -1,0 +1,159 @@
+"""A sync round's reply streams back while its pushes still arrive (``fw.PIPELINED``,
+psserver/pipeline.py): each variable's next value is predicted once every worker's gradient
+of it is in, and a worker's reply carries it at once. The predictions are the round's own
+values bit for bit (checked against a shard answering the same pushes sent whole), and a
+prediction the shard cannot show held is never used: the call fails UNAVAILABLE, the round
+is applied once, and the step sent again whole gets the round's weights."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, closing
+
+import numpy as np
+import pytest
+
+import psworker
+from psserver.flight_service import start_flight_service
+from psserver.records import Limits
+from psserver.server import start_server
+from psserver.shard import Shard
+from pswire import flightwire as fw
+from pswire.errors import InvalidRequestError, UnavailableError
+from psworker.flight_link import FlightLink, FlightStream
+
+pytestmark = pytest.mark.timeout(120)
+N = 1 << 16  # 256 KiB a variable
+KEYS = ("a", "b", "c")  # "c": small, packed with others on the wire
+
+
+def _initial() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    return {
+        "a": rng.standard_normal(N).astype(np.float32),
+        "b": rng.standard_normal(N).astype(np.float32),
+        "c": rng.standard_normal(8).astype(np.float32),
+    }
+
+
+def _shard(stack: ExitStack, workers: int) -> tuple[Shard, str]:
+    """A shard of a sync job of ``workers`` (its data port's address), SGD with momentum:
+    the preview steps optimizer slots too."""
+    shard = Shard(Limits(max_wait_s=20.0))
+    control = start_server(shard)
+    stack.callback(control.stop, grace=0.5)
+    data = start_flight_service(shard, piece_bytes=64 << 10)
+    stack.callback(data.stop)
+    client = psworker.connect([control.address], worker_id=0, num_workers=workers, mode="sync")
+    stack.callback(client.close)
+    client.init(_initial(), psworker.SGD(lr=0.5, momentum=0.9))
+    return shard, data.address
+
+
+@pytest.fixture
+def stack() -> Iterator[ExitStack]:
+    with ExitStack() as stack:
+        yield stack
+
+
+def _grads(step: int, worker: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(100 * step + worker)
+    return {
+        k: (rng.standard_normal(v.shape) * 10.0**worker).astype(np.float32)
+        for k, v in _initial().items()
+    }
+
+
+def _stream(link: FlightLink, step: int, into: dict[str, np.ndarray]) -> FlightStream:
+    entries = [fw.manifest_entry(k, "float32", into[k].shape) for k in KEYS]
+    return link.begin_stream(step, entries, into)
+
+
+def _write(stream: FlightStream, grads: dict[str, np.ndarray], keys: tuple[str, ...]) -> None:
+    stream.write([fw.encode_tensor(k, grads[k])[1] for k in keys])
+
+
+def test_a_round_s_weights_stream_back_before_it_closes_bit_identical_to_the_round(
+    stack: ExitStack,
+) -> None:
+    piped, piped_address = _shard(stack, 2)
+    whole, whole_address = _shard(stack, 2)
+    links = [stack.enter_context(closing(FlightLink(0, piped_address, w, 20.0))) for w in (0, 1)]
+    refs = [stack.enter_context(closing(FlightLink(0, whole_address, w, 20.0))) for w in (0, 1)]
+    for step in range(2):
+        grads = [_grads(step, w) for w in (0, 1)]
+        into = [{k: np.full_like(v, np.nan) for k, v in _initial().items()} for _ in (0, 1)]
+        streams = [_stream(links[w], step, into[w]) for w in (0, 1)]
+        _write(streams[0], grads[0], KEYS)
+        _write(streams[1], grads[1], ("a",))
+        streams[0].read_reply()
+        # Worker 1 has not sent "b" yet: the round is open, yet "a"'s next value is here.
+        deadline = time.monotonic() + 20
+        while np.isnan(into[0]["a"]).any() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not np.isnan(into[0]["a"]).any(), "no value of 'a' before the round closed"
+        assert piped.status().clock == step  # the round has not closed
+        assert np.isnan(into[0]["b"]).all()  # not predictable yet
+        _write(streams[1], grads[1], ("b", "c"))
+        with ThreadPoolExecutor(4) as pool:
+            ended = [pool.submit(s.end) for s in streams]
+            sent = [pool.submit(refs[w].push_pull, step, grads[w]) for w in (0, 1)]
+            results = [f.result(timeout=60) for f in ended]
+            expected = [f.result(timeout=60) for f in sent]
+        for (pushed, arrays), (ref_pushed, ref_arrays) in zip(results, expected, strict=True):
+            assert pushed.applied and ref_pushed.applied
+            for k in KEYS:
+                assert arrays[k].tobytes() == ref_arrays[k].tobytes(), (step, k)
+        for w in (0, 1):
+            for k in KEYS:
+                assert into[w][k].tobytes() == expected[w][1][k].tobytes()
+    held, ref = piped.snapshot(), whole.snapshot()
+    assert all(held[k].tobytes() == ref[k].tobytes() for k in KEYS)
+    momentum = piped.optimizer_state()
+    ref_momentum = whole.optimizer_state()
+    for k in KEYS:
+        for slot, value in ref_momentum[k].items():
+            assert np.asarray(momentum[k][slot]).tobytes() == np.asarray(value).tobytes()
+
+
+def test_a_prediction_that_cannot_hold_is_refused_and_the_step_sent_again_gets_the_round(
+    stack: ExitStack,
+) -> None:
+    shard, address = _shard(stack, 2)
+    links = [stack.enter_context(closing(FlightLink(0, address, w, 20.0))) for w in (0, 1)]
+    grads = [_grads(0, w) for w in (0, 1)]
+    with ThreadPoolExecutor(1) as pool:
+        # Worker 1's push, sent whole before any preview exists, feeds none: the preview
+        # worker 0's stream starts can never be complete.
+        first = pool.submit(links[1].push_pull, 0, grads[1])
+        deadline = time.monotonic() + 20
+        while shard.status().pushes_applied < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        into = {k: np.zeros_like(v) for k, v in _initial().items()}
+        stream = _stream(links[0], 0, into)
+        _write(stream, grads[0], KEYS)
+        with pytest.raises(UnavailableError, match="not the round's"):
+            stream.end()
+        _, expected = first.result(timeout=60)
+    held = shard.snapshot()
+    assert all(held[k].tobytes() == expected[k].tobytes() for k in KEYS)  # applied once
+    pushed, arrays = links[0].push_pull(0, grads[0])
+    assert (pushed.applied, pushed.reason) == (False, "duplicate")
+    assert all(arrays[k].tobytes() == expected[k].tobytes() for k in KEYS)
+
+
+def test_a_refused_gradient_mid_stream_changes_nothing(stack: ExitStack) -> None:
+    shard, address = _shard(stack, 1)
+    link = stack.enter_context(closing(FlightLink(0, address, 0, 20.0)))
+    grads = _grads(0, 0)
+    grads["b"][5] = np.nan
+    before = shard.snapshot()
+    stream = _stream(link, 0, {k: np.zeros_like(v) for k, v in _initial().items()})
+    with pytest.raises(InvalidRequestError, match="'b'"):
+        _write(stream, grads, KEYS)
+        stream.end()
+    after = shard.snapshot()
+    assert all(after[k].tobytes() == before[k].tobytes() for k in KEYS)
+    assert shard.status().pushes_applied == 0
