@@ -304,6 +304,14 @@ class Variables:
         other._squares = {k: self._squares[k] for k in keys if k in self._squares}
         return other
 
+    def adopt(self, shadows: list[Variables]) -> None:
+        """Takes ``shadows``' variables (their values, slots and measures) as these ones' own:
+        the step ``apply`` would make, already made on copies (``shadow``)."""
+        for shadow in shadows:
+            self.values.update(shadow.values)
+            self.slots.update(shadow.slots)
+            self._squares.update(shadow._squares)
+
     def optimizer_state(self) -> dict[str, dict[str, Any]]:
         """Copies of every trained variable's optimizer slots (slots not made yet left out)."""
         return {

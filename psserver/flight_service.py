@@ -292,6 +292,9 @@ class FlightShardService(flight.FlightServerBase):
         except BaseException:
             reply.stop()  # a prediction it waits for may never come
             raise
+        if self.metrics is not None:
+            outcome = "held" if holds else "resent"
+            self.metrics.pipelined.labels(self.metrics.name, outcome).inc()
         if not holds:
             reply.stop()
             raise UnavailableError(

@@ -107,6 +107,14 @@ class ShardMetrics:
             ["shard", "group"],
             registry=r,
         )
+        self.pipelined = Counter(
+            "psserver_pipelined_replies",
+            "Sync replies streamed while their round's pushes still arrived (overlap), by "
+            "outcome: held (the predicted weights were the round's) or resent (they could not "
+            "be shown to be: the worker sent the step again whole)",
+            ["shard", "outcome"],
+            registry=r,
+        )
         r.register(_StatusCollector(self))
         # The daemon's memory and CPU (process_resident_memory_bytes, ...; Linux only): the
         # dashboard plots each shard's RSS beside the bytes it holds.

@@ -69,6 +69,7 @@ class Preview:
         self._cond = threading.Condition()
         self._parts: dict[str, dict[int, np.ndarray]] = {}  # key -> worker -> its gradient
         self._values: dict[str, np.ndarray] = {}  # key -> its predicted value
+        self._shadows: list[Variables] = []  # the predicted values, slots and measures
         self._bases: set[int] = set()  # the shard's change counts the copies were taken at
         self._failed = ""  # why the preview cannot be completed
         self._pushers: set[int] = set()  # the workers whose push feeds it (``join``)
@@ -105,18 +106,20 @@ class Preview:
                 return
             del self._parts[key]
         try:
-            value, changes = self._next_value(key, [parts[w] for w in self.workers])
+            shadow, changes = self._next_value(key, [parts[w] for w in self.workers])
         except PSError as exc:  # the step would be refused: the round's own apply says so
             self.fail(str(exc))
             return
         with self._cond:
-            self._values[key] = value
+            self._values[key] = shadow.values[key]
+            self._shadows.append(shadow)
             self._bases.add(changes)
             self._cond.notify_all()
 
-    def _next_value(self, key: str, grads: list[np.ndarray]) -> tuple[np.ndarray, int]:
-        """The value ``key`` takes when the round averaging ``grads`` (in worker order) is
-        applied, as ``SyncPolicy`` sums and ``Variables.apply`` steps it.
+    def _next_value(self, key: str, grads: list[np.ndarray]) -> tuple[Variables, int]:
+        """``key`` as the round averaging ``grads`` (in worker order) leaves it, as
+        ``SyncPolicy`` sums and ``Variables.apply`` steps it: its value, slots and measure,
+        in a ``Variables`` of its own.
 
         Raises:
             StepRefusedError: the result would not be finite.
@@ -136,7 +139,13 @@ class Preview:
             raise PSError(f"step {self.step} closed before '{key}' could be predicted")
         shadow, changes = got
         shadow.apply(self._job, {key: acc}, self._optimizers, skip=False, summed=True)
-        return shadow.values[key], changes
+        return shadow, changes
+
+    def predicted(self) -> list[Variables]:
+        """Every variable's prediction (its value, slots and measure): what the round leaves
+        once ``held`` says so (``Shard._apply`` installs them instead of stepping again)."""
+        with self._cond:
+            return list(self._shadows)
 
     def wire_of(self, key: str) -> tuple[str, tuple[int, ...]]:
         """(dtype, shape) of ``key``'s value, as a reply carries it."""

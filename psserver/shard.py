@@ -75,6 +75,7 @@ class Shard:
         self._closed = False
         self._before_change: set[Callable[[], None]] = set()  # live replies (steady_reader)
         self._changes = 0  # how often the values changed in place or were replaced
+        self.predicted_rounds = 0  # sync rounds whose pipelined predictions were installed
         self._previews: dict[int, Preview] = {}  # the open sync round's (psserver/pipeline.py)
         # The last update's hyper-parameters and skip, as applied (what a preview assumed).
         self._last_applied: tuple[Any, bool] = ((), False)
@@ -511,6 +512,15 @@ class Shard:
         closed_with = self._policy.last_closed if isinstance(self._policy, SyncPolicy) else ()
         return preview.held(self._changes, closed_with, self._progress.updates, self._last_applied)
 
+    def _predicted(self, preview: Preview, update: Mapping[str, Any]) -> bool:
+        """(lock held, in ``_apply``: the values counted as changing, the clock not advanced
+        yet) Whether ``preview`` made the step ``update`` is about to make: then its results
+        are installed instead of computed again."""
+        closed_with = self._policy.last_closed if isinstance(self._policy, SyncPolicy) else ()
+        return sorted(update) == sorted(preview.keys) and preview.held(
+            self._changes, closed_with, self._progress.updates + 1, self._last_applied
+        )
+
     def register_worker(self, worker_id: int, num_workers: int, session: str = "") -> Registration:
         """Records a worker (new, restarted or reconnecting); says where it (re)joins.
 
@@ -916,17 +926,23 @@ class Shard:
         """
         optimizers, skip = self._optim.steps.pop(self._progress.updates)
         self._last_applied = (optimizers or self._require_job().optimizers, skip)
+        preview = self._previews.get(self._progress.updates) if sync_round else None
         self._previews = {}  # the round closes: its pushes hold its preview while they answer
         try:
             self._changing()
-            self._state.apply(
-                self._require_job(),
-                update,
-                optimizers,
-                skip,
-                summed=sync_round,
-                known_squares=known_squares,
-            )
+            if preview is not None and self._predicted(preview, update):
+                # The pipelined replies made this very step already (psserver/pipeline.py).
+                self._state.adopt(preview.predicted())
+                self.predicted_rounds += 1
+            else:
+                self._state.apply(
+                    self._require_job(),
+                    update,
+                    optimizers,
+                    skip,
+                    summed=sync_round,
+                    known_squares=known_squares,
+                )
         except StepRefusedError as exc:
             if sync_round:
                 self._failure = (

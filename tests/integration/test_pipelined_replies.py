@@ -17,6 +17,7 @@ import pytest
 
 import psworker
 from psserver.flight_service import start_flight_service
+from psserver.metrics import ShardMetrics
 from psserver.records import Limits
 from psserver.server import start_server
 from psserver.shard import Shard
@@ -44,7 +45,9 @@ def _shard(stack: ExitStack, workers: int) -> tuple[Shard, str]:
     shard = Shard(Limits(max_wait_s=20.0))
     control = start_server(shard)
     stack.callback(control.stop, grace=0.5)
-    data = start_flight_service(shard, piece_bytes=64 << 10)
+    metrics = ShardMetrics(shard, "ps0")
+    shard.metrics = metrics  # type: ignore[attr-defined]  # the tests read it
+    data = start_flight_service(shard, piece_bytes=64 << 10, metrics=metrics)
     stack.callback(data.stop)
     client = psworker.connect([control.address], worker_id=0, num_workers=workers, mode="sync")
     stack.callback(client.close)
@@ -56,6 +59,12 @@ def _shard(stack: ExitStack, workers: int) -> tuple[Shard, str]:
 def stack() -> Iterator[ExitStack]:
     with ExitStack() as stack:
         yield stack
+
+
+def _replies(shard: Shard, outcome: str) -> float:
+    labels = {"shard": "ps0", "outcome": outcome}
+    metrics: ShardMetrics = shard.metrics  # type: ignore[attr-defined]
+    return metrics.registry.get_sample_value("psserver_pipelined_replies_total", labels) or 0.0
 
 
 def _grads(step: int, worker: int) -> dict[str, np.ndarray]:
@@ -109,6 +118,8 @@ def test_a_round_s_weights_stream_back_before_it_closes_bit_identical_to_the_rou
         for w in (0, 1):
             for k in KEYS:
                 assert into[w][k].tobytes() == expected[w][1][k].tobytes()
+    assert (piped.predicted_rounds, whole.predicted_rounds) == (2, 0)  # installed, not redone
+    assert (_replies(piped, "held"), _replies(piped, "resent")) == (4.0, 0.0)
     held, ref = piped.snapshot(), whole.snapshot()
     assert all(held[k].tobytes() == ref[k].tobytes() for k in KEYS)
     momentum = piped.optimizer_state()
@@ -139,6 +150,8 @@ def test_a_prediction_that_cannot_hold_is_refused_and_the_step_sent_again_gets_t
         _, expected = first.result(timeout=60)
     held = shard.snapshot()
     assert all(held[k].tobytes() == expected[k].tobytes() for k in KEYS)  # applied once
+    assert shard.predicted_rounds == 0
+    assert (_replies(shard, "held"), _replies(shard, "resent")) == (0.0, 1.0)
     pushed, arrays = links[0].push_pull(0, grads[0])
     assert (pushed.applied, pushed.reason) == (False, "duplicate")
     assert all(arrays[k].tobytes() == expected[k].tobytes() for k in KEYS)
