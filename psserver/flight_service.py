@@ -226,8 +226,8 @@ class FlightShardService(flight.FlightServerBase):
             encode=lambda arrays, _: self._held(arrays, gathered),
             timeout=timeout,
             incarnation=h.incarnation,
-            # The arrays were decoded for this call alone (unless a preview reads them).
-            take=preview is None,
+            # The arrays were decoded for this call alone (a preview may read them too).
+            take=preview is None or not preview.reads_late(),
             session=h.session,
             options=header_options(h),
             rows=rows,
@@ -248,6 +248,8 @@ class FlightShardService(flight.FlightServerBase):
         arrived = time.monotonic()
         request = fw.parse(ps_pb2.PushPullRequest, first.app_metadata, where)
         h = request.header
+        limit = self.shard.limits.max_request_bytes
+        fw.check_manifest(request.chunks, limit, where)  # before it joins any preview
         preview = None
         if first.data is None and not request.rows:
             keys = [c.name for c in request.chunks]
@@ -257,8 +259,6 @@ class FlightShardService(flight.FlightServerBase):
         if preview is None:
             self._push_pull(context, first, reader, writer, held, turn=False)
             return
-        limit = self.shard.limits.max_request_bytes
-        fw.check_manifest(request.chunks, limit, where)
         if held.worker is None:  # the exchange's first step: it holds one of the worker's
             held.enter_context(self.admission.step_stream(h.worker_id))  # step streams
             held.worker = h.worker_id
@@ -284,8 +284,8 @@ class FlightShardService(flight.FlightServerBase):
                 encode=lambda _, __: self.shard.preview_held(preview),
                 timeout=_left(request.timeout_ms, arrived),
                 incarnation=h.incarnation,
-                # Not the round's to sum into: the preview reads these very arrays.
-                take=False,
+                # The round may sum into them unless the preview reads them after it does.
+                take=not preview.reads_late(),
                 session=h.session,
                 options=header_options(h),
             )

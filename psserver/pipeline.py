@@ -125,9 +125,10 @@ class Preview:
             StepRefusedError: the result would not be finite.
             PSError: the round has closed (nothing left to predict).
         """
-        acc = grads[0].copy()
         with np.errstate(over="ignore"):  # an overflow is refused when applied
-            for grad in grads[1:]:
+            # (g0 + g1) + g2 ...: the policy's additions, in its order, one pass fewer.
+            acc = grads[0] + grads[1] if len(grads) > 1 else grads[0].copy()
+            for grad in grads[2:]:
                 acc += grad
         count = len(grads)
         if acc.dtype.kind == "f":
@@ -146,6 +147,14 @@ class Preview:
         once ``held`` says so (``Shard._apply`` installs them instead of stepping again)."""
         with self._cond:
             return list(self._shadows)
+
+    def reads_late(self) -> bool:
+        """Whether a push's arrays may still be read after the round sums into them: with
+        three workers or more, the round adds a push into the first one's array while a
+        later worker's gradients, and so this preview's reads of that array, are still to
+        come; with two, its one addition comes with the second push, once both are in and
+        every prediction is made (the caller then lets the round sum in place)."""
+        return len(self.workers) > 2
 
     def wire_of(self, key: str) -> tuple[str, tuple[int, ...]]:
         """(dtype, shape) of ``key``'s value, as a reply carries it."""

@@ -84,42 +84,46 @@ def _write(stream: FlightStream, grads: dict[str, np.ndarray], keys: tuple[str, 
     stream.write([fw.encode_tensor(k, grads[k])[1] for k in keys])
 
 
+@pytest.mark.parametrize("n", [2, 3])  # 3: the round sums into a push the preview reads
 def test_a_round_s_weights_stream_back_before_it_closes_bit_identical_to_the_round(
-    stack: ExitStack,
+    stack: ExitStack, n: int
 ) -> None:
-    piped, piped_address = _shard(stack, 2)
-    whole, whole_address = _shard(stack, 2)
-    links = [stack.enter_context(closing(FlightLink(0, piped_address, w, 20.0))) for w in (0, 1)]
-    refs = [stack.enter_context(closing(FlightLink(0, whole_address, w, 20.0))) for w in (0, 1)]
+    piped, piped_address = _shard(stack, n)
+    whole, whole_address = _shard(stack, n)
+    workers = range(n)
+    links = [stack.enter_context(closing(FlightLink(0, piped_address, w, 20.0))) for w in workers]
+    refs = [stack.enter_context(closing(FlightLink(0, whole_address, w, 20.0))) for w in workers]
+    last = n - 1
     for step in range(2):
-        grads = [_grads(step, w) for w in (0, 1)]
-        into = [{k: np.full_like(v, np.nan) for k, v in _initial().items()} for _ in (0, 1)]
-        streams = [_stream(links[w], step, into[w]) for w in (0, 1)]
-        _write(streams[0], grads[0], KEYS)
-        _write(streams[1], grads[1], ("a",))
+        grads = [_grads(step, w) for w in workers]
+        into = [{k: np.full_like(v, np.nan) for k, v in _initial().items()} for _ in workers]
+        streams = [_stream(links[w], step, into[w]) for w in workers]
+        for w in range(last):
+            _write(streams[w], grads[w], KEYS)
+        _write(streams[last], grads[last], ("a",))
         streams[0].read_reply()
-        # Worker 1 has not sent "b" yet: the round is open, yet "a"'s next value is here.
+        # The last worker has not sent "b" yet: the round is open, yet "a"'s next value is here.
         deadline = time.monotonic() + 20
         while np.isnan(into[0]["a"]).any() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not np.isnan(into[0]["a"]).any(), "no value of 'a' before the round closed"
         assert piped.status().clock == step  # the round has not closed
         assert np.isnan(into[0]["b"]).all()  # not predictable yet
-        _write(streams[1], grads[1], ("b", "c"))
-        with ThreadPoolExecutor(4) as pool:
+        _write(streams[last], grads[last], ("b", "c"))
+        with ThreadPoolExecutor(2 * n) as pool:
             ended = [pool.submit(s.end) for s in streams]
-            sent = [pool.submit(refs[w].push_pull, step, grads[w]) for w in (0, 1)]
+            sent = [pool.submit(refs[w].push_pull, step, grads[w]) for w in workers]
             results = [f.result(timeout=60) for f in ended]
             expected = [f.result(timeout=60) for f in sent]
         for (pushed, arrays), (ref_pushed, ref_arrays) in zip(results, expected, strict=True):
             assert pushed.applied and ref_pushed.applied
             for k in KEYS:
                 assert arrays[k].tobytes() == ref_arrays[k].tobytes(), (step, k)
-        for w in (0, 1):
+        for w in workers:
             for k in KEYS:
                 assert into[w][k].tobytes() == expected[w][1][k].tobytes()
     assert (piped.predicted_rounds, whole.predicted_rounds) == (2, 0)  # installed, not redone
-    assert (_replies(piped, "held"), _replies(piped, "resent")) == (4.0, 0.0)
+    assert (_replies(piped, "held"), _replies(piped, "resent")) == (2.0 * n, 0.0)
     held, ref = piped.snapshot(), whole.snapshot()
     assert all(held[k].tobytes() == ref[k].tobytes() for k in KEYS)
     momentum = piped.optimizer_state()
