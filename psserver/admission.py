@@ -39,6 +39,8 @@ DEFAULT_STREAMS_PER_WORKER = 2
 ANONYMOUS_STREAMS_PER_PEER = 2
 ANONYMOUS_GRACE_S = 5.0
 _WATCH_TICK_S = 0.5
+# How long a worker's step stream over the limit waits for one of its others to end.
+STREAM_GRACE_S = 2.0
 
 
 class Admission:
@@ -64,6 +66,7 @@ class Admission:
         self._inflight = 0
         self._now = clock
         self._lock = threading.Lock()
+        self._stream_freed = threading.Condition(self._lock)  # a step stream was released
         self._long = 0
         self._streams: dict[int, int] = {}
         self._idle: dict[int, tuple[float, grpc.ServicerContext]] = {}
@@ -204,18 +207,24 @@ class Admission:
 
     @contextlib.contextmanager
     def step_stream(self, worker_id: int) -> Iterator[None]:
-        """Holds one of ``worker_id``'s open step streams.
+        """Holds one of ``worker_id``'s open step streams. At the limit it waits up to
+        ``STREAM_GRACE_S`` for one to end: a call the worker has just closed or cancelled
+        ends here a moment later (its handler is still returning) while the worker's next
+        call is already arriving.
 
         Raises:
-            TooLargeError: the worker already holds ``streams_per_worker`` of them.
+            TooLargeError: the worker still holds ``streams_per_worker`` of them.
         """
+        deadline = time.monotonic() + STREAM_GRACE_S
         with self._lock:
-            held = self._streams.get(worker_id, 0)
-            if held >= self.streams_per_worker:
-                raise TooLargeError(
-                    f"worker {worker_id} already holds {held} open step streams on this shard "
-                    f"(limit {self.streams_per_worker}); a worker needs one"
-                )
+            while (held := self._streams.get(worker_id, 0)) >= self.streams_per_worker:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TooLargeError(
+                        f"worker {worker_id} already holds {held} open step streams on this "
+                        f"shard (limit {self.streams_per_worker}); a worker needs one"
+                    )
+                self._stream_freed.wait(left)
             self._streams[worker_id] = held + 1
         try:
             yield
@@ -224,6 +233,7 @@ class Admission:
                 self._streams[worker_id] -= 1
                 if not self._streams[worker_id]:
                     del self._streams[worker_id]
+                self._stream_freed.notify_all()
 
     # -- the interceptor -------------------------------------------------------------------
 

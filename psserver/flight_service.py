@@ -440,6 +440,7 @@ class _PreviewReply:
     def stop(self) -> None:
         """Ends the reply where it is, once the thread has returned (the call then fails)."""
         self._stopped.set()
+        self._preview.wake()  # at once: the call's step stream is freed when it returns
         self._thread.join()
 
     def finish(self) -> None:

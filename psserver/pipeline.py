@@ -161,6 +161,11 @@ class Preview:
         spec = self._job.specs[key]
         return spec.dtype, spec.shape
 
+    def wake(self) -> None:
+        """Every ``value`` waiting asks its ``stopped`` again now."""
+        with self._cond:
+            self._cond.notify_all()
+
     def fail(self, why: str) -> None:
         """No more values will be predicted: every wait for one ends."""
         with self._cond:
