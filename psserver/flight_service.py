@@ -217,7 +217,8 @@ class FlightShardService(flight.FlightServerBase):
         rows = row_query(request)
         # Other workers' pushes of this round may be pipelined (``_pipelined``): this one,
         # sent whole, feeds their preview too, or it could never be complete.
-        preview = None if rows else self._feed_preview(request, grads)
+        if not rows:
+            self._feed_preview(request, grads)
         gathered = frozenset(table for table, _ in rows)  # copies made for this reply
         result, held_reply, clock = self.shard.push_pull(
             h.worker_id,
@@ -226,8 +227,8 @@ class FlightShardService(flight.FlightServerBase):
             encode=lambda arrays, _: self._held(arrays, gathered),
             timeout=timeout,
             incarnation=h.incarnation,
-            # The arrays were decoded for this call alone (a preview may read them too).
-            take=preview is None or not preview.reads_late(),
+            take=True,  # the arrays were decoded for this call alone (a preview reads them
+            # before the round sums them: SyncPolicy.defer)
             session=h.session,
             options=header_options(h),
             rows=rows,
@@ -284,8 +285,7 @@ class FlightShardService(flight.FlightServerBase):
                 encode=lambda _, __: self.shard.preview_held(preview),
                 timeout=_left(request.timeout_ms, arrived),
                 incarnation=h.incarnation,
-                # The round may sum into them unless the preview reads them after it does.
-                take=not preview.reads_late(),
+                take=True,  # the round sums them at its close, once the preview has read them
                 session=h.session,
                 options=header_options(h),
             )
@@ -307,21 +307,20 @@ class FlightShardService(flight.FlightServerBase):
         trailer.push.CopyFrom(push_response(result, self.shard.incarnation))
         writer.write_metadata(trailer.SerializeToString())
 
-    def _feed_preview(self, request: Any, grads: Mapping[str, Any]) -> Preview | None:
-        """The open round's preview, if pipelined pushes made one, given this whole push's
+    def _feed_preview(self, request: Any, grads: Mapping[str, Any]) -> None:
+        """Gives the open round's preview, if pipelined pushes made one, this whole push's
         gradients (a gradient it refuses fails it: the push then refuses the same)."""
         h = request.header
         preview = self.shard.preview(
             h.worker_id, h.step, list(grads), header_options(h), h.incarnation, h.session, False
         )
         if preview is None:
-            return None
+            return
         try:
             for key, grad in grads.items():
                 preview.add(h.worker_id, key, grad)
         except PSError as exc:
             preview.fail(str(exc))
-        return preview
 
     def _push(self, context: Any, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
         request, grads, timeout = self._read_push(context, first, reader, "push")

@@ -148,13 +148,11 @@ class Preview:
         with self._cond:
             return list(self._shadows)
 
-    def reads_late(self) -> bool:
-        """Whether a push's arrays may still be read after the round sums into them: with
-        three workers or more, the round adds a push into the first one's array while a
-        later worker's gradients, and so this preview's reads of that array, are still to
-        come; with two, its one addition comes with the second push, once both are in and
-        every prediction is made (the caller then lets the round sum in place)."""
-        return len(self.workers) > 2
+    def fed_by(self, worker: int) -> bool:
+        """Whether ``worker``'s push feeds this preview (its arrays are read until every push
+        of the round is in: the round sums them only at its close, ``SyncPolicy.defer``)."""
+        with self._cond:
+            return worker in self._pushers
 
     def wire_of(self, key: str) -> tuple[str, tuple[int, ...]]:
         """(dtype, shape) of ``key``'s value, as a reply carries it."""

@@ -350,6 +350,10 @@ class Shard:
                     return skipped
                 self._optim.steps.take(worker_id, step, optimizers, options.skip)
                 self._roster.open(step)
+                preview = self._previews.get(step)
+                if preview is not None and preview.fed_by(worker_id):
+                    assert isinstance(policy, SyncPolicy)  # only sync rounds are predicted
+                    policy.defer(worker_id)  # the preview reads its arrays until the close
                 update = policy.submit(self._roster.clocks(), worker_id, step, grads, owned=take)
                 if update is not None:
                     # The push itself (applied on arrival, not summed into a round): its

@@ -19,7 +19,7 @@ came before their turn (bench/NOTES.md 27), not one gradient per pushed worker.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -37,10 +37,9 @@ class SyncPolicy(ConsistencyPolicy):
     def __init__(self, quorum: int = 0) -> None:
         self.quorum = quorum
         self._pushed: set[int] = set()  # the workers whose push is in the open round
-        self._held: dict[int, Mapping[str, Any]] = {}  # pushes that came before their turn
-        self._owned: set[int] = set()  # held workers whose arrays are ours to change
-        self._sum: dict[str, np.ndarray] = {}  # dense gradients added so far, in worker order
-        self._rows: dict[str, list[RowSparse]] = {}  # table rows added so far, in order
+        self._sums = _Sums()  # the open round's pushes held, and their sum so far
+        # Workers whose push, when it comes, is summed only at the round's close (``defer``).
+        self._deferred: set[int] = set()
         # The workers whose pushes the last round to close averaged, in order (what a preview
         # of that round assumed: psserver/pipeline.py).
         self.last_closed: tuple[int, ...] = ()
@@ -88,11 +87,16 @@ class SyncPolicy(ConsistencyPolicy):
         owned: bool = False,
     ) -> Mapping[str, Any] | None:
         self._pushed.add(worker)
-        self._held[worker] = grads
-        if owned:
-            self._owned.add(worker)
+        self._sums.hold(worker, grads, owned)
         self._add_in_turn(clocks)
         return self._close_if_complete(clocks)
+
+    def defer(self, worker: int) -> None:
+        """``worker``'s push to the open round, when it comes, is added only once the round
+        closes, not on its turn: a preview of the round (psserver/pipeline.py) reads its
+        arrays until every push is in, and where the preview is the round's step its sum is
+        never needed (the update the round returns sums on first use: ``_RoundMean``)."""
+        self._deferred.add(worker)
 
     def membership_changed(self, clocks: Clocks) -> Mapping[str, Any] | None:
         if self._pushed:
@@ -119,12 +123,14 @@ class SyncPolicy(ConsistencyPolicy):
         return all(w in self._pushed for w in members if w < worker)
 
     def _add_in_turn(self, clocks: Clocks) -> None:
-        """Adds the held pushes whose turn has come, lowest worker first."""
-        while self._held:
-            worker = min(self._held)
-            if not self._turn(clocks, worker):
+        """Adds the held pushes whose turn has come, lowest worker first (up to a deferred
+        one: those after it wait for the close too)."""
+        held = self._sums.held
+        while held:
+            worker = min(held)
+            if worker in self._deferred or not self._turn(clocks, worker):
                 return
-            self._add(worker)
+            self._sums.add(worker)
 
     def _turn(self, clocks: Clocks, worker: int) -> bool:
         """Whether no lower worker id can still push into the open round before ``worker``."""
@@ -132,9 +138,48 @@ class SyncPolicy(ConsistencyPolicy):
             return all(m in self._pushed for m in clocks.members(clocks.updates) if m < worker)
         return all(w in self._pushed for w in range(worker))
 
-    def _add(self, worker: int) -> None:
+    def _close_if_complete(self, clocks: Clocks) -> Mapping[str, Any] | None:
+        pushed = self._pushed
+        enough = self.quorum > 0 and len(pushed) >= self.quorum
+        if not (enough or self._all_pushed(clocks)):
+            return None
+        count = len(pushed)
+        self.last_closed = tuple(sorted(pushed))
+        sums, deferred = self._sums, self._deferred & set(self._sums.held)
+        self._pushed, self._sums, self._deferred = set(), _Sums(), set()
+        if deferred:
+            return _RoundMean(sums, count)
+        return sums.mean(count)
+
+    def _all_pushed(self, clocks: Clocks) -> bool:
+        """Every member of the open step has pushed it (a job of fixed size: every live one)."""
+        pushed = self._pushed
+        if not clocks.joined:
+            return clocks.live <= pushed
+        return all(w in pushed for w in clocks.members(clocks.updates))
+
+    def pending_bytes(self) -> int:
+        return self._sums.nbytes()
+
+
+class _Sums:
+    """One round's pushes: those held (not added yet) and the sum of those added, in worker
+    order."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, Mapping[str, Any]] = {}  # pushes not added yet
+        self._owned: set[int] = set()  # held workers whose arrays are ours to change
+        self._sum: dict[str, np.ndarray] = {}  # dense gradients added so far, in worker order
+        self._rows: dict[str, list[RowSparse]] = {}  # table rows added so far, in order
+
+    def hold(self, worker: int, grads: Mapping[str, Any], owned: bool) -> None:
+        self.held[worker] = grads
+        if owned:
+            self._owned.add(worker)
+
+    def add(self, worker: int) -> None:
         """Adds ``worker``'s held push to the round's sum (every lower one is in already)."""
-        grads = self._held.pop(worker)
+        grads = self.held.pop(worker)
         mine = worker in self._owned
         self._owned.discard(worker)
         for key, grad in grads.items():
@@ -153,15 +198,18 @@ class SyncPolicy(ConsistencyPolicy):
                 with np.errstate(over="ignore"):  # an overflow is refused when applied
                     acc += grad
 
-    def _close_if_complete(self, clocks: Clocks) -> Mapping[str, Any] | None:
-        pushed = self._pushed
-        enough = self.quorum > 0 and len(pushed) >= self.quorum
-        if not (enough or self._all_pushed(clocks)):
-            return None
-        while self._held:  # no other push joins this round: the rest in worker order
-            self._add(min(self._held))
-        count = len(pushed)
-        self.last_closed = tuple(sorted(pushed))
+    def keys(self) -> list[str]:
+        """Every key the round's mean will hold."""
+        keys = dict.fromkeys([*self._sum, *self._rows])
+        for grads in self.held.values():
+            keys.update(dict.fromkeys(grads))
+        return list(keys)
+
+    def mean(self, count: int) -> dict[str, Any]:
+        """The round's update: the rest added in worker order (no other push joins it), then
+        averaged over ``count`` pushes."""
+        while self.held:
+            self.add(min(self.held))
         mean = self._sum
         for key, acc in mean.items():
             if acc.dtype.kind == "f":
@@ -179,18 +227,35 @@ class SyncPolicy(ConsistencyPolicy):
                 )
                 values /= values.dtype.type(count)
             update[key] = RowSparse(ids, values)
-        self._pushed, self._held, self._owned = set(), {}, set()
-        self._sum, self._rows = {}, {}
         return update
 
-    def _all_pushed(self, clocks: Clocks) -> bool:
-        """Every member of the open step has pushed it (a job of fixed size: every live one)."""
-        pushed = self._pushed
-        if not clocks.joined:
-            return clocks.live <= pushed
-        return all(w in pushed for w in clocks.members(clocks.updates))
-
-    def pending_bytes(self) -> int:
-        held = sum(g.nbytes for grads in self._held.values() for g in grads.values())
+    def nbytes(self) -> int:
+        held = sum(g.nbytes for grads in self.held.values() for g in grads.values())
         rows = sum(p.nbytes for parts in self._rows.values() for p in parts)
         return held + rows + sum(a.nbytes for a in self._sum.values())
+
+
+class _RoundMean(Mapping[str, Any]):
+    """A closed round's update whose sum is made on first use: its keys are known at once,
+    and a round whose predicted step is installed (psserver/pipeline.py) never sums."""
+
+    def __init__(self, sums: _Sums, count: int) -> None:
+        self._sums: _Sums | None = sums
+        self._count = count
+        self._keys = sums.keys()
+        self._mean: dict[str, Any] | None = None
+
+    def _made(self) -> dict[str, Any]:
+        if self._mean is None:
+            assert self._sums is not None
+            self._mean, self._sums = self._sums.mean(self._count), None
+        return self._mean
+
+    def __getitem__(self, key: str) -> Any:
+        return self._made()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)

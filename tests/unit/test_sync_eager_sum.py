@@ -159,3 +159,31 @@ def test_an_elastic_member_that_leaves_lets_the_pushes_after_it_be_added() -> No
     assert policy.pending_bytes() == held - dense  # 1 and 2 summed into 1's arrays
     update = policy.submit(elastic(members - {0}), 3, 0, fresh(grads[3]), owned=True)
     assert update is not None and same_bits(dict(update), reference(grads, [1, 2, 3]))
+
+
+@pytest.mark.parametrize("deferred", [(0,), (1, 3), (0, 1, 2, 3)])
+def test_deferred_pushes_are_summed_at_the_close_only_when_the_update_is_read(
+    deferred: tuple[int, ...],
+) -> None:
+    """A push a preview reads (``defer``) is left alone until the round closes, and the
+    round's update sums on first use, to the same bits in every order of arrival."""
+    grads = pushes()
+    expected = reference(grads, list(range(WORKERS)))
+    live = set(range(WORKERS))
+    for order in itertools.permutations(range(WORKERS)):
+        policy = SyncPolicy()
+        arrived = {w: fresh(grads[w]) for w in order}
+        kept = {w: fresh(arrived[w]) for w in deferred}  # what the preview still reads
+        for w in deferred:
+            policy.defer(w)
+        update = None
+        for w in order:
+            update = policy.submit(Clocks(0, {}, live), w, 0, arrived[w], owned=True)
+            for d in deferred:  # untouched until the close
+                assert same_bits(arrived[d], kept[d]), (order, w, d)
+        assert update is not None
+        assert sorted(update) == sorted(expected)  # known before anything is summed
+        for d in deferred:
+            assert same_bits(arrived[d], kept[d]), (order, d)
+        assert same_bits(dict(update), expected), order
+        assert policy.pending_bytes() == 0
