@@ -309,18 +309,15 @@ class FlightShardService(flight.FlightServerBase):
 
     def _feed_preview(self, request: Any, grads: Mapping[str, Any]) -> None:
         """Gives the open round's preview, if pipelined pushes made one, this whole push's
-        gradients (a gradient it refuses fails it: the push then refuses the same)."""
+        gradients."""
         h = request.header
         preview = self.shard.preview(
             h.worker_id, h.step, list(grads), header_options(h), h.incarnation, h.session, False
         )
         if preview is None:
             return
-        try:
-            for key, grad in grads.items():
-                preview.add(h.worker_id, key, grad)
-        except PSError as exc:
-            preview.fail(str(exc))
+        for key, grad in grads.items():
+            preview.add(h.worker_id, key, grad)
 
     def _push(self, context: Any, first: Any, reader: Any, writer: Any, held: _Exchange) -> None:
         request, grads, timeout = self._read_push(context, first, reader, "push")

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from pscore.checks import NUMPY_DTYPES
 from pscore.job import Job
 from pscore.variables import Variables
 from pswire.errors import PSError
@@ -87,21 +88,26 @@ class Preview:
             return not self._failed
 
     def add(self, worker: int, key: str, grad: np.ndarray) -> None:
-        """``worker``'s gradient of ``key`` (as it arrived): checked as a push checks it; the
-        last worker's computes the key's next value (on the caller's thread).
-
-        Raises:
-            PSError: the gradient is refused as the push will refuse it.
+        """``worker``'s gradient of ``key`` (as it arrived, widened as a push's is); the last
+        worker's computes the key's next value (on the caller's thread). A gradient the push
+        will refuse (another shape or dtype) fails the preview; its values are checked, as
+        the round's, by the step (a mean that is not finite is refused there), and each
+        push's own checks still refuse it.
         """
-        if worker not in self.workers or key not in self._job.specs:
-            return  # not the round's: the push says what is wrong with it
-        checked = self._job.checked_grads({key: grad})[key]
-        assert isinstance(checked, np.ndarray)  # a preview's keys are dense (no tables)
+        spec = self._job.specs.get(key)
+        if worker not in self.workers or spec is None or spec.table is not None:
+            self.fail(f"worker {worker} pushed '{key}', which is not the round's to predict")
+            return
+        if grad.dtype == np.float16 and spec.dtype == "float32" and not spec.average:
+            grad = grad.astype(np.float32)  # as Job.checked_grads widens it
+        if grad.dtype != NUMPY_DTYPES.get(spec.dtype) or tuple(grad.shape) != spec.shape:
+            self.fail(f"worker {worker}'s '{key}' is not the variable's dtype and shape")
+            return
         with self._cond:
             if self._failed or key in self._values:
                 return
             parts = self._parts.setdefault(key, {})
-            parts[worker] = checked
+            parts[worker] = grad
             if len(parts) < len(self.workers):
                 return
             del self._parts[key]
