@@ -396,10 +396,12 @@ class Hosts:
         env: dict[str, str],
         procs: list[subprocess.Popen[str]],
         stderr: int | None = subprocess.STDOUT,
+        cwd: Path | None = None,
     ) -> str:
         """Starts ``python -m psserver`` on host ``k`` (added to ``procs`` at once, so the
         caller stops it whatever happens) and returns its address once its port is known.
         ``stderr``: its log (default: dropped with its stdout; ``None``: the caller's).
+        ``cwd``: where it starts (``-m`` imports from there before ``$PYTHONPATH``).
 
         Raises:
             RuntimeError: it exited, or wrote no port within ``START_TIMEOUT_S``.
@@ -413,6 +415,7 @@ class Hosts:
                 stdout=subprocess.DEVNULL,
                 stderr=stderr,
                 text=True,
+                cwd=cwd,
             )
         )
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -505,7 +508,9 @@ def run_once(
         if mode in ("sync", "async"):
             for j in range(shards):
                 port_file = Path(tmp) / f"shard{j}.port"
-                shard_addrs.append(hosts.start_shard(workers + j, port_file, env_base, procs))
+                shard_addrs.append(
+                    hosts.start_shard(workers + j, port_file, env_base, procs, cwd=root)
+                )
         port = _free_port()
         roles = list(range(workers)) + ([workers] if mode == "rpcps" else [])
         workers_procs = []
@@ -546,6 +551,7 @@ def run_once(
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
+                cwd=root,  # ``-m`` imports from the working directory first
             )
             procs.append(p)
             workers_procs.append(p)
