@@ -39,7 +39,7 @@ from pscore.outer import DelayedNesterov
 from pscore.tables import RowSparse, Table
 from pswire.errors import ConfigError
 from psworker.client import PSClient
-from psworker.outgoing import compress
+from psworker.outgoing import wire_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -564,7 +564,7 @@ class OuterSteps:
         }
         compression = self.client.outer.compression
         sent = sum(
-            int(v.nbytes if n in self.buffers else compress(np.asarray(v), compression).nbytes)
+            int(v.nbytes if n in self.buffers else wire_nbytes(np.asarray(v), compression))
             for n, v in pushed.items()
         )
         whole = len(names) == len(self.start) + len(self.buffers)

@@ -134,6 +134,13 @@ def wire_dtype(dtype: str, compression: str | None) -> str:
     return "float16" if compression == "fp16" else "bfloat16"
 
 
+def wire_nbytes(grad: np.ndarray, compression: str | None) -> int:
+    """The bytes ``compress(grad, compression)`` has, without compressing it."""
+    if compression is None or grad.dtype != np.float32:
+        return int(grad.nbytes)
+    return int(grad.size) * 2  # float16 or bfloat16
+
+
 def split_rows(
     layout: TableLayout, grad: RowSparse, compression: str | None
 ) -> list[RowSparse | None]:

@@ -149,7 +149,9 @@ class StepLog:
     ``psserver_worker_staleness_steps``; read from the shards' Status at most every
     ``staleness_every_s`` seconds, 0 in ``local`` and ``allreduce``); and whatever the script
     reports (``report(loss=...)``) under its own name. In DiLoCo ``DiLoCoOptimizer`` records
-    its outer steps only: the step is the outer step, its time the outer step's push and pull.
+    its outer steps only: the step is the outer step, its time from the outer step's start to
+    its landing (its push and pull; with ``overlap_steps`` also the inner steps that ran while
+    it was in flight).
 
     A report line (at most every ``report_every_s``) carries the client's ``step`` (the steps
     this worker has finished, as ``report()``'s lines: inner steps in DiLoCo), the
