@@ -421,11 +421,18 @@ class _PreviewReply:
             header = ps_pb2.PushPullResponse(chunks=entries).SerializeToString()
             out = fw.StepWriter(self._writer, header, self._piece_bytes)
             out.header()
-            for key in self._preview.keys:
-                value = self._preview.value(key, self._deadline, self._gone)
+            i = 0
+            while i < len(keys):
+                value = self._preview.value(keys[i], self._deadline, self._gone)
                 if value is None:
                     return
-                out.write([fw.encode_tensor(key, value)[1]])
+                run = [fw.encode_tensor(keys[i], value)[1]]
+                i += 1
+                # Those made meanwhile go with it (small tensors packed into one message).
+                while i < len(keys) and (more := self._preview.made(keys[i])) is not None:
+                    run.append(fw.encode_tensor(keys[i], more)[1])
+                    i += 1
+                out.write(run)
             self._complete = True
         except BaseException as exc:  # the call failed: the handler raises it
             self._error = exc

@@ -192,6 +192,11 @@ class Preview:
                 self._cond.wait(min(left, _TICK_S))
             return self._values[key]
 
+    def made(self, key: str) -> np.ndarray | None:
+        """``key``'s predicted value if it is made already (no wait)."""
+        with self._cond:
+            return self._values.get(key)
+
     def held(
         self, changes: int, closed_with: tuple[int, ...], updates: int, applied: tuple[Any, bool]
     ) -> bool:
