@@ -66,6 +66,12 @@ class _Exchange(contextlib.ExitStack):
 
     worker: int | None = None
 
+    def hold_stream(self, admission: Admission, worker_id: int) -> None:
+        """At the exchange's first step, holds one of ``worker_id``'s step streams."""
+        if self.worker is None:
+            self.enter_context(admission.step_stream(worker_id))
+            self.worker = worker_id
+
 
 class FlightShardService(flight.FlightServerBase):
     """Thin adapter from Flight DoExchange onto one ``Shard``: per step, decode the request
@@ -165,9 +171,7 @@ class FlightShardService(flight.FlightServerBase):
             except (ValueError, DecodeError) as exc:
                 raise InvalidRequestError(f"step: undecodable PushPullRequest: {exc}") from None
         h = request.header
-        if held.worker is None:  # the exchange's first step: it holds one of the worker's
-            held.enter_context(self.admission.step_stream(h.worker_id))  # step streams
-            held.worker = h.worker_id
+        held.hold_stream(self.admission, h.worker_id)
         timeout = fw.request_timeout(request.timeout_ms, DEADLINE_MARGIN_S)
         writer.write_metadata(step_reply(self.shard, request, timeout))
 
@@ -211,9 +215,7 @@ class FlightShardService(flight.FlightServerBase):
     ) -> None:
         request, grads, timeout = self._read_push(context, first, reader, "push_pull", turn)
         h = request.header
-        if held.worker is None:  # the exchange's first step: it holds one of the worker's
-            held.enter_context(self.admission.step_stream(h.worker_id))  # step streams
-            held.worker = h.worker_id
+        held.hold_stream(self.admission, h.worker_id)
         rows = row_query(request)
         # Other workers' pushes of this round may be pipelined (``_pipelined``): this one,
         # sent whole, feeds their preview too, or it could never be complete.
@@ -260,9 +262,7 @@ class FlightShardService(flight.FlightServerBase):
         if preview is None:
             self._push_pull(context, first, reader, writer, held, turn=False)
             return
-        if held.worker is None:  # the exchange's first step: it holds one of the worker's
-            held.enter_context(self.admission.step_stream(h.worker_id))  # step streams
-            held.worker = h.worker_id
+        held.hold_stream(self.admission, h.worker_id)
         timeout = _left(request.timeout_ms, arrived)
         deadline = arrived + (timeout if timeout is not None else self.shard.limits.max_wait_s)
         reply = _PreviewReply(writer, preview, self.piece_bytes, deadline, context.is_cancelled)

@@ -464,6 +464,8 @@ class Shard:
         existing preview (a push sent whole feeds one that pipelined pushes made).
         """
         with self._cond:
+            if not make and step not in self._previews:
+                return None  # the common case of a push sent whole: nothing to feed
             job, policy = self._job, self._policy
             if (
                 job is None
@@ -486,8 +488,6 @@ class Shard:
             except PSError:
                 return None  # the push refuses it, with the message it gives
             made = self._previews.get(step)
-            if made is None and not make:
-                return None
             if made is None:
                 try:
                     optimizers = job.step_optimizers(options)
