@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -228,8 +229,23 @@ class Lines:
             while not predicate():
                 left = deadline - time.monotonic()
                 if left <= 0 or (self.proc.poll() is not None and not self._thread.is_alive()):
+                    self.changed.release()
+                    try:
+                        self._ask_for_stacks()
+                    finally:
+                        self.changed.acquire()
                     raise AssertionError(f"no {what} within {timeout}s:\n{self.text()}")
                 self.changed.wait(min(left, 0.5))
+
+    def _ask_for_stacks(self) -> None:
+        """A process still running past its wait: SIGUSR1 asks a worker that registered
+        ``faulthandler`` for it (env_worker.py) to print every thread's stack, so the failure
+        shows where it hangs (a process without the handler ends, as it is failing anyway)."""
+        if self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGUSR1)
+        time.sleep(1.0)
 
     def finish(self, out: Path, timeout: float = 120) -> dict[str, Any]:
         """Waits for ``{"done": ...}`` and a clean exit; the arrays the worker saved to

@@ -10,7 +10,9 @@ and writes its final weights to ``--out/worker{id}.npz`` when asked.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -28,6 +30,8 @@ def main() -> int:
     parser.add_argument("--floats", type=int, default=1000)
     parser.add_argument("--out", help="folder for worker{id}.npz, the final weights")
     args = parser.parse_args()
+    # A test that finds this worker hung asks for every thread's stack (Lines.wait_for).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     values = model(args.floats, 2)
     with psworker.connect() as client:
         grads = Gradients(client.worker_id, {k: v.shape for k, v in values.items()})
