@@ -173,7 +173,8 @@ class FlightShardService(flight.FlightServerBase):
         h = request.header
         held.hold_stream(self.admission, h.worker_id)
         timeout = fw.request_timeout(request.timeout_ms, DEADLINE_MARGIN_S)
-        writer.write_metadata(step_reply(self.shard, request, timeout))
+        reply = step_reply(self.shard, request, timeout, context.is_cancelled)
+        writer.write_metadata(reply)
 
     def _read_push(
         self, context: Any, first: Any, reader: Any, where: str, turn: bool = True
@@ -232,6 +233,7 @@ class FlightShardService(flight.FlightServerBase):
             take=True,  # the arrays were decoded for this call alone (a preview reads them
             # before the round sums them: SyncPolicy.defer)
             session=h.session,
+            cancelled=context.is_cancelled,  # a worker gone (killed) ends the wait
             options=header_options(h),
             rows=rows,
         )
@@ -287,6 +289,7 @@ class FlightShardService(flight.FlightServerBase):
                 incarnation=h.incarnation,
                 take=True,  # the round sums them at its close, once the preview has read them
                 session=h.session,
+                cancelled=context.is_cancelled,
                 options=header_options(h),
             )
         except BaseException:
@@ -330,6 +333,7 @@ class FlightShardService(flight.FlightServerBase):
             incarnation=h.incarnation,
             take=True,
             session=h.session,
+            cancelled=context.is_cancelled,
             options=header_options(h),
         )
         self._reply(
@@ -351,6 +355,7 @@ class FlightShardService(flight.FlightServerBase):
             encode=lambda arrays, _: self._held(arrays, gathered),
             rows=rows,
             incarnation=request.incarnation,
+            cancelled=context.is_cancelled,
         )
         skipped = request.worker_id >= 0 and self.shard.step_skipped(request.step - 1)
         # A pull's reply carries no push; ``push.skipped``: the step before it was skipped.

@@ -15,7 +15,7 @@ import numpy as np
 
 from psserver.admission import DEFAULT_THREADS, Admission
 from psserver.records import PushResult
-from psserver.shard import Shard
+from psserver.shard import Cancelled, Shard
 from pswire import read, write
 from pswire.codec import (
     DEFAULT_CHUNK_BYTES,
@@ -77,7 +77,7 @@ def step_reply(
     shard: Shard,
     request: ps_pb2.PushPullRequest | read.StepRequest,
     timeout: float | None,
-    cancelled: threading.Event | None = None,
+    cancelled: Cancelled | None = None,
 ) -> bytes:
     """One step in the step stream's message form, as both front ends take it (this
     servicer's ``PushPullStream``, the data port's small steps): the request's gradients into

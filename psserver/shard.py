@@ -53,6 +53,9 @@ MAX_STEP = 1 << 62
 # How often a wait for a push's turn asks whether its caller went away (a Flight call
 # cannot wake the shard when it is cancelled).
 TURN_TICK_S = 0.1
+# A caller going away: an event set (and ``wake`` called) when it does (grpcio), or a question
+# every wait asks at least once a second (a Flight call, which cannot wake the shard).
+Cancelled = threading.Event | Callable[[], bool]
 
 
 class Shard:
@@ -191,7 +194,7 @@ class Shard:
         encode: Callable[[Mapping[str, np.ndarray], int], Any] | None = None,
         rows: Sequence[tuple[str, np.ndarray]] = (),
         incarnation: str = "",
-        cancelled: threading.Event | None = None,
+        cancelled: Cancelled | None = None,
     ) -> tuple[Any, int]:
         """Snapshot of the variables once the consistency rule lets a worker at ``step`` read.
 
@@ -287,7 +290,7 @@ class Shard:
         incarnation: str = "",
         take: bool = False,
         session: str = "",
-        cancelled: threading.Event | None = None,
+        cancelled: Cancelled | None = None,
         options: StepOptions = NO_OPTIONS,
     ) -> PushResult:
         """Takes one worker's gradients (and ``options``) for one step, as the rule says.
@@ -414,7 +417,7 @@ class Shard:
         incarnation: str = "",
         take: bool = False,
         session: str = "",
-        cancelled: threading.Event | None = None,
+        cancelled: Cancelled | None = None,
         options: StepOptions = NO_OPTIONS,
         rows: Sequence[tuple[str, np.ndarray]] = (),
     ) -> tuple[PushResult, Any, int]:
@@ -661,7 +664,7 @@ class Shard:
         worker_id: int,
         step: int,
         timeout: float | None = None,
-        cancelled: threading.Event | None = None,
+        cancelled: Cancelled | None = None,
     ) -> MembersView:
         """The members that train at ``step`` (in sync: as the step opened), once a worker may
         read at it (this opens it), and the rosters before it.
@@ -1017,7 +1020,7 @@ class Shard:
         return job
 
     def _wait_agreed(
-        self, worker_id: int, timeout: float | None, cancelled: threading.Event | None
+        self, worker_id: int, timeout: float | None, cancelled: Cancelled | None
     ) -> None:
         """Waits for the initial values and, in a job restored from a checkpoint, for worker
         0's declaration when this worker declared other hyper-parameters (only worker 0 sets
@@ -1061,7 +1064,7 @@ class Shard:
         assert self._policy is not None
         return self._policy
 
-    def _wait_values(self, timeout: float | None, cancelled: threading.Event | None) -> None:
+    def _wait_values(self, timeout: float | None, cancelled: Cancelled | None) -> None:
         self._wait(
             lambda: self._ready,
             timeout,
@@ -1073,7 +1076,7 @@ class Shard:
         self,
         ready: Callable[[], bool],
         timeout: float | None,
-        cancelled: threading.Event | Callable[[], bool] | None,
+        cancelled: Cancelled | None,
         describe: Callable[[], str],
         tick: float | None = None,
     ) -> None:

@@ -7,10 +7,13 @@ is applied once, and the step sent again whole gets the round's weights."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, closing
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,6 +30,7 @@ from psworker.flight_link import FlightLink, FlightStream
 
 pytestmark = pytest.mark.timeout(120)
 N = 1 << 16  # 256 KiB a variable
+REPO = Path(__file__).resolve().parents[2]
 KEYS = ("a", "b", "c")  # "c": small, packed with others on the wire
 
 
@@ -174,3 +178,55 @@ def test_a_refused_gradient_mid_stream_changes_nothing(stack: ExitStack) -> None
     after = shard.snapshot()
     assert all(after[k].tobytes() == before[k].tobytes() for k in KEYS)
     assert shard.status().pushes_applied == 0
+
+
+def _rpcs(shard: Shard, method: str, code: str) -> float:
+    labels = {"shard": "ps0", "rpc": method, "code": code}
+    metrics: ShardMetrics = shard.metrics  # type: ignore[attr-defined]
+    return metrics.registry.get_sample_value("psserver_rpcs_total", labels) or 0.0
+
+
+# Worker 0 in a process of its own: its step 0 (whole or streamed), which waits for the round.
+_WORKER_0 = """
+import sys
+import numpy as np
+from pswire import flightwire as fw
+from psworker.flight_link import FlightLink
+n, streamed, address = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
+grads = {"a": np.ones(n, np.float32), "b": np.ones(n, np.float32), "c": np.ones(8, np.float32)}
+link = FlightLink(0, address, 0, 20.0)
+if streamed:
+    into = {k: np.zeros_like(v) for k, v in grads.items()}
+    entries = [fw.manifest_entry(k, "float32", v.shape) for k, v in grads.items()]
+    stream = link.begin_stream(0, entries, into)
+    stream.write([fw.encode_tensor(k, v)[1] for k, v in grads.items()])
+    stream.end()
+else:
+    link.push_pull(0, grads)
+"""
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "pipelined"])
+def test_a_step_whose_worker_was_killed_stops_waiting_for_its_round(
+    stack: ExitStack, streamed: bool
+) -> None:
+    # Worker 0's step waits for worker 1's push, which never comes, and worker 0 is killed.
+    # The shard's call gives up within a second or so, not at the step's 20 s deadline,
+    # holding neither a thread nor the push's bytes meanwhile.
+    shard, address = _shard(stack, 2)
+    args = [sys.executable, "-c", _WORKER_0, str(N), "1" if streamed else "0", address]
+    worker = subprocess.Popen(args, cwd=REPO)
+    stack.callback(worker.wait, timeout=10)
+    stack.callback(worker.kill)
+    deadline = time.monotonic() + 60
+    while shard.status().pushes_applied < 1 and time.monotonic() < deadline:
+        assert worker.poll() is None
+        time.sleep(0.01)
+    assert shard.status().pushes_applied == 1  # taken into the round, which waits
+    worker.kill()
+    worker.wait(timeout=10)
+    gone = time.monotonic()
+    method = "PushPullStreamed" if streamed else "PushPull"
+    while _rpcs(shard, method, "CANCELLED") < 1 and time.monotonic() - gone < 15:
+        time.sleep(0.05)
+    assert _rpcs(shard, method, "CANCELLED") == 1, time.monotonic() - gone
