@@ -295,15 +295,17 @@ class FlightShardService(flight.FlightServerBase):
         except BaseException:
             reply.stop()  # a prediction it waits for may never come
             raise
+        finally:
+            self.shard.preview_done(preview)  # an async push that never reached the shard
         if self.metrics is not None:
             outcome = "held" if holds else "resent"
             self.metrics.pipelined.labels(self.metrics.name, outcome).inc()
         if not holds:
             reply.stop()
             raise UnavailableError(
-                f"{where}: the weights sent ahead of step {h.step}'s round are not the round's "
-                "(it closed with other workers, or the shard's values changed meanwhile); "
-                "send the step again"
+                f"{where}: the weights sent ahead of step {h.step} are not those the step left "
+                "(a sync round closed with other workers, an async push begun before it was "
+                "not applied as predicted, or the values changed meanwhile); send it again"
             )
         reply.finish()  # every prediction is made: the thread writes what is left
         trailer = ps_pb2.PushPullResponse(clock=clock)

@@ -23,6 +23,7 @@ after the trailer.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,10 +36,14 @@ from pscore.job import Job
 from pscore.variables import Variables
 from pswire.errors import PSError
 
-__all__ = ["Preview"]
+__all__ = ["CHAIN_WAIT_S", "AsyncChain", "Preview"]
 
 # How often a wait for a predicted value asks whether its reply was stopped.
 _TICK_S = 0.1
+# An async push's preview waits this long, at most, for the one before it (a tensor's
+# prediction, or its push applied), and is not made behind one silent for longer.
+CHAIN_WAIT_S = 2.0
+_CHAINED = -1  # the "change count" of a base that is another preview's predictions
 # The shard's copies of some variables' values and slots, with its count of value changes
 # when it took them; None: the round has closed (too late to predict it).
 Base = Callable[[list[str]], "tuple[Variables, int] | None"]
@@ -60,9 +65,12 @@ class Preview:
         job: Job,
         optimizers: Any,
         base: Base,
+        after: Preview | None = None,
     ) -> None:
         self.step = step
         self.workers = tuple(workers)
+        self.after = after  # async: the push this one's values build on (``AsyncChain``)
+        self.installed = False  # the step it predicted was installed (set by the shard)
         self.keys = list(keys)
         self._job = job
         self._optimizers = optimizers
@@ -70,10 +78,11 @@ class Preview:
         self._cond = threading.Condition()
         self._parts: dict[str, dict[int, np.ndarray]] = {}  # key -> worker -> its gradient
         self._values: dict[str, np.ndarray] = {}  # key -> its predicted value
-        self._shadows: list[Variables] = []  # the predicted values, slots and measures
+        self._shadows: dict[str, Variables] = {}  # key -> its predicted value, slots, measure
         self._bases: set[int] = set()  # the shard's change counts the copies were taken at
         self._failed = ""  # why the preview cannot be completed
         self._pushers: set[int] = set()  # the workers whose push feeds it (``join``)
+        self._heard = time.monotonic()  # the last gradient added (``stalled``)
 
     def join(self, worker: int) -> bool:
         """``worker``'s push will feed this preview (its gradients to ``add``): False, and
@@ -104,6 +113,7 @@ class Preview:
             self.fail(f"worker {worker}'s '{key}' is not the variable's dtype and shape")
             return
         with self._cond:
+            self._heard = time.monotonic()
             if self._failed or key in self._values:
                 return
             parts = self._parts.setdefault(key, {})
@@ -118,7 +128,7 @@ class Preview:
             return
         with self._cond:
             self._values[key] = shadow.values[key]
-            self._shadows.append(shadow)
+            self._shadows[key] = shadow
             self._bases.add(changes)
             self._cond.notify_all()
 
@@ -152,7 +162,19 @@ class Preview:
         """Every variable's prediction (its value, slots and measure): what the round leaves
         once ``held`` says so (``Shard._apply`` installs them instead of stepping again)."""
         with self._cond:
-            return list(self._shadows)
+            return list(self._shadows.values())
+
+    def shadow_for(self, key: str, deadline: float) -> Variables | None:
+        """A copy of ``key``'s prediction (value, slots, measure) once it is made: the base
+        of the push predicted after this one (``AsyncChain``); None if it never will be by
+        ``deadline`` (``time.monotonic()``)."""
+        with self._cond:
+            while key not in self._shadows:
+                left = deadline - time.monotonic()
+                if self._failed or left <= 0:
+                    return None
+                self._cond.wait(min(left, _TICK_S))
+            return self._shadows[key].shadow([key])
 
     def fed_by(self, worker: int) -> bool:
         """Whether ``worker``'s push feeds this preview (its arrays are read until every push
@@ -198,19 +220,119 @@ class Preview:
             return self._values.get(key)
 
     def held(
-        self, changes: int, closed_with: tuple[int, ...], updates: int, applied: tuple[Any, bool]
+        self,
+        changes: int,
+        closed_with: tuple[int, ...],
+        updates: int,
+        applied: tuple[Any, bool],
+        installed: tuple[Preview, int] | None = None,
     ) -> bool:
         """Whether every prediction is the round's value (the shard's lock held, the round
         closed): each was made from the values the round started from (copied at one change
         count), the values changed once since (``changes``: the round's own step), and that
         round (``updates``: the step after it) averaged exactly the preview's workers, with
-        the preview's hyper-parameters and no skip (``applied``)."""
+        the preview's hyper-parameters and no skip (``applied``). A push predicted ``after``
+        another (``AsyncChain``) started from that one's predictions instead: they must be
+        the last change, installed (``installed``: the preview and the change count then)."""
         with self._cond:
+            if self.after is None:
+                based = self._bases == {changes - 1}
+            else:
+                based = self._bases == {_CHAINED} and installed == (self.after, changes - 1)
             return (
                 not self._failed
+                and based
                 and len(self._values) == len(self.keys)
-                and self._bases == {changes - 1}
                 and closed_with == self.workers
                 and updates == self.step + 1
                 and applied == (self._optimizers, False)
             )
+
+    def stalled(self, now: float) -> bool:
+        """Whether its push has sent nothing for ``CHAIN_WAIT_S`` (a paused or slow worker:
+        no other push is predicted after it)."""
+        with self._cond:
+            return bool(self._failed) or now - self._heard > CHAIN_WAIT_S
+
+
+class AsyncChain:
+    """The async pushes whose replies are predicted while they arrive (``fw.PIPELINED``), in
+    the order they began: each one's values are predicted from the values the push before it
+    leaves (its predictions), and each is installed, in that order, only where the one before
+    it was installed and nothing else changed the values since (``Preview.held``); a push is
+    applied on arrival as always, so a prediction that does not hold costs its worker a
+    resend, never a different model. Every method is called with the shard's lock held.
+    """
+
+    def __init__(self) -> None:
+        self._open: list[Preview] = []  # in the order their pushes began
+        self._of: dict[tuple[int, int], Preview] = {}  # (worker, step) -> its preview
+        self.installed: tuple[Preview, int] | None = None  # the last installed, and when
+
+    def join(
+        self,
+        worker: int,
+        step: int,
+        update: int,
+        keys: Sequence[str],
+        job: Job,
+        optimizers: Any,
+        base: Base,
+    ) -> Preview | None:
+        """``worker``'s push of ``step`` begins (its values the ``update``-th applied if
+        nothing else comes first): its preview, after the last open one; None if that one
+        is stalled, or this push already has one (it is sent again)."""
+        if (worker, step) in self._of:
+            self._of[(worker, step)].fail(f"worker {worker} pushed step {step} twice")
+            return None
+        tail = self._open[-1] if self._open else None
+        if tail is not None and tail.stalled(time.monotonic()):
+            return None
+        if tail is not None:
+            base = functools.partial(_after, tail)
+        made = Preview(update + len(self._open), (worker,), keys, job, optimizers, base, tail)
+        made.join(worker)
+        self._open.append(made)
+        self._of[(worker, step)] = made
+        return made
+
+    def of(self, worker: int, step: int) -> Preview | None:
+        """The preview of ``worker``'s push of ``step``, if it has one still open."""
+        return self._of.get((worker, step))
+
+    def ready(self, preview: Preview) -> bool:
+        """Whether the push before ``preview``'s was applied (or given up): its turn."""
+        return preview.after is None or preview.after not in self._open
+
+    def resolve(self, preview: Preview, installed: bool, changes: int) -> None:
+        """``preview``'s push was applied (``installed``: its predictions, the values'
+        ``changes``-th change) or never will be with them: the previews after it, built on
+        its values, can then never hold."""
+        if preview not in self._open:
+            return
+        at = self._open.index(preview)
+        if installed:
+            preview.installed = True
+            self.installed = (preview, changes)
+        else:
+            for later in self._open[at + 1 :]:
+                later.fail("the push it was predicted after was not applied as predicted")
+        self._open.remove(preview)
+        self._of = {k: v for k, v in self._of.items() if v is not preview}
+
+    def clear(self, why: str) -> None:
+        """The values changed otherwise (a push sent whole): no open preview can hold."""
+        for preview in self._open:
+            preview.fail(why)
+
+
+def _after(before: Preview, keys: list[str]) -> tuple[Variables, int] | None:
+    """A chained preview's base: copies of ``before``'s predictions of ``keys``."""
+    deadline = time.monotonic() + CHAIN_WAIT_S
+    copies = Variables()
+    for key in keys:
+        shadow = before.shadow_for(key, deadline)
+        if shadow is None:
+            return None
+        copies.adopt([shadow])
+    return copies, _CHAINED

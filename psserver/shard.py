@@ -25,12 +25,13 @@ from pscore.tables import RowSparse
 from pscore.variables import Variables
 from psserver.agreement import JobAgreement
 from psserver.consistency import ConsistencyPolicy, make_policy
+from psserver.consistency.asynchronous import AsyncPolicy
 from psserver.consistency.sync import SyncPolicy
 from psserver.elastic import PHASES, JoinResult, Joins, MembersView
 from psserver.marks import CheckpointMarks
 from psserver.observer import Observer, observed
 from psserver.paces import Paces
-from psserver.pipeline import Preview
+from psserver.pipeline import CHAIN_WAIT_S, AsyncChain, Preview
 from psserver.progress import Progress
 from psserver.records import Beat, Limits, PushResult, Registration, ShardState, ShardStatus
 from psserver.roster import Roster
@@ -78,8 +79,9 @@ class Shard:
         self._closed = False
         self._before_change: set[Callable[[], None]] = set()  # live replies (steady_reader)
         self._changes = 0  # how often the values changed in place or were replaced
-        self.predicted_rounds = 0  # sync rounds whose pipelined predictions were installed
+        self.predicted_rounds = 0  # steps whose pipelined predictions were installed
         self._previews: dict[int, Preview] = {}  # the open sync round's (psserver/pipeline.py)
+        self._chain = AsyncChain()  # async pushes predicted while they arrive
         # The last update's hyper-parameters and skip, as applied (what a preview assumed).
         self._last_applied: tuple[Any, bool] = ((), False)
         self._paces = Paces()  # DiLoCo's dynamic local steps: soft state, not checkpointed
@@ -351,6 +353,19 @@ class Shard:
                 skipped = self._skip(policy, worker_id, step)
                 if skipped is not None:
                     return skipped
+                chained = self._chain.of(worker_id, step)
+                if chained is not None and not self._chain.ready(chained):
+                    # Its predictions build on the async push begun before it: applied after.
+                    with contextlib.suppress(WaitTimeoutError):
+                        self._wait(
+                            lambda: self._chain.ready(chained),
+                            CHAIN_WAIT_S if timeout is None else min(timeout, CHAIN_WAIT_S),
+                            cancelled,
+                            lambda: f"the push begun before worker {worker_id}'s step {step}",
+                        )
+                    skipped = self._skip(policy, worker_id, step)
+                    if skipped is not None:
+                        return skipped
                 self._optim.steps.take(worker_id, step, optimizers, options.skip)
                 self._roster.open(step)
                 preview = self._previews.get(step)
@@ -362,7 +377,8 @@ class Shard:
                     # The push itself (applied on arrival, not summed into a round): its
                     # gradients were measured by its checks, and are not read again.
                     known = squares if update is grads else None
-                    self._apply(update, sync_round=policy.name == "sync", known_squares=known)
+                    sync_round = policy.name == "sync"
+                    self._apply(update, sync_round, known, chained)
                 self._progress.reach(worker_id, step + 1)
                 self._progress.counters["applied"] += 1
                 self._capture_due()
@@ -458,29 +474,30 @@ class Shard:
         session: str = "",
         make: bool = True,
     ) -> Preview | None:
-        """The open sync round's ``Preview`` (psserver/pipeline.py), shared by its workers'
-        pushes, joined by ``worker_id``'s push of ``step`` carrying ``keys``: None where no
-        prediction can hold, and the push goes as without one (another rule than sync
-        without quorum, an elastic job, a step that is not the open round's or that this
+        """The ``Preview`` (psserver/pipeline.py) joined by ``worker_id``'s push of ``step``
+        carrying ``keys``: in sync, the open round's, shared by its workers' pushes; in
+        async, one of its own, after the pushes that began before it (``AsyncChain``). None
+        where no prediction can hold, and the push goes as without one (another rule, sync
+        with a quorum, an elastic job, a sync step that is not the open round's, a step this
         worker already pushed, a push that skips its update, keys other than every dense
         variable of this shard, a worker id another process holds). ``make`` False: only an
-        existing preview (a push sent whole feeds one that pipelined pushes made).
+        existing sync preview (a push sent whole feeds one that pipelined pushes made).
         """
         with self._cond:
             if not make and step not in self._previews:
                 return None  # the common case of a push sent whole: nothing to feed
             job, policy = self._job, self._policy
+            sync = isinstance(policy, SyncPolicy) and not policy.quorum
             if (
                 job is None
-                or not isinstance(policy, SyncPolicy)
-                or policy.quorum
+                or not ((sync and step == self._progress.updates) or type(policy) is AsyncPolicy)
                 or self._failure
                 or options.skip
                 or (incarnation and incarnation != self.incarnation)
                 or not 0 <= worker_id < job.num_workers
-                or step != self._progress.updates
             ):
                 return None
+            assert policy is not None
             clocks = self._roster.clocks()
             if clocks.joined or policy.classify(clocks, worker_id, step) is not None:
                 return None
@@ -488,44 +505,72 @@ class Shard:
                 return None
             try:
                 self._roster.members.check(worker_id, session)
+                optimizers = job.step_optimizers(options)
             except PSError:
                 return None  # the push refuses it, with the message it gives
+            if not sync:
+                updates = self._progress.updates
+                base = self._preview_base(lambda: True)
+                return self._chain.join(worker_id, step, updates, keys, job, optimizers, base)
             made = self._previews.get(step)
             if made is None:
-                try:
-                    optimizers = job.step_optimizers(options)
-                except PSError:
-                    return None  # the push refuses them, with the message it gives
                 made = Preview(
-                    step, sorted(clocks.live), keys, job, optimizers, self._preview_base(step)
+                    step,
+                    sorted(clocks.live),
+                    keys,
+                    job,
+                    optimizers,
+                    self._preview_base(lambda: self._progress.updates == step),
                 )
                 self._previews = {step: made}  # an older round's is done with
             if worker_id not in made.workers or not made.join(worker_id):
                 return None
             return made
 
-    def _preview_base(self, step: int) -> Callable[[list[str]], tuple[Variables, int] | None]:
+    def _preview_base(
+        self, still: Callable[[], bool]
+    ) -> Callable[[list[str]], tuple[Variables, int] | None]:
+        """Copies of the values (and the change count) a preview starts from, while
+        ``still()`` (lock held) says they are the ones it predicts from."""
+
         def base(keys: list[str]) -> tuple[Variables, int] | None:
             with self._cond:
-                if self._progress.updates != step or self._failure:
+                if not still() or self._failure:
                     return None
                 return self._state.shadow(keys), self._changes
 
         return base
 
     def preview_held(self, preview: Preview) -> bool:
-        """(lock held: a pull's ``encode``) Whether ``preview``'s values are the round's, now
-        that it has closed (``Preview.held``)."""
-        closed_with = self._policy.last_closed if isinstance(self._policy, SyncPolicy) else ()
+        """(lock held: a pull's ``encode``) Whether ``preview``'s values are the step's, now
+        that it is applied: a sync round's (``Preview.held``), or an async push's predictions
+        installed as it was applied."""
+        if not isinstance(self._policy, SyncPolicy):
+            return preview.installed
+        closed_with = self._policy.last_closed
         return preview.held(self._changes, closed_with, self._progress.updates, self._last_applied)
+
+    def preview_done(self, preview: Preview) -> None:
+        """``preview``'s call ended: an async push that never reached ``push`` (cancelled,
+        refused) is given up, and the pushes predicted after it with it."""
+        with self._cond:
+            self._chain.resolve(preview, False, self._changes)
 
     def _predicted(self, preview: Preview, update: Mapping[str, Any]) -> bool:
         """(lock held, in ``_apply``: the values counted as changing, the clock not advanced
         yet) Whether ``preview`` made the step ``update`` is about to make: then its results
-        are installed instead of computed again."""
-        closed_with = self._policy.last_closed if isinstance(self._policy, SyncPolicy) else ()
+        are installed instead of computed again. An async push's own preview is found by its
+        worker and step (``AsyncChain.of``)."""
+        if isinstance(self._policy, SyncPolicy):
+            closed_with = self._policy.last_closed
+        else:
+            closed_with = preview.workers
         return sorted(update) == sorted(preview.keys) and preview.held(
-            self._changes, closed_with, self._progress.updates + 1, self._last_applied
+            self._changes,
+            closed_with,
+            self._progress.updates + 1,
+            self._last_applied,
+            self._chain.installed,
         )
 
     def register_worker(self, worker_id: int, num_workers: int, session: str = "") -> Registration:
@@ -922,25 +967,29 @@ class Shard:
         update: Mapping[str, Any],
         sync_round: bool,
         known_squares: Mapping[str, float] | None = None,
+        chained: Preview | None = None,
     ) -> None:
         """Applies an update (lock held). A sync round that cannot be applied has been consumed
         (its pushes are gone), so the refusal is kept: every later step fails with it.
         ``known_squares``: sums of squares of ``update``'s own arrays already measured
-        (``Variables.apply``).
+        (``Variables.apply``). ``chained``: an async push's preview (``AsyncChain``), whose
+        predictions are installed where they hold.
 
         Raises:
             StepRefusedError: the update's result would not be finite; nothing applied.
         """
         optimizers, skip = self._optim.steps.pop(self._progress.updates)
         self._last_applied = (optimizers or self._require_job().optimizers, skip)
-        preview = self._previews.get(self._progress.updates) if sync_round else None
+        preview = self._previews.get(self._progress.updates) if sync_round else chained
         self._previews = {}  # the round closes: its pushes hold its preview while they answer
+        installed = False
         try:
             self._changing()
             if preview is not None and self._predicted(preview, update):
                 # The pipelined replies made this very step already (psserver/pipeline.py).
                 self._state.adopt(preview.predicted())
                 self.predicted_rounds += 1
+                installed = True
             else:
                 self._state.apply(
                     self._require_job(),
@@ -960,6 +1009,11 @@ class Shard:
                 self._cond.notify_all()
                 raise StepRefusedError(self._failure) from None
             raise
+        finally:
+            if chained is not None:
+                self._chain.resolve(chained, installed, self._changes)
+            elif not sync_round:
+                self._chain.clear("a push sent whole changed the values first")
         self._progress.updates += 1
 
     def _membership_changed(self) -> None:

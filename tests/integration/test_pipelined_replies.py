@@ -43,9 +43,9 @@ def _initial() -> dict[str, np.ndarray]:
     }
 
 
-def _shard(stack: ExitStack, workers: int) -> tuple[Shard, str]:
-    """A shard of a sync job of ``workers`` (its data port's address), SGD with momentum:
-    the preview steps optimizer slots too."""
+def _shard(stack: ExitStack, workers: int, mode: str = "sync") -> tuple[Shard, str]:
+    """A shard of a job of ``workers`` (its data port's address), SGD with momentum: the
+    preview steps optimizer slots too."""
     shard = Shard(Limits(max_wait_s=20.0))
     control = start_server(shard)
     stack.callback(control.stop, grace=0.5)
@@ -53,7 +53,7 @@ def _shard(stack: ExitStack, workers: int) -> tuple[Shard, str]:
     shard.metrics = metrics  # type: ignore[attr-defined]  # the tests read it
     data = start_flight_service(shard, piece_bytes=64 << 10, metrics=metrics)
     stack.callback(data.stop)
-    client = psworker.connect([control.address], worker_id=0, num_workers=workers, mode="sync")
+    client = psworker.connect([control.address], worker_id=0, num_workers=workers, mode=mode)
     stack.callback(client.close)
     client.init(_initial(), psworker.SGD(lr=0.5, momentum=0.9))
     return shard, data.address
@@ -153,7 +153,7 @@ def test_a_prediction_that_cannot_hold_is_refused_and_the_step_sent_again_gets_t
         into = {k: np.zeros_like(v) for k, v in _initial().items()}
         stream = _stream(links[0], 0, into)
         _write(stream, grads[0], KEYS)
-        with pytest.raises(UnavailableError, match="not the round's"):
+        with pytest.raises(UnavailableError, match="not those the step left"):
             stream.end()
         _, expected = first.result(timeout=60)
     held = shard.snapshot()
@@ -178,6 +178,99 @@ def test_a_refused_gradient_mid_stream_changes_nothing(stack: ExitStack) -> None
     after = shard.snapshot()
     assert all(after[k].tobytes() == before[k].tobytes() for k in KEYS)
     assert shard.status().pushes_applied == 0
+
+
+
+def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert all(a[k].tobytes() == b[k].tobytes() for k in KEYS), [
+        k for k in KEYS if a[k].tobytes() != b[k].tobytes()
+    ]
+
+
+def test_async_pushes_streaming_at_once_are_predicted_each_after_the_one_begun_before(
+    stack: ExitStack,
+) -> None:
+    # Two async workers' pushes stream at the same time, worker 1's begun after worker 0's:
+    # each reply streams back before its push has all arrived, worker 1's predicted from
+    # worker 0's predictions, and every value is what a shard applying the same pushes whole,
+    # in that order, leaves (momentum too), over two steps.
+    piped, piped_address = _shard(stack, 2, "async")
+    whole, whole_address = _shard(stack, 2, "async")
+    links = [stack.enter_context(closing(FlightLink(0, piped_address, w, 20.0))) for w in (0, 1)]
+    refs = [stack.enter_context(closing(FlightLink(0, whole_address, w, 20.0))) for w in (0, 1)]
+    for step in range(2):
+        grads = [_grads(step, w) for w in (0, 1)]
+        into = [{k: np.full_like(v, np.nan) for k, v in _initial().items()} for _ in (0, 1)]
+        streams = [_stream(links[w], step, into[w]) for w in (0, 1)]
+        _write(streams[0], grads[0], ("a",))
+        _write(streams[1], grads[1], ("a",))
+        for w in (0, 1):
+            streams[w].read_reply()
+        deadline = time.monotonic() + 20
+        while np.isnan(into[1]["a"]).any() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not np.isnan(into[1]["a"]).any(), "no value of 'a' before the pushes ended"
+        assert piped.status().pushes_applied == 2 * step  # neither push applied yet
+        for w in (0, 1):
+            _write(streams[w], grads[w], ("b", "c"))
+        with ThreadPoolExecutor(2) as pool:
+            ended = [pool.submit(s.end) for s in streams]
+            results = [f.result(timeout=60) for f in ended]
+        expected = [refs[w].push_pull(step, grads[w]) for w in (0, 1)]  # in that order
+        for (pushed, arrays), (ref_pushed, ref_arrays) in zip(results, expected, strict=True):
+            assert pushed.applied and ref_pushed.applied
+            _same(arrays, ref_arrays)
+        for w in (0, 1):
+            _same(into[w], expected[w][1])
+    assert (piped.predicted_rounds, whole.predicted_rounds) == (4, 0)  # installed, not redone
+    assert (_replies(piped, "held"), _replies(piped, "resent")) == (4.0, 0.0)
+    _same(piped.snapshot(), whole.snapshot())
+    momentum, ref_momentum = piped.optimizer_state(), whole.optimizer_state()
+    for k in KEYS:
+        for slot, value in ref_momentum[k].items():
+            assert np.asarray(momentum[k][slot]).tobytes() == np.asarray(value).tobytes()
+
+
+@pytest.mark.parametrize("fault", ["refused", "whole first"])
+def test_an_async_prediction_whose_base_changed_is_refused_and_sent_again(
+    stack: ExitStack, fault: str
+) -> None:
+    # "refused": worker 0's push (begun first) carries a NaN and is refused, so worker 1's
+    # prediction, made after it, cannot hold. "whole first": a push sent whole by worker 1
+    # is applied while worker 0's streams, so worker 0's prediction cannot hold. Either way
+    # the push whose prediction failed is applied once, as it would be whole, its call fails
+    # UNAVAILABLE, and its step sent again is a duplicate answered with the shard's values.
+    piped, piped_address = _shard(stack, 2, "async")
+    whole, whole_address = _shard(stack, 2, "async")
+    links = [stack.enter_context(closing(FlightLink(0, piped_address, w, 20.0))) for w in (0, 1)]
+    refs = [stack.enter_context(closing(FlightLink(0, whole_address, w, 20.0))) for w in (0, 1)]
+    grads = [_grads(0, w) for w in (0, 1)]
+    into = {k: np.zeros_like(v) for k, v in _initial().items()}
+    if fault == "refused":
+        grads[0]["b"][3] = np.nan
+        streams = [_stream(links[w], 0, into) for w in (0, 1)]
+        _write(streams[1], grads[1], KEYS)
+        with pytest.raises(InvalidRequestError, match="'b'"):
+            _write(streams[0], grads[0], KEYS)
+            streams[0].end()
+        victim, applied = 1, [1]
+    else:
+        victim_stream = _stream(links[0], 0, into)
+        _write(victim_stream, grads[0], ("a",))
+        assert links[1].push_pull(0, grads[1])[0].applied
+        _write(victim_stream, grads[0], ("b", "c"))
+        streams = [victim_stream]
+        victim, applied = 0, [1, 0]
+    with pytest.raises(UnavailableError, match="not those the step left"):
+        streams[-1].end()
+    for w in applied:
+        refs[w].push_pull(0, grads[w])
+    _same(piped.snapshot(), whole.snapshot())  # each push applied once, in arrival order
+    assert piped.status().pushes_applied == len(applied)
+    assert (_replies(piped, "held"), _replies(piped, "resent")) == (0.0, 1.0)
+    pushed, arrays = links[victim].push_pull(0, grads[victim])
+    assert (pushed.applied, pushed.reason) == (False, "duplicate")
+    _same(arrays, whole.snapshot())
 
 
 def _rpcs(shard: Shard, method: str, code: str) -> float:
