@@ -180,7 +180,6 @@ def test_a_refused_gradient_mid_stream_changes_nothing(stack: ExitStack) -> None
     assert shard.status().pushes_applied == 0
 
 
-
 def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
     assert all(a[k].tobytes() == b[k].tobytes() for k in KEYS), [
         k for k in KEYS if a[k].tobytes() != b[k].tobytes()
