@@ -267,7 +267,9 @@ class FlightShardService(flight.FlightServerBase):
         held.hold_stream(self.admission, h.worker_id)
         timeout = _left(request.timeout_ms, arrived)
         deadline = arrived + (timeout if timeout is not None else self.shard.limits.max_wait_s)
-        reply = _PreviewReply(writer, preview, self.piece_bytes, deadline, context.is_cancelled)
+        reply = _PreviewReply(
+            writer, preview, self.piece_bytes, deadline, context.is_cancelled, self.shard.locked
+        )
         try:
             with self.admission.inflight() as reserve:
                 assembler = ChunkAssembler(limit, reserve=reserve)
@@ -409,9 +411,11 @@ class _PreviewReply:
         piece_bytes: int,
         deadline: float,
         cancelled: Callable[[], bool],
+        locked: Callable[[Callable[[], np.ndarray]], np.ndarray],
     ) -> None:
         self._writer = writer
         self._preview = preview
+        self._locked = locked
         self._piece_bytes = piece_bytes
         self._deadline = deadline
         self._cancelled = cancelled
@@ -433,16 +437,23 @@ class _PreviewReply:
                 value = self._preview.value(keys[i], self._deadline, self._gone)
                 if value is None:
                     return
-                run = [fw.encode_tensor(keys[i], value)[1]]
+                run = [fw.encode_tensor(keys[i], self._own(value))[1]]
                 i += 1
                 # Those made meanwhile go with it (small tensors packed into one message).
                 while i < len(keys) and (more := self._preview.made(keys[i])) is not None:
-                    run.append(fw.encode_tensor(keys[i], more)[1])
+                    run.append(fw.encode_tensor(keys[i], self._own(more))[1])
                     i += 1
                 out.write(run)
             self._complete = True
         except BaseException as exc:  # the call failed: the handler raises it
             self._error = exc
+
+    def _own(self, value: np.ndarray) -> np.ndarray:
+        """``value`` as the reply may write it: an async push's prediction, which becomes
+        the shard's own array once installed (and the next push changes that in place),
+        copied under the shard's lock; a sync round's as it is (the next round changes
+        nothing before every worker has read this reply)."""
+        return value if self._preview.private else self._locked(value.copy)
 
     def _gone(self) -> bool:
         return self._stopped.is_set() or self._cancelled()

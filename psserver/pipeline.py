@@ -71,6 +71,9 @@ class Preview:
         self.workers = tuple(workers)
         self.after = after  # async: the push this one's values build on (``AsyncChain``)
         self.installed = False  # the step it predicted was installed (set by the shard)
+        # Whether its values stay its own while its reply is written: not an async push's,
+        # whose installed values the next push changes in place (its reply copies them).
+        self.private = True
         self.keys = list(keys)
         self._job = job
         self._optimizers = optimizers
@@ -291,6 +294,7 @@ class AsyncChain:
         if tail is not None:
             base = functools.partial(_after, tail)
         made = Preview(update + len(self._open), (worker,), keys, job, optimizers, base, tail)
+        made.private = False
         made.join(worker)
         self._open.append(made)
         self._of[(worker, step)] = made
