@@ -267,9 +267,7 @@ class FlightShardService(flight.FlightServerBase):
         held.hold_stream(self.admission, h.worker_id)
         timeout = _left(request.timeout_ms, arrived)
         deadline = arrived + (timeout if timeout is not None else self.shard.limits.max_wait_s)
-        reply = _PreviewReply(
-            writer, preview, self.piece_bytes, deadline, context.is_cancelled, self.shard.locked
-        )
+        reply = _PreviewReply(writer, preview, self.piece_bytes, deadline, context.is_cancelled)
         try:
             with self.admission.inflight() as reserve:
                 assembler = ChunkAssembler(limit, reserve=reserve)
@@ -282,6 +280,10 @@ class FlightShardService(flight.FlightServerBase):
                     completed=functools.partial(preview.add, h.worker_id),
                 )
                 grads = assembled_grads(assembler)
+            if not preview.private:
+                # An async push's predictions become the shard's own values as it is applied,
+                # which the next push changes in place: every one is written out first.
+                reply.drain()
             result, holds, clock = self.shard.push_pull(
                 h.worker_id,
                 h.step,
@@ -411,11 +413,9 @@ class _PreviewReply:
         piece_bytes: int,
         deadline: float,
         cancelled: Callable[[], bool],
-        locked: Callable[[Callable[[], np.ndarray]], np.ndarray],
     ) -> None:
         self._writer = writer
         self._preview = preview
-        self._locked = locked
         self._piece_bytes = piece_bytes
         self._deadline = deadline
         self._cancelled = cancelled
@@ -437,23 +437,16 @@ class _PreviewReply:
                 value = self._preview.value(keys[i], self._deadline, self._gone)
                 if value is None:
                     return
-                run = [fw.encode_tensor(keys[i], self._own(value))[1]]
+                run = [fw.encode_tensor(keys[i], value)[1]]
                 i += 1
                 # Those made meanwhile go with it (small tensors packed into one message).
                 while i < len(keys) and (more := self._preview.made(keys[i])) is not None:
-                    run.append(fw.encode_tensor(keys[i], self._own(more))[1])
+                    run.append(fw.encode_tensor(keys[i], more)[1])
                     i += 1
                 out.write(run)
             self._complete = True
         except BaseException as exc:  # the call failed: the handler raises it
             self._error = exc
-
-    def _own(self, value: np.ndarray) -> np.ndarray:
-        """``value`` as the reply may write it: an async push's prediction, which becomes
-        the shard's own array once installed (and the next push changes that in place),
-        copied under the shard's lock; a sync round's as it is (the next round changes
-        nothing before every worker has read this reply)."""
-        return value if self._preview.private else self._locked(value.copy)
 
     def _gone(self) -> bool:
         return self._stopped.is_set() or self._cancelled()
@@ -462,6 +455,11 @@ class _PreviewReply:
         """Ends the reply where it is, once the thread has returned (the call then fails)."""
         self._stopped.set()
         self._preview.wake()  # at once: the call's step stream is freed when it returns
+        self._thread.join()
+
+    def drain(self) -> None:
+        """Returns once the thread has written every value, or given up (the preview failed,
+        the call ended): the push is then all in, so every value is made or never will be."""
         self._thread.join()
 
     def finish(self) -> None:

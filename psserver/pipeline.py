@@ -71,8 +71,9 @@ class Preview:
         self.workers = tuple(workers)
         self.after = after  # async: the push this one's values build on (``AsyncChain``)
         self.installed = False  # the step it predicted was installed (set by the shard)
-        # Whether its values stay its own while its reply is written: not an async push's,
-        # whose installed values the next push changes in place (its reply copies them).
+        # Whether its values stay its own until every reply has them: not an async push's,
+        # installed as the shard's own values, which the next push changes in place (its
+        # reply is written out before it is applied).
         self.private = True
         self.keys = list(keys)
         self._job = job
@@ -144,16 +145,21 @@ class Preview:
             StepRefusedError: the result would not be finite.
             PSError: the round has closed (nothing left to predict).
         """
-        with np.errstate(over="ignore"):  # an overflow is refused when applied
-            # (g0 + g1) + g2 ...: the policy's additions, in its order, one pass fewer.
-            acc = grads[0] + grads[1] if len(grads) > 1 else grads[0].copy()
-            for grad in grads[2:]:
-                acc += grad
-        count = len(grads)
-        if acc.dtype.kind == "f":
-            acc /= acc.dtype.type(count)
-        else:  # integer buffers such as BatchNorm's num_batches_tracked
-            acc = acc // count
+        if len(grads) == 1:
+            # One push (async, or a sync job of one worker): its own array, which the
+            # optimizer only reads, as the push's own apply would (no copy, no division).
+            acc = grads[0]
+        else:
+            with np.errstate(over="ignore"):  # an overflow is refused when applied
+                # (g0 + g1) + g2 ...: the policy's additions, in its order, one pass fewer.
+                acc = grads[0] + grads[1]
+                for grad in grads[2:]:
+                    acc += grad
+            count = len(grads)
+            if acc.dtype.kind == "f":
+                acc /= acc.dtype.type(count)
+            else:  # integer buffers such as BatchNorm's num_batches_tracked
+                acc = acc // count
         got = self._base([key])
         if got is None:
             raise PSError(f"step {self.step} closed before '{key}' could be predicted")

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -57,7 +57,6 @@ TURN_TICK_S = 0.1
 # A caller going away: an event set (and ``wake`` called) when it does (grpcio), or a question
 # every wait asks at least once a second (a Flight call, which cannot wake the shard).
 Cancelled = threading.Event | Callable[[], bool]
-T = TypeVar("T")
 
 
 class Shard:
@@ -550,12 +549,6 @@ class Shard:
             return preview.installed
         closed_with = self._policy.last_closed
         return preview.held(self._changes, closed_with, self._progress.updates, self._last_applied)
-
-    def locked(self, read: Callable[[], T]) -> T:
-        """``read()`` under the shard's lock: a copy no change in place can tear (an async
-        pipelined reply's value, installed meanwhile as the shard's own array)."""
-        with self._cond:
-            return read()
 
     def preview_done(self, preview: Preview) -> None:
         """``preview``'s call ended: an async push that never reached ``push`` (cancelled,
