@@ -243,11 +243,12 @@ class FlightShardService(flight.FlightServerBase):
         self, context: Any, first: Any, reader: Any, writer: Any, held: _Exchange
     ) -> None:
         """A streamed push (``fw.PIPELINED``) whose reply streams back while it arrives: the
-        round's next weights, each predicted once every worker's gradient of it is in
-        (psserver/pipeline.py), written by a thread of this call's own while this one reads
-        the push; then, once the round has closed, a trailer with the push's result, sent only
-        where every prediction held (else UNAVAILABLE: the worker sends the step again whole
-        and is answered with the round's weights). Where no prediction can hold
+        step's next weights, each predicted once every worker's gradient of it is in (sync) or
+        once the push's own is and the push before it predicted it (async; psserver/
+        pipeline.py), written by a thread of this call's own while this one reads the push;
+        then, once the step is applied, a trailer with the push's result, sent only where
+        every prediction held (else UNAVAILABLE: the worker sends the step again whole and is
+        answered with the shard's weights). Where no prediction can hold
         (``Shard.preview``), the step is ``fw.STREAMED``'s."""
         where = "push_pull"
         arrived = time.monotonic()

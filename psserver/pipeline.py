@@ -1,4 +1,5 @@
-"""A sync round's next weights, sent while the round's pushes still arrive (``fw.PIPELINED``).
+"""A step's next weights, sent while its pushes still arrive (``fw.PIPELINED``): a sync
+round's (``Preview``), or an async push's (``AsyncChain``).
 
 A push streamed from backward (``overlap=True``, psworker/push_stream.py) reaches its shard
 tensor by tensor. Answered once the round is applied (every worker's whole push in, then the
@@ -15,10 +16,16 @@ has closed, and only where the shard can show the prediction held (``Shard.previ
 every variable was predicted, from values copied while the round was open, and since then the
 values changed once (the round's own step), by a round that averaged exactly the preview's
 workers with the preview's hyper-parameters. Otherwise (a worker dropped from the round, a
-checkpoint loaded, a refusal) the call fails with ABORTED and the worker's link sends the step
-again whole: a retry of an applied step, answered with that step's weights. The worker decodes
-a preview into its parameters only after backward, and lets the next forward read them only
-after the trailer.
+checkpoint loaded, a refusal) the call fails with UNAVAILABLE and the worker's link sends the
+step again whole: a retry of an applied step, answered with that step's weights. The worker
+decodes a preview into its parameters only after backward, and lets the next forward read them
+only after the trailer.
+
+In async each push is applied alone, on arrival, so its next values depend on the pushes
+applied before it. ``AsyncChain`` orders the pushes that stream at once by when they began and
+predicts each from the predictions of the one before it; each is installed in that order only
+where the one before it was and nothing else changed the values, and is otherwise applied
+whole as without a preview (its worker sends the step again).
 """
 
 from __future__ import annotations

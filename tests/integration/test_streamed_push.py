@@ -164,13 +164,19 @@ def test_streamed_pushes_give_the_serial_steps_results_bit_for_bit(servers, mode
     # sync with 3 workers: streamed pushes are read as they arrive, not on their turn, and
     # the round still sums them in worker order.
     serial, _ = train(servers(2), mode, workers, overlap=False)
-    streamed, opts = train(servers(2), mode, workers, overlap=True)
+    running = servers(2)
+    streamed, opts = train(running, mode, workers, overlap=True)
     for i in range(workers):
         overlap = opts[i]._overlap
         assert overlap is not None and overlap.armed
         # Every step after the first (serial, to arm) streamed to both shards.
         assert overlap.streamed == 2 * (STEPS - 1)
         assert_identical(serial[i], streamed[i])
+    # sync and async: each of those steps' replies was predicted, and installed as the step,
+    # on the shard whose every variable each push carries (the other holds the branch only
+    # odd steps use: a push without it is answered whole).
+    predicted = 0 if mode == "ssp" else (STEPS - 1) * (workers if mode == "async" else 1)
+    assert [s.shard.predicted_rounds for s in running] == [predicted, 0]
 
 
 @pytest.mark.parametrize("data_plane", ["flight", "flight-step", "grpc"], indirect=True)
