@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 
 import psworker
+from psserver import pipeline
+from psserver import shard as shard_module
 from psserver.flight_service import start_flight_service
 from psserver.metrics import ShardMetrics
 from psserver.records import Limits
@@ -186,6 +188,16 @@ def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
     ]
 
 
+@pytest.fixture
+def patient_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An async push's preview waits 30 s, not 2, for the one begun before it (and is made
+    after one silent that long): a loaded machine must not turn the order these tests set
+    into a stall."""
+    monkeypatch.setattr(pipeline, "CHAIN_WAIT_S", 30.0)
+    monkeypatch.setattr(shard_module, "CHAIN_WAIT_S", 30.0)
+
+
+@pytest.mark.usefixtures("patient_chain")
 def test_async_pushes_streaming_at_once_are_predicted_each_after_the_one_begun_before(
     stack: ExitStack,
 ) -> None:
@@ -200,15 +212,15 @@ def test_async_pushes_streaming_at_once_are_predicted_each_after_the_one_begun_b
     for step in range(2):
         grads = [_grads(step, w) for w in (0, 1)]
         into = [{k: np.full_like(v, np.nan) for k, v in _initial().items()} for _ in (0, 1)]
-        streams = [_stream(links[w], step, into[w]) for w in (0, 1)]
-        _write(streams[0], grads[0], ("a",))
-        _write(streams[1], grads[1], ("a",))
-        for w in (0, 1):
+        streams = []
+        for w in (0, 1):  # worker 1's push begins once the shard has worker 0's
+            streams.append(_stream(links[w], step, into[w]))
+            _write(streams[w], grads[w], ("a",))
             streams[w].read_reply()
-        deadline = time.monotonic() + 20
-        while np.isnan(into[1]["a"]).any() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not np.isnan(into[1]["a"]).any(), "no value of 'a' before the pushes ended"
+            deadline = time.monotonic() + 20
+            while np.isnan(into[w]["a"]).any() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not np.isnan(into[w]["a"]).any(), "no value of 'a' before the pushes ended"
         assert piped.status().pushes_applied == 2 * step  # neither push applied yet
         for w in (0, 1):
             _write(streams[w], grads[w], ("b", "c"))
@@ -230,6 +242,16 @@ def test_async_pushes_streaming_at_once_are_predicted_each_after_the_one_begun_b
             assert np.asarray(momentum[k][slot]).tobytes() == np.asarray(value).tobytes()
 
 
+def _joined(shard: Shard, worker: int, step: int) -> None:
+    """Waits until ``worker``'s push of ``step`` has its async preview (the shard read its
+    header): pushes begun after it are predicted after it."""
+    deadline = time.monotonic() + 20
+    while shard._chain.of(worker, step) is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert shard._chain.of(worker, step) is not None
+
+
+@pytest.mark.usefixtures("patient_chain")
 @pytest.mark.parametrize("fault", ["refused", "whole first"])
 def test_an_async_prediction_whose_base_changed_is_refused_and_sent_again(
     stack: ExitStack, fault: str
@@ -247,7 +269,10 @@ def test_an_async_prediction_whose_base_changed_is_refused_and_sent_again(
     into = {k: np.zeros_like(v) for k, v in _initial().items()}
     if fault == "refused":
         grads[0]["b"][3] = np.nan
-        streams = [_stream(links[w], 0, into) for w in (0, 1)]
+        streams = [_stream(links[0], 0, into)]
+        _joined(piped, 0, 0)  # worker 1's push is predicted after it
+        streams.append(_stream(links[1], 0, into))
+        _joined(piped, 1, 0)  # before worker 0's push fails
         _write(streams[1], grads[1], KEYS)
         with pytest.raises(InvalidRequestError, match="'b'"):
             _write(streams[0], grads[0], KEYS)
@@ -255,6 +280,7 @@ def test_an_async_prediction_whose_base_changed_is_refused_and_sent_again(
         victim, applied = 1, [1]
     else:
         victim_stream = _stream(links[0], 0, into)
+        _joined(piped, 0, 0)  # predicted before the push sent whole lands
         _write(victim_stream, grads[0], ("a",))
         assert links[1].push_pull(0, grads[1])[0].applied
         _write(victim_stream, grads[0], ("b", "c"))
