@@ -6,8 +6,9 @@ from its state (``--state-dir``) goes on at the inner step it resumed at (``clie
 ``--stall-at k`` stops it before inner step k after printing ``{"stalled": k}``: the test
 kills it there. ``--keep-states`` copies its state file after every inner step that wrote
 it, as ``<its name>-kept-<outer step>.pt`` beside it. It prints ``{"ready": inner step}`` once
-connected, ``{"done": outer step}`` at the end, and writes its model's and the job's final
-weights to ``--out`` (.npz).
+connected, ``{"step": t, "crc": checksum}`` after each inner step (where two runs part, the
+test names the step), ``{"done": outer step}`` at the end, and writes its model's and the
+job's final weights to ``--out`` (.npz).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import shutil
 import time
+import zlib
 
 import numpy as np
 import torch
@@ -26,6 +28,14 @@ from psworker.torch import DistributedOptimizer
 
 def say(**what: int) -> None:
     print(json.dumps(what), flush=True)
+
+
+def crc(model: torch.nn.Module) -> int:
+    """A checksum of the model's weights: where two runs part, a failing test names the step."""
+    value = 0
+    for tensor in model.state_dict().values():
+        value = zlib.crc32(tensor.detach().numpy().tobytes(), value)
+    return value
 
 
 def main() -> int:
@@ -76,6 +86,7 @@ def main() -> int:
             torch.nn.functional.cross_entropy(model(x), y).backward()
             before = client.outer.step
             opt.step()
+            say(step=t, crc=crc(model))
             state = client.state_file
             if args.keep_states and state is not None and client.outer.step != before:
                 shutil.copy(state, state.with_name(f"{state.stem}-kept-{client.outer.step}.pt"))

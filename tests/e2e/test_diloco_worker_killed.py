@@ -7,6 +7,7 @@ state it trains on, but not to the same model: what the state is for."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import sys
@@ -29,12 +30,35 @@ def start(procs: Processes, addresses: list[str], worker: int, out: Path, *flags
     return Lines(procs.start([*args, "--local-steps", str(H), *flags]))
 
 
-def job(procs: Processes, tmp: Path, *flags: str) -> list[dict[str, np.ndarray]]:
-    """A fault-free run: each worker's final model and the job's weights."""
+def job(
+    procs: Processes, tmp: Path, *flags: str
+) -> tuple[list[dict[str, np.ndarray]], list[Lines]]:
+    """A fault-free run: each worker's final model and the job's weights, and its output."""
     addresses = [procs.psserver("--heartbeat-timeout", "0").address for _ in range(2)]
     outs = [tmp / f"clean{w}.npz" for w in range(2)]
     workers = [start(procs, addresses, w, outs[w], *flags) for w in range(2)]
-    return [lines.finish(out, 180) for lines, out in zip(workers, outs, strict=True)]
+    finals = [lines.finish(out, 180) for lines, out in zip(workers, outs, strict=True)]
+    return finals, workers
+
+
+def checksums(*runs: Lines) -> dict[int, int]:
+    """Each inner step's model checksum a worker printed (a restart's replacing the killed
+    run's for the steps it redid)."""
+    sums: dict[int, int] = {}
+    for run in runs:
+        for line in run.text(10**7).splitlines():
+            if line.startswith('{"step"'):
+                said = json.loads(line)
+                sums[said["step"]] = said["crc"]
+    return sums
+
+
+def parting(clean: dict[int, int], run: dict[int, int]) -> str:
+    """Where a run's model first differs from the clean run's, for a failure's message."""
+    for step in sorted(clean):
+        if run.get(step) != clean[step]:
+            return f"first differs after inner step {step}"
+    return "every inner step's model equal; only the end differs"
 
 
 def identical(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
@@ -54,7 +78,7 @@ def identical(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
 def test_a_diloco_worker_killed_and_restarted_ends_bit_identical(
     procs: Processes, tmp_path: Path, case: str, flags: tuple[str, ...], resumes_at: int
 ) -> None:
-    clean = job(procs, tmp_path, *flags)
+    clean, clean_runs = job(procs, tmp_path, *flags)
     # The shards never drop a silent worker here: the sync round waits for the restart.
     addresses = [procs.psserver("--heartbeat-timeout", "0").address for _ in range(2)]
     states = tmp_path / "states"
@@ -83,8 +107,10 @@ def test_a_diloco_worker_killed_and_restarted_ends_bit_identical(
         # Resumed from the job's weights with a fresh AdamW: trained on, another model.
         assert not identical(final[0], clean[0])
         return
+    runs = [checksums(steady), checksums(victim, again)]
     for w in range(2):
-        assert identical(final[w], clean[w]), f"worker {w}"
+        where = parting(checksums(clean_runs[w]), runs[w])
+        assert identical(final[w], clean[w]), f"worker {w}: {where}; {again.text()}"
     assert identical(
         {k: v for k, v in final[0].items() if k.startswith("job/")},
         {k: v for k, v in final[1].items() if k.startswith("job/")},
