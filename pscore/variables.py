@@ -199,7 +199,9 @@ class Variables:
         if bad:
             if backup is not None:
                 for key, (value, slots) in backup.items():
-                    self.values[key], self.slots[key] = value, slots
+                    # In place: the values may be a model's own memory (``keep_in``).
+                    np.copyto(self.values[key], value)
+                    self.slots[key] = slots
                     self._measure(key)
             kept = "the variables were left as before" if backup is not None else "state changed"
             raise StepRefusedError(
@@ -236,6 +238,37 @@ class Variables:
             for key in trained
             if not (small and batched(update[key]))
         )
+
+    def keep_in(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """From now on holds the values of ``arrays``' variables in those arrays (C-contiguous,
+        writable, the variables' shape and dtype, e.g. a CPU model's own tensors' memory),
+        after copying the current values into them: a step then updates them in place, and
+        every later change to ``values`` (a step, a load, a refused step put back) lands in
+        them. Whoever writes to them between steps writes the values.
+
+        Raises:
+            UnknownVariableError: a name that is not a dense variable here.
+            InvalidRequestError: an array that cannot hold its variable (named).
+        """
+        for key, array in arrays.items():
+            value = self.values.get(key)
+            if value is None:
+                raise UnknownVariableError(f"keep_in: no variable '{key}'")
+            if (
+                array.shape != value.shape
+                or array.dtype != value.dtype
+                or not array.flags.writeable
+                or not array.flags.c_contiguous
+            ):
+                raise InvalidRequestError(
+                    f"keep_in: '{key}' is {value.dtype} {value.shape}; the array offered is "
+                    f"{array.dtype} {array.shape} (writable {array.flags.writeable}, "
+                    f"contiguous {array.flags.c_contiguous})"
+                )
+        for key, array in arrays.items():
+            if not same_memory(array, self.values[key]):
+                np.copyto(array, self.values[key])
+            self.values[key] = array
 
     def _backup(self, keys: list[str]) -> dict[str, tuple[np.ndarray, dict]]:
         return {k: (self.values[k].copy(), _copy_slots(self.slots[k])) for k in keys}
@@ -432,3 +465,14 @@ def _copy(value: Any) -> Any:
 
 def _copy_slots(slots: dict) -> dict:
     return {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in slots.items()}
+
+
+def same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` and ``b`` are the same array of bytes (two views of one tensor's
+    memory): the same start, shape, strides and dtype."""
+    return (
+        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        and a.shape == b.shape
+        and a.strides == b.strides
+        and a.dtype == b.dtype
+    )

@@ -73,6 +73,7 @@ class Preview:
         optimizers: Any,
         base: Base,
         after: Preview | None = None,
+        private: bool = True,
     ) -> None:
         self.step = step
         self.workers = tuple(workers)
@@ -81,7 +82,7 @@ class Preview:
         # Whether its values stay its own until every reply has them: not an async push's,
         # installed as the shard's own values, which the next push changes in place (its
         # reply is written out before it is applied).
-        self.private = True
+        self.private = private
         self.keys = list(keys)
         self._job = job
         self._optimizers = optimizers
@@ -306,8 +307,9 @@ class AsyncChain:
             return None
         if tail is not None:
             base = functools.partial(_after, tail)
-        made = Preview(update + len(self._open), (worker,), keys, job, optimizers, base, tail)
-        made.private = False
+        made = Preview(
+            update + len(self._open), (worker,), keys, job, optimizers, base, tail, private=False
+        )
         made.join(worker)
         self._open.append(made)
         self._of[(worker, step)] = made

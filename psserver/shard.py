@@ -553,6 +553,8 @@ class Shard:
     def preview_done(self, preview: Preview) -> None:
         """``preview``'s call ended: an async push that never reached ``push`` (cancelled,
         refused) is given up, and the pushes predicted after it with it."""
+        if preview.private:  # a sync round's: no push is predicted after it
+            return
         with self._cond:
             self._chain.resolve(preview, False, self._changes)
 

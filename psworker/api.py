@@ -143,6 +143,16 @@ class Elastic(Protocol):
         ...
 
 
+@runtime_checkable
+class Replica(Protocol):
+    """A client whose values live in this process (``LocalClient``, ``AllReduceClient``): it
+    can hold them in the model's own memory, so a step updates the model in place."""
+
+    def keep_in(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Holds the values of ``arrays``' variables in those arrays from now on."""
+        ...
+
+
 def push_then_pull(
     client: Client,
     grads: Mapping[str, np.ndarray | RowSparse],

@@ -17,7 +17,7 @@ from pscore.optim import Optimizer
 from pscore.optspec import StepOptions, resolve_groups
 from pscore.rowstore import RowStore
 from pscore.tables import RowSparse, Table, as_ids
-from pscore.variables import Variables
+from pscore.variables import Variables, same_memory
 from pswire.errors import ClientClosedError, NotInitializedError, not_in_model
 from psworker.api import push_then_pull
 from psworker.placement import TableLayout, check_out
@@ -104,8 +104,22 @@ class LocalClient:
             return {k: values[k].copy() for k in wanted}
         check_out(out, {k: (values[k].shape, values[k].dtype.name) for k in wanted})
         for name, array in out.items():
-            np.copyto(array, values[name])
+            if not same_memory(array, values[name]):  # not the memory ``keep_in`` gave
+                np.copyto(array, values[name])
         return {k: out[k] if k in out else values[k].copy() for k in wanted}
+
+    def keep_in(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Holds the values of ``arrays``' variables in those arrays from now on: a CPU
+        model's own memory (``DistributedOptimizer`` gives it), so a step updates the model in
+        place and a pull into the same memory copies nothing. Writing to them between steps
+        (``p.data.clamp_()``) changes the values, as it would with a torch optimizer.
+
+        Raises:
+            UnknownVariableError, InvalidRequestError: a name not in the model, or an array of
+                another shape or dtype, read-only or not contiguous.
+        """
+        self._require_init()
+        self._state.keep_in(arrays)
 
     def pull_rows(self, table: str, ids: np.ndarray | Sequence[int]) -> np.ndarray:
         """Rows ``ids`` of a table, as ``PSClient.pull_rows``.

@@ -16,7 +16,7 @@ from pscore.optim import Optimizer
 from pscore.optspec import StepOptions
 from pscore.tables import RowSparse
 from pswire.errors import ConfigError
-from psworker.api import Client, Elastic
+from psworker.api import Client, Elastic, Replica
 from psworker.overlap import build_overlap, overlap_unsupported
 from psworker.overlap_watch import Overlap
 from psworker.reports import StepLog
@@ -567,6 +567,10 @@ def _init_together(client: Client, parts: list[DistributedOptimizer]) -> None:
         for part in parts:
             own = {n: t for n, t in everything.items() if n in part._params or n in part._buffers}
             part._staging.to_device({n: weights[n] for n in own}, own)
+            if isinstance(client, Replica) and not part._staging.pin:
+                # allreduce and local: the step updates the CPU model in place, no copy back.
+                held = part._staging.receivers(own)
+                client.keep_in({n: a for n, a in held.items() if a.flags.c_contiguous})
     _CLAIMED[client] = names
     for part in parts:
         part._together = len(parts)

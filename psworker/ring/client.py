@@ -161,6 +161,10 @@ class AllReduceClient:
         ``PSClient.pull``."""
         return self._local.pull(names, out)
 
+    def keep_in(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """This replica's values held in ``arrays`` from now on (``LocalClient.keep_in``)."""
+        self._local.keep_in(arrays)
+
     def pull_rows(self, table: str, ids: np.ndarray | Sequence[int]) -> np.ndarray:
         """Refused: this mode holds no embedding tables.
 

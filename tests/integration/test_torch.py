@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -82,6 +83,30 @@ def test_local_mode_matches_torch_optim():
         ref.step()
     for (name, a), b in zip(ours.state_dict().items(), theirs.state_dict().values(), strict=True):
         assert torch.allclose(a, b, atol=1e-6), name
+
+
+def test_local_mode_steps_the_model_in_place_keeping_what_the_script_wrote():
+    """The client holds a CPU model's values in its own tensors: a weight the script changes
+    between steps (a max-norm clamp, a reload) stays changed, as with torch.optim, and the
+    client reads it back; nothing is copied back into the model after a step."""
+    x, y = data(4 * BATCH)
+    ours, theirs = make_model(0), make_model(0)
+    ref = torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9)
+    with psworker.connect(mode="local") as client:
+        opt = DistributedOptimizer(ours, client, psworker.SGD(lr=0.05, momentum=0.9))
+        for t in range(4):
+            for model, step in ((ours, opt), (theirs, ref)):
+                step.zero_grad()
+                batch = slice(BATCH * t, BATCH * (t + 1))
+                torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+                step.step()
+                with torch.no_grad():
+                    model[0].weight.clamp_(-0.1, 0.1)
+        held = client.pull()
+    for (name, a), b in zip(ours.state_dict().items(), theirs.state_dict().values(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6), name
+    assert bool((ours[0].weight.abs() <= 0.1).all())
+    assert np.array_equal(held["0.weight"], ours[0].weight.detach().numpy())
 
 
 def test_batchnorm_buffers_are_averaged_across_sync_workers(shards):
