@@ -88,9 +88,14 @@ class WorkerState:
                 "to start this worker afresh"
             ) from exc
 
-    def check_resumable(self, job: str, worker: int, outer_step: int) -> bool:
+    def check_resumable(
+        self, job: str, worker: int, outer_step: int, elastic: bool = False
+    ) -> bool:
         """Whether this state resumes worker ``worker`` of job ``job``, whose shards hold
-        ``outer_step`` for it: False (logged) for another job's state.
+        ``outer_step`` for it: False (logged) for another job's state, and in an ``elastic``
+        job for a state behind the outer step the worker joined at (the job trained on
+        without it: it starts from the job's weights as any joining worker, and the state is
+        replaced at its next outer step).
 
         Raises:
             ConfigError: another worker's state, or an outer step neither the shards' nor the
@@ -109,6 +114,17 @@ class WorkerState:
             raise ConfigError(
                 f"the DiLoCo worker state holds worker {self.worker}'s, not worker {worker}'s"
             )
+        if elastic and self.outer_step < outer_step:
+            # A restarted process joins afresh: it is not a member at the steps it left.
+            log.warning(
+                "worker %d rejoined the elastic job at outer step %d; its DiLoCo state from "
+                "outer step %d is set aside (the job trained on without it): it starts from "
+                "the job's weights and a fresh inner optimizer, as a joining worker does",
+                worker,
+                outer_step,
+                self.outer_step,
+            )
+            return False
         if not outer_step - 1 <= self.outer_step <= outer_step:
             raise ConfigError(
                 f"worker {worker}'s DiLoCo state is at outer step {self.outer_step}, but the "

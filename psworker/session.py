@@ -194,7 +194,8 @@ def say_resumed(worker: int, job: str, step: int) -> None:
     if step > 0:
         log.warning(
             "worker %d joins job %s already at step %d (the shards resumed it, e.g. from a "
-            "checkpoint): training goes on from there. Start the epoch loop at "
+            "checkpoint, or it is an elastic job that trained on): training goes on from "
+            "there. Start the epoch loop at "
             "psworker.start_epoch(client, steps_per_epoch) (client.step // steps_per_epoch); "
             "to start a new job instead, start the shards with --fresh (psctl local --fresh)",
             worker,

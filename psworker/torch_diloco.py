@@ -19,6 +19,7 @@ import torch
 
 from pscore.optim import Optimizer
 from pswire.errors import ConfigError
+from psworker.api import Elastic
 from psworker.diloco import DiLoCoClient, Landed, OuterSteps
 from psworker.diloco_resume import WorkerState
 from psworker.reports import StepLog
@@ -184,7 +185,7 @@ class DiLoCoOptimizer(DistributedOptimizer):
         saved = WorkerState.load(path)
         outer = self._diloco.outer
         if saved is None or not saved.check_resumable(
-            outer.identity.value, self.client.worker_id, outer.step
+            outer.identity.value, self.client.worker_id, outer.step, isinstance(outer, Elastic)
         ):
             return
         tensors = {**self._params, **self._buffers}

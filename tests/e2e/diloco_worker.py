@@ -4,7 +4,8 @@ AdamW inner steps on a small model with dropout (so the random generator matters
 fixed per (worker, inner step): two fault-free runs end bit-identical, and a worker restarted
 from its state (``--state-dir``) goes on at the inner step it resumed at (``client.step``).
 ``--stall-at k`` stops it before inner step k after printing ``{"stalled": k}``: the test
-kills it there. ``--keep-states`` copies its state file after every inner step that wrote
+kills it there. ``--elastic MIN:MAX`` makes the job elastic; ``--pace s`` sleeps ``s`` seconds
+after each step. ``--keep-states`` copies its state file after every inner step that wrote
 it, as ``<its name>-kept-<outer step>.pt`` beside it. It prints ``{"ready": inner step}`` once
 connected, ``{"step": t, "crc": checksum}`` after each inner step (where two runs part, the
 test names the step), ``{"done": outer step}`` at the end, and writes its model's and the
@@ -51,6 +52,8 @@ def main() -> int:
     parser.add_argument("--state-dir", default=None)
     parser.add_argument("--keep-states", action="store_true")
     parser.add_argument("--stall-at", type=int, default=-1)
+    parser.add_argument("--elastic", default=None, help="MIN:MAX: an elastic job")
+    parser.add_argument("--pace", type=float, default=0.0, help="seconds slept per step")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.manual_seed(args.worker)  # the job starts from worker 0's weights
@@ -72,6 +75,7 @@ def main() -> int:
         worker_state_dir=args.state_dir,
         outer=psworker.SGD(lr=0.7, momentum=0.9, nesterov=True),
         timeout=60.0,
+        elastic=args.elastic,
     ) as client:
         inner = torch.optim.AdamW(model.parameters(), lr=0.01)
         opt = DistributedOptimizer(model, client, inner)
@@ -87,6 +91,7 @@ def main() -> int:
             before = client.outer.step
             opt.step()
             say(step=t, crc=crc(model))
+            time.sleep(args.pace)
             state = client.state_file
             if args.keep_states and state is not None and client.outer.step != before:
                 shutil.copy(state, state.with_name(f"{state.stem}-kept-{client.outer.step}.pt"))

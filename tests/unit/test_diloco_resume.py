@@ -68,3 +68,20 @@ def test_a_state_resumes_its_own_job_and_worker_at_the_shards_step_or_the_one_be
             ConfigError, match=f"at outer step 3, but the shards hold outer step {shards_at}"
         ):
             saved.check_resumable("job-a", 1, shards_at)
+
+
+def test_in_an_elastic_job_a_state_behind_the_step_joined_at_is_set_aside(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A restarted worker of an elastic job joins afresh at the outer step the job is at: a
+    state written before that (the job trained on without it) is set aside, named in a
+    warning, and it starts from the job's weights; a state at that step resumes; one ahead
+    of it is refused as in a job of fixed size."""
+    saved = state(outer_step=3)
+    assert saved.check_resumable("job-a", 1, 3, elastic=True)
+    for joined_at in (4, 9):
+        with caplog.at_level("WARNING"):
+            assert not saved.check_resumable("job-a", 1, joined_at, elastic=True)
+        assert f"at outer step {joined_at}; its DiLoCo state from outer step 3" in caplog.text
+    with pytest.raises(ConfigError, match="at outer step 3, but the shards hold outer step 2"):
+        saved.check_resumable("job-a", 1, 2, elastic=True)
