@@ -13,8 +13,6 @@ from pswire.errors import InvalidRequestError, ShapeMismatchError, UnknownVariab
 
 # torch DDP's default bucket size: few ring rounds for a model of many small tensors.
 DEFAULT_BUCKET_BYTES = 25 << 20
-# DDP's first bucket (the first gradients backward makes): small, so the ring starts early.
-FIRST_BUCKET_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -75,19 +73,16 @@ class BucketPlan:
         cls,
         specs: Mapping[str, tuple[Sequence[int], DTypeLike]],
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        first_bytes: int = FIRST_BUCKET_BYTES,
     ) -> BucketPlan:
         """Plans buckets as ``build``, but in ``specs``' own order (a new bucket also where
         the dtype changes): DDP's plan, the tensors in the order backward makes their
-        gradients, so the first bucket fills first; it holds at most ``first_bytes`` (DDP's
-        1 MiB: the first reduction starts early in backward). Workers must list them alike
-        (the same model gives the same order; ``digest`` tells plans apart).
+        gradients, so the first bucket fills first. Workers must list them alike (the same
+        model gives the same order; ``digest`` tells plans apart).
 
         Raises:
             ValueError: ``bucket_bytes`` < 1 or a negative dim.
         """
-        entries = _entries(specs, bucket_bytes)
-        return cls(_pack(entries, bucket_bytes, min(first_bytes, bucket_bytes)))
+        return cls(_pack(_entries(specs, bucket_bytes), bucket_bytes))
 
     def digest(self) -> str:
         """The plan (each bucket's dtype and tensors: names, shapes, places) as a short
@@ -216,21 +211,17 @@ def _entries(
 
 
 def _pack(
-    entries: Sequence[tuple[np.dtype, str, tuple[int, ...]]],
-    bucket_bytes: int,
-    first_bytes: int | None = None,
+    entries: Sequence[tuple[np.dtype, str, tuple[int, ...]]], bucket_bytes: int
 ) -> tuple[Bucket, ...]:
     """Fills buckets in ``entries``' order: a new one where the dtype changes or the next
-    tensor would take it past ``bucket_bytes`` (the first bucket: ``first_bytes``, if
-    given)."""
+    tensor would take it past ``bucket_bytes``."""
     buckets: list[Bucket] = []
     slots: list[Slot] = []
     size = 0
     current: np.dtype | None = None
     for dtype, name, dims in entries:
         count = int(np.prod(dims, dtype=np.int64))
-        cap = bucket_bytes if buckets or first_bytes is None else first_bytes
-        full = size > 0 and (size + count) * dtype.itemsize > cap
+        full = size > 0 and (size + count) * dtype.itemsize > bucket_bytes
         if current is not None and (dtype != current or full):
             buckets.append(Bucket(current, tuple(slots), size))
             slots, size = [], 0

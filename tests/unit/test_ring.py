@@ -697,20 +697,3 @@ def test_measure_is_refused_for_16_bit_parts() -> None:
     (peer,) = local_peers(1)
     with pytest.raises(ValueError, match="measure sums float32 or float64"):
         ring.allreduce_many(peer, [ring.Part(np.ones(4, np.float16), measure=[])])
-
-
-def test_the_first_bucket_in_backwards_order_is_small_as_ddps():
-    """``in_order``'s first bucket holds at most 1 MiB (DDP's first bucket), so the first
-    reduction starts early in backward; the rest fill to ``bucket_bytes``; a tensor larger
-    than a cap still travels alone."""
-    mb = 1 << 20
-    specs = {f"t{i}": ((mb // 4 * 6 // 10,), np.float32) for i in range(5)}  # 0.6 MiB each
-    plan = BucketPlan.in_order(specs, 25 * mb)
-    assert [[s.name for s in b.slots] for b in plan.buckets] == [["t0"], ["t1", "t2", "t3", "t4"]]
-    big = {"huge": ((mb,), np.float32), **specs}  # 4 MiB: over the first cap, alone
-    plan = BucketPlan.in_order(big, 25 * mb)
-    assert [len(b.slots) for b in plan.buckets] == [1, 5]
-    assert (
-        BucketPlan.in_order(specs, 25 * mb, first_bytes=25 * mb).digest()
-        != BucketPlan.in_order(specs, 25 * mb).digest()
-    )
