@@ -109,6 +109,54 @@ def test_local_mode_steps_the_model_in_place_keeping_what_the_script_wrote():
     assert np.array_equal(held["0.weight"], ours[0].weight.detach().numpy())
 
 
+def test_allreduce_ranks_step_their_models_in_place_keeping_what_each_wrote():
+    """allreduce, 2 ranks: each rank's model is its replica, stepped in place; the same clamp
+    on every rank after every step stays, as with DDP, and the ranks end bit-identical and
+    equal to plain torch training on both halves of each batch with the clamp."""
+    from psworker.ring.ring import RingServer
+
+    x, y = data(8 * BATCH)
+    servers = [RingServer("127.0.0.1:0") for _ in range(2)]
+    peers = [s.address for s in servers]
+    models = {0: make_model(0), 1: make_model(123)}  # rank 0's weights start both
+
+    def clamped(opt, model, batches) -> None:
+        for batch in batches:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+            opt.step()
+            with torch.no_grad():
+                model[0].weight.clamp_(-0.1, 0.1)
+
+    def rank(i: int):
+        def run():
+            with psworker.connect(
+                peers, worker_id=i, mode="allreduce", server=servers[i], timeout=20
+            ) as client:
+                opt = DistributedOptimizer(models[i], client, psworker.SGD(lr=0.05))
+                halves = [
+                    slice(2 * BATCH * t + i * BATCH, 2 * BATCH * t + (i + 1) * BATCH)
+                    for t in range(4)
+                ]
+                clamped(opt, models[i], halves)
+
+        return run
+
+    run_workers([rank(0), rank(1)])
+    reference = make_model(0)  # plain torch
+    ref = torch.optim.SGD(reference.parameters(), lr=0.05)
+    clamped(ref, reference, [slice(2 * BATCH * t, 2 * BATCH * (t + 1)) for t in range(4)])
+    for (name, a), b in zip(
+        models[0].state_dict().items(), models[1].state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    for (name, a), b in zip(
+        models[0].state_dict().items(), reference.state_dict().values(), strict=True
+    ):
+        assert torch.allclose(a, b, atol=1e-6), name
+    assert bool((models[0][0].weight.abs() <= 0.1).all())
+
+
 def test_batchnorm_buffers_are_averaged_across_sync_workers(shards):
     addrs = [s.address for s in shards(1)]
     x, y = data(4 * BATCH)
