@@ -305,10 +305,18 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         with self.admission.inflight() as reserve, _ending(context, self.shard) as cancelled:
             assembler = ChunkAssembler(self.shard.limits.max_request_bytes, reserve=reserve)
             header = read_stream(request_iterator, assembler, "Push")
+            grads = assembled_grads(assembler)
+            if header.tensors and len(grads) != header.tensors:
+                # grpc can end a dead client's stream as if it had closed it.
+                raise InvalidRequestError(
+                    f"Push of step {header.step} by worker {header.worker_id} ended after "
+                    f"{len(grads)} of the {header.tensors} tensors it announced (the worker "
+                    "went away mid-push?): nothing applied"
+                )
             result = self.shard.push(
                 header.worker_id,
                 header.step,
-                assembled_grads(assembler),
+                grads,
                 timeout=_timeout(context),
                 incarnation=header.incarnation,
                 take=True,  # the assembler's arrays belong to this call alone

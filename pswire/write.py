@@ -397,10 +397,16 @@ def push_header(
     incarnation: str | None,
     options: StepOptions | None,
     session: str = "",
+    tensors: int = 0,
 ) -> ps_pb2.PushHeader:
-    """A PushHeader, with ``options`` (hyper-parameter values, skip) when given."""
+    """A PushHeader, with ``options`` (hyper-parameter values, skip) when given, and the
+    number of ``tensors`` a Push stream's chunks carry."""
     header = ps_pb2.PushHeader(
-        worker_id=worker_id, step=step, incarnation=incarnation or "", session=session
+        worker_id=worker_id,
+        step=step,
+        incarnation=incarnation or "",
+        session=session,
+        tensors=tensors,
     )
     if options is not None:
         header.skip = options.skip
@@ -424,7 +430,7 @@ def push_stream(
 
     A uint16 piece is a gradient compressed to bfloat16 (no gradient is an integer).
     """
-    header = push_header(worker_id, step, incarnation, options, session)
+    header = push_header(worker_id, step, incarnation, options, session, len(pieces))
     yield len_field(HEADER, header.SerializeToString())
     for key, piece in pieces.items():
         array, ids, bf16 = piece_parts(piece)

@@ -727,6 +727,7 @@ class PushHeader(_message.Message):
     SESSION_FIELD_NUMBER: _builtins.int
     VALUES_FIELD_NUMBER: _builtins.int
     SKIP_FIELD_NUMBER: _builtins.int
+    TENSORS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.int
     step: _builtins.int
     """the step this gradient belongs to (0-based)"""
@@ -740,6 +741,11 @@ class PushHeader(_message.Message):
     """This worker skips the step (a GradScaler found inf/NaN in its gradients): the push
     carries buffers only. sync: the step's optimizer update is skipped for every worker;
     async/ssp: only this push's.
+    """
+    tensors: _builtins.int
+    """How many tensors the Push stream's chunks carry (0: not said). A stream that ends before
+    they all arrived is refused, not applied short: a worker killed mid-push can look to
+    the shard like one that ended its stream after the header.
     """
     @_builtins.property
     def values(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupValues]:
@@ -757,10 +763,11 @@ class PushHeader(_message.Message):
         session: _builtins.str = ...,
         values: _abc.Iterable[Global___GroupValues] | None = ...,
         skip: _builtins.bool = ...,
+        tensors: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "session", b"session", "skip", b"skip", "step", b"step", "values", b"values", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "session", b"session", "skip", b"skip", "step", b"step", "tensors", b"tensors", "values", b"values", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -280,3 +280,28 @@ def test_errors_sharing_a_status_code_arrive_as_their_own_class(shards) -> None:
     ):
         other.init({"w": np.zeros((2, 3), np.float32)}, psworker.SGD(lr=0.1))
     assert type(mismatch.value) is ModelMismatchError
+
+
+def test_a_push_stream_that_ends_before_the_tensors_it_announced_applies_nothing(served):
+    """grpc can end the Push stream of a worker killed mid-push as if the worker had closed
+    it: the header arrived, its tensors did not. Applied, that was an empty push: the step
+    used up, the worker's gradients counted as zero in its sync round, and its restart's
+    push of the step dropped as a duplicate (a DiLoCo job ended with exit 0 and another
+    model). The header now says how many tensors follow: a short stream is refused."""
+    server, client, stub, before = served
+    grad = np.full(3, 0.5, np.float32)
+
+    def announced(tensors: int, chunks: list) -> Iterator[ps_pb2.PushRequest]:
+        yield ps_pb2.PushRequest(header=ps_pb2.PushHeader(worker_id=0, step=0, tensors=tensors))
+        for c in chunks:
+            yield ps_pb2.PushRequest(chunk=c)
+
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Push(announced(2, chunks_of("fc.bias", grad)), timeout=10)
+    assert info.value.code() == StatusCode.INVALID_ARGUMENT
+    assert "step 0 by worker 0 ended after 1 of the 2 tensors" in info.value.details()
+    unchanged(server, before)
+    # The step is not used up: the whole push of it is applied, once.
+    reply = stub.Push(announced(1, chunks_of("fc.bias", grad)), timeout=10)
+    assert reply.applied
+    assert np.allclose(client.pull(["fc.bias"])["fc.bias"], 1.0 - 0.1 * grad)
