@@ -4,7 +4,8 @@ AdamW inner steps on a small model with dropout (so the random generator matters
 fixed per (worker, inner step): two fault-free runs end bit-identical, and a worker restarted
 from its state (``--state-dir``) goes on at the inner step it resumed at (``client.step``).
 ``--stall-at k`` stops it before inner step k after printing ``{"stalled": k}``: the test
-kills it there. ``--elastic MIN:MAX`` makes the job elastic; ``--pace s`` sleeps ``s`` seconds
+kills it there (``--stall-after k``: k steps after its first). ``--elastic MIN:MAX`` makes
+the job elastic; ``--pace s`` sleeps ``s`` seconds
 after each step. ``--keep-states`` copies its state file after every inner step that wrote
 it, as ``<its name>-kept-<outer step>.pt`` beside it. It prints ``{"ready": inner step}`` once
 connected, ``{"step": t, "crc": checksum}`` after each inner step (where two runs part, the
@@ -52,6 +53,7 @@ def main() -> int:
     parser.add_argument("--state-dir", default=None)
     parser.add_argument("--keep-states", action="store_true")
     parser.add_argument("--stall-at", type=int, default=-1)
+    parser.add_argument("--stall-after", type=int, default=-1, help="steps after the first")
     parser.add_argument("--elastic", default=None, help="MIN:MAX: an elastic job")
     parser.add_argument("--pace", type=float, default=0.0, help="seconds slept per step")
     parser.add_argument("--out", required=True)
@@ -80,8 +82,11 @@ def main() -> int:
         inner = torch.optim.AdamW(model.parameters(), lr=0.01)
         opt = DistributedOptimizer(model, client, inner)
         say(ready=client.step)
+        stall_at = args.stall_at
+        if args.stall_after >= 0:  # an elastic joiner's first step is the job's, not 0
+            stall_at = client.step + args.stall_after
         for t in range(client.step, args.steps):
-            if t == args.stall_at:
+            if t == stall_at:
                 say(stalled=t)
                 time.sleep(3600)  # until killed
             g = torch.Generator().manual_seed(1000 * args.worker + t)

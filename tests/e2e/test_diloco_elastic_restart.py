@@ -7,6 +7,7 @@ the step it joined at)."""
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from e2e_support import Lines, Processes
 pytest.importorskip("torch")
 pytestmark = pytest.mark.timeout(240)
 WORKER = str(Path(__file__).with_name("diloco_worker.py"))
-STEPS, H, KILLED_AT = 40, 2, 6  # the victim's state is at outer step 3 when it dies
+STEPS, H, TRAINED = 40, 2, 4  # the victim dies 2 outer steps after it joined
 
 
 def start(procs: Processes, addresses: list[str], worker: int, out: Path, *flags: str) -> Lines:
@@ -34,20 +35,28 @@ def test_a_diloco_worker_of_an_elastic_job_killed_and_restarted_rejoins_from_the
     states = ("--state-dir", str(tmp_path / "states"))
     outs = [tmp_path / f"run{w}.npz" for w in range(2)]
     steady = start(procs, addresses, 0, outs[0], "--pace", "0.25", *states)
+    # Worker 0 may train alone a while first (the job's minimum is 1): the victim joins at
+    # the job's step and dies TRAINED steps later, its state written at each outer step.
     victim = start(
-        procs, addresses, 1, tmp_path / "victim.npz", *states, "--stall-at", str(KILLED_AT)
+        procs, addresses, 1, tmp_path / "victim.npz", *states, "--stall-after", str(TRAINED)
     )
     victim.wait_for(lambda: victim.latest("stalled") is not None, 120, "the stall")
     victim.proc.send_signal(signal.SIGKILL)
     victim.proc.wait(timeout=10)
+    killed_at = victim.latest("stalled")
+    assert killed_at is not None and (tmp_path / "states" / "diloco-worker-1.pt").exists()
     # Dropped after the heartbeat timeout, the other trains on alone: two outer steps past.
-    steady.wait_for(lambda: (steady.latest("step") or 0) >= KILLED_AT + 2 * H, 120, "steps alone")
+    steady.wait_for(lambda: (steady.latest("step") or 0) >= killed_at + 2 * H, 120, "steps alone")
     again = start(procs, addresses, 1, outs[1], *states)
     final = [steady.finish(outs[0], 180), again.finish(outs[1], 180)]
     text = again.text(10**6)
-    assert "its DiLoCo state from outer step 3 is set aside" in text, text
-    joined = again.latest("ready")
-    assert joined is not None and joined > KILLED_AT, text  # the job's step, not its state's
+    said = re.search(
+        r"at outer step (\d+); its DiLoCo state from outer step (\d+) is set aside", text
+    )
+    assert said is not None, text
+    joined_outer, state_outer = int(said[1]), int(said[2])
+    assert state_outer == killed_at // H and joined_outer > state_outer, text
+    assert again.latest("ready") == joined_outer * H, text  # the job's step, not its state's
     for w, got in enumerate(final):
         # The last outer step loaded the job's weights into each worker's model.
         model = {k[len("model/") :]: v for k, v in got.items() if k.startswith("model/")}
