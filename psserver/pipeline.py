@@ -18,8 +18,9 @@ values changed once (the round's own step), by a round that averaged exactly the
 workers with the preview's hyper-parameters. Otherwise (a worker dropped from the round, a
 checkpoint loaded, a refusal) the call fails with UNAVAILABLE and the worker's link sends the
 step again whole: a retry of an applied step, answered with that step's weights. The worker
-decodes a preview into its parameters only after backward, and lets the next forward read them
-only after the trailer.
+reads a preview from its start, keeps what arrives during backward aside (psworker/
+flight_link.py ``StagedInto``), puts it into its parameters only after backward, and lets the
+next forward read them only after the trailer.
 
 In async each push is applied alone, on arrival, so its next values depend on the pushes
 applied before it. ``AsyncChain`` orders the pushes that stream at once by when they began and

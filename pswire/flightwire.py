@@ -369,8 +369,8 @@ def read_step(
 ) -> dict[str, np.ndarray]:
     """Reads a step's tensors, in manifest order, from the stream of record batches that
     began with ``first`` (the batch the header rode on, or None), into ``assembler``;
-    ``placed(name)`` as each tensor is complete in its ``into`` array (the caller may use it
-    while the rest still arrives); ``completed(name, array)`` as each tensor is complete.
+    ``completed(name, array)`` as each tensor is complete, then ``placed(name)`` if it is
+    complete in its ``into`` array (the caller may use it while the rest still arrives).
 
     Raises:
         InvalidRequestError: the stream ended mid-step, bytes left over after the last
@@ -410,10 +410,10 @@ def read_step(
             assembler.add(piece)
             received += len(take)
             if received >= e.total_bytes:
-                if placed is not None and assembler.placed(e.name):
-                    placed(e.name)
                 if completed is not None:
                     completed(e.name, assembler.completed(e.name))
+                if placed is not None and assembler.placed(e.name):
+                    placed(e.name)
                 break
     if data:
         raise InvalidRequestError(

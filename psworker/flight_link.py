@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -43,6 +43,12 @@ _FAILURES = (flight.FlightError, pa.ArrowException, OSError)
 # A streamed step's reply is read on a thread bounded by the exchange's deadline; past it by
 # this much, the wait for that thread gives up.
 _READ_SLACK_S = 30.0
+# A streamed step's reply is read from the start (beside the upload, while backward runs) once
+# the last stream on the link still had more than this share of its bytes to write when
+# backward ended: the link, not the CPU, holds the step back. Measured on the emulated 1 Gbit/s
+# links 65-80% (reading early: 1.17-1.27x samples/s), over loopback and 10 Gbit/s under 8%
+# (reading early: 0.9-0.97x, a CPU-bound machine; bench/NOTES.md 42).
+_EARLY_BEHIND = 0.25
 
 
 class FlightLink:
@@ -88,6 +94,13 @@ class FlightLink:
         self._early: Future[Any] | None = None  # its reply, read on a thread (``when_ended``)
         self._reading: ThreadPoolExecutor | None = None
         self._streaming: FlightStream | None = None  # a step streamed from backward, if open
+        # Where a streamed step's reply lands while backward still runs (``StagedInto``):
+        # name -> array, kept across steps. A stream takes it while it reads its reply, so a
+        # stream begun while an older one's read still winds down gets arrays of its own.
+        self.staging: dict[str, np.ndarray] = {}
+        # The share of the last streamed step's bytes not yet written when backward ended
+        # (its last tensor, held until then, aside).
+        self.behind = 0.0
 
     def where(self, op: str) -> str:
         return f"{op} on shard {self.index} ({self.address}, Flight)"
@@ -234,10 +247,13 @@ class FlightLink:
         ``placed(key)``: told as each tensor of the reply is decoded into ``into``.
 
         Its reply may stream back while the push is still being written (``fw.PIPELINED``:
-        a sync round's weights, predicted as their gradients arrive). It is read, on a
-        thread, once ``FlightStream.read_reply`` says so (the caller's backward is over, so
-        the parameters in ``into`` may change); the pieces of a predicted reply are
-        ``placed`` only once its trailer confirmed them.
+        a step's weights, predicted as their gradients arrive). It is read, on a thread, from
+        ``FlightStream.read_reply`` on (the caller's backward is over: the parameters in
+        ``into`` may change); or, where the link was behind backward in the last streamed
+        step (``_EARLY_BEHIND``), from the start, so the download runs beside the upload,
+        what arrives before ``read_reply`` waiting in the link's staging arrays
+        (``StagedInto``). The pieces of a predicted reply are ``placed`` only once its
+        trailer confirmed them.
 
         Raises:
             PSError: the exchange could not be opened, or the shard refused at once.
@@ -249,13 +265,22 @@ class FlightLink:
             self._close_open()
             writer, reader = self._exchange(fw.PIPELINED, self.timeout, where)
         out = fw.StepWriter(writer, request.SerializeToString(), self.piece_bytes)
-        stream = FlightStream(self, writer, reader, out, into, where, placed)
+        staged = None
+        if into is not None and self.behind > _EARLY_BEHIND:
+            staged = StagedInto(into, self.staging, placed)
+            self.staging = {}
+        # What can leave before backward ends: all but the last tensor, held until step().
+        held = next((e.total_bytes for e in reversed(entries) if e.total_bytes), 0)
+        total = sum(e.total_bytes for e in entries)
+        stream = FlightStream(self, writer, reader, out, into, where, placed, total, held, staged)
         self._streaming = stream
         try:
             out.header()
         except BaseException as exc:
             stream.close()
             raise _error(exc, where) from None
+        if staged is not None:
+            stream.start_reading()
         return stream
 
     def push(
@@ -382,10 +407,120 @@ class FlightLink:
             writer.close()
 
 
+class StagedInto(Mapping[str, np.ndarray]):
+    """A streamed step's ``into`` while its reply is read during backward, which may still
+    read the parameters: a tensor begun before ``release`` is decoded into a staging array,
+    and copied into its ``into`` array once it is complete and backward is over; one begun
+    after goes straight there. ``placed`` hears of a tensor only once it is in ``into``.
+
+    ``get``, ``completed`` and ``placed`` come from the thread reading the reply (the
+    assembler asks ``get`` at each tensor's start), ``release`` from the training thread
+    (it copies nothing: backward's end is not held up), ``copy_staged`` from the thread
+    writing the step, once it has written the last tensor; whichever of those two threads
+    comes first copies a tensor, one tensor at a time under the lock.
+    """
+
+    def __init__(
+        self,
+        into: Mapping[str, np.ndarray],
+        staging: dict[str, np.ndarray],
+        placed: Callable[[str], None] | None,
+    ) -> None:
+        self._into = into
+        self.staging = staging  # the link's, given back once the reply is read
+        self._on_placed = placed
+        self._lock = threading.Lock()
+        self._released = False
+        self._begun: set[str] = set()  # staged, not complete yet
+        self._done: dict[str, None] = {}  # staged and complete, not copied: in arrival order
+        self._deferred: set[str] = set()  # placed before it was copied
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._into[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._into)
+
+    def __len__(self) -> int:
+        return len(self._into)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """Where tensor ``name`` of the reply is decoded: its ``into`` array once released,
+        else a staging array like it."""
+        target = self._into.get(name)
+        if target is None:
+            return default
+        with self._lock:
+            if self._released or not (target.flags.c_contiguous and target.flags.writeable):
+                return target
+            staged = self.staging.get(name)
+            if staged is None or staged.shape != target.shape or staged.dtype != target.dtype:
+                staged = self.staging[name] = np.empty_like(target, order="C")
+            self._begun.add(name)
+            return staged
+
+    def completed(self, name: str, array: np.ndarray) -> None:
+        """Tensor ``name`` of the reply is complete (``array``): copied into ``into`` now if
+        it was staged and backward is over, else later."""
+        with self._lock:
+            if name not in self._begun:
+                return
+            self._begun.discard(name)
+            if not np.may_share_memory(array, self.staging[name]):
+                return  # the assembler decoded it elsewhere (another wire dtype): not staged
+            self._done[name] = None
+        if self._released:
+            self._copy(name)
+
+    def placed(self, name: str) -> None:
+        """Tensor ``name`` is in place: ``placed`` is told once it is in ``into`` (copied
+        now if backward is over, else when it is)."""
+        with self._lock:
+            if name in self._begun or (name in self._done and not self._released):
+                self._deferred.add(name)
+                return
+        self._copy(name)
+        if self._on_placed is not None:
+            self._on_placed(name)
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        """Backward is over: the rest of the reply is decoded straight into ``into``; what
+        was staged is copied there by the reply's threads (``copy_staged``, ``placed``)."""
+        with self._lock:
+            self._released = True
+
+    def copy_staged(self) -> None:
+        """Copies every staged tensor into ``into`` (after ``release``), the last to arrive
+        first (backward's order: the forward's first layers), and tells ``placed`` of those
+        it was told of before."""
+        while True:
+            with self._lock:
+                if not self._released or not self._done:
+                    return
+                name = next(reversed(self._done))
+            self._copy(name)
+
+    def _copy(self, name: str) -> None:
+        with self._lock:
+            if name not in self._done:
+                return  # copied already, or never staged
+            del self._done[name]
+            np.copyto(self._into[name], self.staging[name])
+            told = name in self._deferred
+            self._deferred.discard(name)
+        if told and self._on_placed is not None:
+            self._on_placed(name)
+
+
 class FlightStream:
     """A streamed step's exchange (``FlightLink.begin_stream``): the tensors written in
-    manifest order as they come, then the reply. One thread writes and ends it; ``cancel``
-    may come from any thread (it unblocks a write the shard does not take)."""
+    manifest order as they come, then the reply (read from the start where ``staged``). One
+    thread writes and ends it; ``cancel`` may come from any thread (it unblocks a write the
+    shard does not take)."""
 
     def __init__(
         self,
@@ -396,6 +531,9 @@ class FlightStream:
         into: Mapping[str, np.ndarray] | None,
         where: str,
         placed: Callable[[str], None] | None = None,
+        total: int = 0,
+        held: int = 0,
+        staged: StagedInto | None = None,
     ) -> None:
         self._link = link
         self._placed = placed
@@ -403,16 +541,20 @@ class FlightStream:
         self._reader = reader
         self._out = out
         self._into = into
+        self._staged = staged
         self._where = where
+        self._total = total  # the bytes of the step's tensors
+        self._held = held  # of which the last tensor's, held until step()
+        self._written = 0
         self.deadline = time.monotonic() + link.timeout  # the exchange's gRPC deadline
         self._ended = False  # the reply was read: nothing to cancel
         self._closed = False
         self._reading: Future[tuple[ps_pb2.PushPullResponse, dict[str, np.ndarray]]] | None = None
         self._read_lock = threading.Lock()
 
-    def read_reply(self) -> Future[tuple[ps_pb2.PushPullResponse, dict[str, np.ndarray]]]:
-        """Starts reading the reply, on a thread, into ``into`` (once: later calls return the
-        same read). Called when the parameters may change: backward is over."""
+    def start_reading(self) -> Future[tuple[ps_pb2.PushPullResponse, dict[str, np.ndarray]]]:
+        """Starts reading the reply, on a thread (once: later calls return the same read);
+        until ``read_reply``, its tensors wait in the staging arrays (``staged``)."""
         with self._read_lock:
             if self._reading is None:
                 self._reading = Future()
@@ -424,8 +566,31 @@ class FlightStream:
                 ).start()
             return self._reading
 
+    def read_reply(self) -> Future[tuple[ps_pb2.PushPullResponse, dict[str, np.ndarray]]]:
+        """Lets the reply land in ``into``, reading it if not yet begun; the first call notes
+        how far behind backward the writes were (``FlightLink.behind``). Called when the
+        parameters may change: backward is over."""
+        with self._read_lock:
+            first = self._reading is None or (
+                self._staged is not None and not self._staged.released
+            )
+        if first and self._total:
+            left = self._total - self._held - self._written
+            self._link.behind = max(0, left) / self._total
+        if self._staged is not None:
+            self._staged.release()
+        return self.start_reading()
+
     def _read(self) -> tuple[ps_pb2.PushPullResponse, dict[str, np.ndarray]]:
-        return _read_streamed_reply(self._reader, self._into, self._where, self._placed)
+        staged = self._staged
+        if staged is None:
+            return _read_streamed_reply(self._reader, self._into, self._where, self._placed)
+        try:
+            return _read_streamed_reply(
+                self._reader, staged, self._where, staged.placed, completed=staged.completed
+            )
+        finally:
+            self._link.staging = staged.staging  # nothing writes into them any more
 
     def write(self, raws: Sequence[np.ndarray]) -> None:
         """The next tensors of the manifest (uint8 arrays, ``encode_tensor``'s).
@@ -437,6 +602,7 @@ class FlightStream:
             self._out.write(raws)
         except BaseException as exc:
             raise _error(exc, self._where) from None
+        self._written += sum(r.nbytes for r in raws)
 
     def end(self) -> tuple[ps_pb2.PushResponse, dict[str, np.ndarray]]:
         """Ends the step (every manifest tensor written) and reads its reply, decoded into
@@ -449,6 +615,8 @@ class FlightStream:
             self._out.close()
             self._writer.done_writing()
             reading = self.read_reply()
+            if self._staged is not None:
+                self._staged.copy_staged()  # while the shard applies the step
             # The read is bounded by the exchange's gRPC deadline; the slack only guards
             # against a thread that never returns.
             left = self.deadline - time.monotonic() + _READ_SLACK_S
@@ -533,6 +701,7 @@ def _read_streamed_reply(
     into: Mapping[str, np.ndarray] | None,
     where: str,
     placed: Callable[[str], None] | None = None,
+    completed: Callable[[str, np.ndarray], None] | None = None,
 ) -> tuple[ps_pb2.PushPullResponse, dict[str, np.ndarray]]:
     """A streamed step's reply (``fw.PIPELINED``): as ``_read_reply``, or, where its header
     carries no ``push``, predicted before its round closed: a trailer after the tensors
@@ -546,9 +715,9 @@ def _read_streamed_reply(
     reply, first = _read_header(reader, where)
     assembler = ChunkAssembler(into=into)
     if reply.HasField("push"):
-        arrays = fw.read_step(reader, first.data, reply.chunks, assembler, where, placed)
+        arrays = fw.read_step(reader, first.data, reply.chunks, assembler, where, placed, completed)
         return reply, arrays
-    arrays = fw.read_step(reader, first.data, reply.chunks, assembler, where)
+    arrays = fw.read_step(reader, first.data, reply.chunks, assembler, where, None, completed)
     try:
         last = reader.read_chunk()
     except StopIteration:

@@ -141,7 +141,8 @@ class StreamedStep:
             self._stream.write(raws)
 
     def read_reply(self) -> None:
-        """Starts reading the reply (``FlightStream.read_reply``): backward is over."""
+        """Lets the reply land in the parameters (``FlightStream.read_reply``): backward is
+        over."""
         self._stream.read_reply()
 
     def end(self) -> Reply:

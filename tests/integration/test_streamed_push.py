@@ -223,6 +223,111 @@ def test_a_streamed_step_whose_header_or_reply_is_lost_is_sent_whole_and_applied
         assert_identical(serial[i], streamed[i])
 
 
+class _Pause(torch.autograd.Function):
+    """Identity whose backward sleeps: backward stops here long enough for the reply of the
+    gradients before it to arrive."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class ReadsBack(torch.nn.Module):
+    """A first layer whose backward reads ``fc2.weight`` after fc2's own gradient is made:
+    the input is scaled by a view of that weight outside autograd (``detach``), saved for
+    backward in the parameter's memory. Backward pauses just after fc2's gradient left."""
+
+    def __init__(self, seed: int, pause: float) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.conv = torch.nn.Conv2d(1, 4, 3, padding=1)
+        self.fc1 = torch.nn.Linear(4 * 8 * 8, 32)
+        self.fc2 = torch.nn.Linear(32, 10)
+        self.pause = pause
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x) * self.fc2.weight.detach()[0, 0]
+        h = torch.relu(self.fc1(_Pause.apply(h, self.pause).flatten(1)))
+        return self.fc2(h)
+
+
+def test_a_reply_arriving_during_backward_waits_until_backward_is_over(servers):
+    # The reply is read while backward runs (its download beside the upload, as on a link
+    # slower than backward: ``behind``): fc2's next weight arrives during the pause, before
+    # the first layer's backward reads fc2's weight. Landing in the parameter then would
+    # change the first layer's gradient (autograd's version check does not see a write into
+    # the memory): it waits in the link's staging arrays until backward is over.
+    x, y = data(STEPS * BATCH)
+    results = {}
+    for overlap in (False, True):
+        made = servers(2)
+        model = ReadsBack(0, pause=0.3)
+        with psworker.connect([s.address for s in made], worker_id=0, num_workers=1) as client:
+            inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            opt = DistributedOptimizer(model, client, inner, overlap=overlap)
+            for t in range(STEPS):
+                for link in client.links:
+                    assert link.flight is not None
+                    link.flight.link.behind = 1.0  # every reply read from its start
+                opt.zero_grad()
+                a = t * BATCH
+                torch.nn.functional.cross_entropy(
+                    model(x[a : a + BATCH]), y[a : a + BATCH]
+                ).backward()
+                opt.step()
+            results[overlap] = {k: v.clone() for k, v in model.state_dict().items()}
+            if overlap:
+                assert opt._overlap is not None and opt._overlap.streamed == 2 * (STEPS - 1)
+                staged = [
+                    link.flight.link.staging for link in client.links if link.flight is not None
+                ]
+    assert_identical(results[False], results[True])
+    # fc2's weight went through the staging arrays of the shard that holds it.
+    assert any("fc2.weight" in s for s in staged), staged
+
+
+def test_a_link_behind_backward_reads_its_next_reply_from_the_start(servers):
+    """``FlightLink.behind``: the share of a streamed step's bytes still unwritten when
+    backward ended (``read_reply``), its last tensor aside (held until then); over a quarter,
+    the next stream's reply is read from its start into staging arrays."""
+    (server,) = servers(1)
+    n = 25_000
+    values = {k: np.zeros(n, np.float32) for k in "abc"}
+    with psworker.connect([server.address], worker_id=0, num_workers=1) as c:
+        c.init(values, psworker.SGD(lr=0.1))
+        flight = c.links[0].flight
+        assert flight is not None
+        link = flight.link
+        entries = [fw.manifest_entry(k, "float32", (n,)) for k in values]
+        into = {k: np.zeros(n, np.float32) for k in values}
+        grad = fw.encode_tensor("a", np.ones(n, np.float32))[1]
+
+        def step(written: int) -> Any:
+            stream = link.begin_stream(0, entries, into, c.links[0].incarnation or "")
+            for k in "abc"[:written]:
+                stream.write([fw.encode_tensor(k, np.ones(n, np.float32))[1]])
+            stream.read_reply()  # backward is over
+            return stream
+
+        first = step(written=1)  # "b" still to write: a third of the bytes
+        assert first._staged is None and link.behind == pytest.approx(1 / 3)
+        first.close()
+        second = step(written=2)  # all but the held last tensor went before backward ended
+        assert second._staged is not None and link.behind == 0.0
+        second.close()
+        third = link.begin_stream(0, entries, into, c.links[0].incarnation or "")
+        assert third._staged is None
+        third.write([grad])
+        third.close()
+    assert server.shard.status().pushes_applied == 0  # every stream was cut: nothing applied
+
+
 def test_zeroing_gradients_in_place_waits_for_the_pushes_still_sending_them(servers):
     # zero_grad(set_to_none=False) zeroes the very memory a stream may still be writing.
     serial, _ = train(servers(2), "sync", 1, overlap=False, set_to_none=False)
