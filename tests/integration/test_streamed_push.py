@@ -267,7 +267,9 @@ def test_a_reply_arriving_during_backward_waits_until_backward_is_over(servers):
     results = {}
     for overlap in (False, True):
         made = servers(2)
-        model = ReadsBack(0, pause=0.3)
+        # The pause changes no value (the serial run needs none): long enough for fc2's reply
+        # to arrive on a loaded machine.
+        model = ReadsBack(0, pause=1.0 if overlap else 0.0)
         with psworker.connect([s.address for s in made], worker_id=0, num_workers=1) as client:
             inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             opt = DistributedOptimizer(model, client, inner, overlap=overlap)
