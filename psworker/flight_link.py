@@ -483,10 +483,6 @@ class StagedInto(Mapping[str, np.ndarray]):
         if self._on_placed is not None:
             self._on_placed(name)
 
-    @property
-    def released(self) -> bool:
-        return self._released
-
     def release(self) -> None:
         """Backward is over: the rest of the reply is decoded straight into ``into``; what
         was staged is copied there by the reply's threads (``copy_staged``, ``placed``)."""
@@ -546,6 +542,7 @@ class FlightStream:
         self._total = total  # the bytes of the step's tensors
         self._held = held  # of which the last tensor's, held until step()
         self._written = 0
+        self._backward_over = False  # ``read_reply`` came
         self.deadline = time.monotonic() + link.timeout  # the exchange's gRPC deadline
         self._ended = False  # the reply was read: nothing to cancel
         self._closed = False
@@ -571,9 +568,7 @@ class FlightStream:
         how far behind backward the writes were (``FlightLink.behind``). Called when the
         parameters may change: backward is over."""
         with self._read_lock:
-            first = self._reading is None or (
-                self._staged is not None and not self._staged.released
-            )
+            first, self._backward_over = not self._backward_over, True
         if first and self._total:
             left = self._total - self._held - self._written
             self._link.behind = max(0, left) / self._total

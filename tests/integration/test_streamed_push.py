@@ -33,6 +33,7 @@ from pswire.errors import (  # noqa: E402
     ShardBusyError,
     TooLargeError,
 )
+from psworker import flight_link  # noqa: E402
 from psworker.torch import DistributedOptimizer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -46,6 +47,16 @@ Between = Callable[[int, int, Any, DistributedOptimizer, list[RunningServer]], N
 def flight_for_every_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """These small models' steps on the data port too (by default they go on grpcio)."""
     monkeypatch.setenv("PS_GRPC_BELOW_BYTES", "0")
+
+
+@pytest.fixture(params=["read-at-step", "read-early"])
+def reading(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """When a streamed step's reply is read: from step() on (these small steps' links are
+    never behind backward), or from the stream's start, into staging arrays, as on a link
+    slower than backward (``FlightLink.behind``): the faults below hit either way."""
+    if request.param == "read-early":
+        monkeypatch.setattr(flight_link, "_EARLY_BEHIND", -1.0)
+    return str(request.param)
 
 
 @pytest.fixture
@@ -197,7 +208,7 @@ def test_overlap_gives_the_serial_steps_results_whichever_way_the_steps_travel(s
 @pytest.mark.parametrize("data_plane", ["flight", "flight-step"], indirect=True)
 @pytest.mark.parametrize("action", ["drop", "lose_reply"])
 def test_a_streamed_step_whose_header_or_reply_is_lost_is_sent_whole_and_applied_once(
-    servers, action, data_plane
+    servers, action, data_plane, reading
 ):
     # Worker 0's data-port steps counted together over both shards: 1-2 are the serial first
     # step's, 3-4 its first overlapped step's (one per shard): streams on record batches,
@@ -395,7 +406,9 @@ def test_a_nan_gradient_is_refused_before_any_shard_has_it_whole(servers):
     assert all(s.shard.status().clock == 2 for s in made)
 
 
-def test_a_stream_stalled_past_its_deadline_frees_the_shard_and_the_step_goes_whole(servers):
+def test_a_stream_stalled_past_its_deadline_frees_the_shard_and_the_step_goes_whole(
+    servers, reading
+):
     serial, _ = train(servers(2), "async", 1, overlap=False)
     made = servers(2)
     seen: dict[str, Any] = {}
@@ -447,7 +460,7 @@ def test_a_stream_the_worker_stops_writing_ends_at_its_deadline_on_the_shard(ser
         assert server.shard.status().pushes_applied == before[2] + 1
 
 
-def test_a_shard_restarted_mid_stream_gets_the_lost_steps_replayed(servers):
+def test_a_shard_restarted_mid_stream_gets_the_lost_steps_replayed(servers, reading):
     serial, _ = train(servers(2), "async", 1, overlap=False)
     made = servers(2, checkpointing=True)
     saved: dict[str, Any] = {}
