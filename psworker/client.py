@@ -86,6 +86,7 @@ class PSClient:
         self.timeout = settings.timeout
         self.chunk_bytes = settings.chunk_bytes
         self.split_bytes = settings.split_bytes
+        self.part_bytes = settings.part_bytes
         self.step = 0
         self.last_skipped = False  # the step last pushed had no optimizer update
         self.quorum = settings.quorum
@@ -183,7 +184,7 @@ class PSClient:
             raise InvalidRequestError(f"names used by both a variable and a table: {clash}")
         try:
             check_names(tables, "table")
-            shard_map = plan(infos, len(self.shards), self.split_bytes)
+            shard_map = plan(infos, len(self.shards), self.split_bytes, self.part_bytes)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from exc
         layouts = {n: TableLayout.build(n, t, len(self.shards)) for n, t in tables.items()}

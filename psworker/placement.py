@@ -18,6 +18,15 @@ from pswire.piecekey import check_names, piece_key
 # Variables above this many bytes are split along dim 0 across shards (like TF's
 # MinSizePartitioner), so one huge embedding does not sit on a single shard.
 DEFAULT_SPLIT_BYTES = 8 << 20
+# Variables above this many bytes are also cut into parts of about this size, as BytePS
+# partitions tensors: a shard answers a streamed push (``overlap=True``) part by part, so the
+# weights of the last gradients backward makes come back one part's trip after them, not one
+# whole tensor's (1 MiB: 1.05-1.07x faster than whole tensors at 1 Gbit/s, bench/NOTES.md
+# entry 43). 0: no such cut (the placement before ``part_bytes`` existed).
+DEFAULT_PART_BYTES = 1 << 20
+# The most parts ``part_bytes`` cuts one variable into: each part costs a key's work on both
+# sides every step.
+MAX_PARTS = 64
 
 
 @dataclass(frozen=True)
@@ -216,6 +225,17 @@ class ShardMap:
         return result
 
 
+def cuts(v: VarInfo, num_shards: int, split_bytes: int, part_bytes: int) -> int:
+    """How many dim-0 slices ``plan`` cuts ``v`` into."""
+    rows = v.shape[0] if v.shape else 0
+    if rows < 2:
+        return 1
+    k = num_shards if v.nbytes > split_bytes else 1
+    if part_bytes > 0 and v.nbytes > part_bytes:
+        k = max(k, min(MAX_PARTS, -(-v.nbytes // part_bytes)))
+    return min(k, rows)
+
+
 def check_out(
     out: Mapping[str, np.ndarray] | None, variables: Mapping[str, tuple[tuple[int, ...], str]]
 ) -> None:
@@ -245,13 +265,19 @@ def _rows(whole: np.ndarray, piece: Piece, count: int) -> np.ndarray:
 
 
 def plan(
-    variables: Sequence[VarInfo], num_shards: int, split_bytes: int = DEFAULT_SPLIT_BYTES
+    variables: Sequence[VarInfo],
+    num_shards: int,
+    split_bytes: int = DEFAULT_SPLIT_BYTES,
+    part_bytes: int = DEFAULT_PART_BYTES,
 ) -> ShardMap:
     """Places variables on shards, balancing bytes; deterministic for equal inputs.
 
-    Variables larger than ``split_bytes`` with more than one row are cut along dim 0 into
-    ``min(num_shards, rows)`` near-equal slices on distinct shards. Everything is then assigned
-    largest first to the least-loaded shard (ties to the lowest index).
+    A variable with more than one row is cut along dim 0 into near-equal slices
+    (``cuts``): one per shard where it is larger than ``split_bytes``, and, where it is
+    larger than ``part_bytes`` (0: never), into parts of about that size (at most
+    ``MAX_PARTS``); never into more slices than rows. A variable's slices go to distinct shards
+    while there are shards it has none on. Everything is assigned largest first to the
+    least-loaded shard (ties to the lowest index).
 
     Raises:
         ValueError: ``num_shards`` < 1, a duplicated variable name, or one that reads as a
@@ -274,7 +300,7 @@ def plan(
     order = sorted(variables, key=lambda v: (-v.nbytes, v.name))
     for v in order:
         rows = v.shape[0] if v.shape else 0
-        k = min(num_shards, rows) if v.nbytes > split_bytes and rows > 1 else 1
+        k = cuts(v, num_shards, split_bytes, part_bytes)
         if k == 1:
             shard = least_loaded(set())
             placed.append(Piece(v.name, v.name, shard, 0, rows, v.shape, v.dtype))

@@ -23,7 +23,7 @@ from pswire.cli import env_default
 from pswire.codec import COMPRESSIONS, DEFAULT_CHUNK_BYTES
 from pswire.errors import ConfigError
 from pswire.security import ClientSecurity
-from psworker.placement import DEFAULT_SPLIT_BYTES
+from psworker.placement import DEFAULT_PART_BYTES, DEFAULT_SPLIT_BYTES
 from psworker.session import DATA_PLANES, DEFAULT_REPLAY_BYTES, GRPC_BELOW_BYTES, LinkConfig
 from psworker.stall import DEFAULT_STALL_WARNING_S
 
@@ -99,6 +99,11 @@ class ClientSettings:
     )
     split_bytes: int = _setting(
         DEFAULT_SPLIT_BYTES, "Variables larger than this are split by rows across the shards."
+    )
+    part_bytes: int = _setting(
+        DEFAULT_PART_BYTES,
+        "Variables larger than this are also cut by rows into parts of about this size (at "
+        "most 64), so an overlapped step's weights come back part by part; 0: never.",
     )
     security: ClientSecurity = field(
         default=_PLAINTEXT,
@@ -197,6 +202,8 @@ class ClientSettings:
         for name in ("timeout", "chunk_bytes", "split_bytes"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not self.part_bytes >= 0:
+            raise ConfigError(f"part_bytes must be >= 0, got {self.part_bytes!r}")
 
     @property
     def elastic(self) -> bool:

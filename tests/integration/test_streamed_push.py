@@ -190,6 +190,29 @@ def test_streamed_pushes_give_the_serial_steps_results_bit_for_bit(servers, mode
     assert [s.shard.predicted_rounds for s in running] == [predicted, 0]
 
 
+@pytest.mark.parametrize(("mode", "workers"), [("sync", 2), ("async", 1)])
+def test_variables_cut_into_more_parts_than_shards_stream_to_the_serial_steps_bits(
+    servers, mode, workers
+):
+    # part_bytes=2048: fc1.weight (32 KiB) in 16 parts, 8 on each shard, each predicted and
+    # written back on its own. The serial steps keep the default placement (no variable here
+    # is above 1 MiB): how variables are cut changes no bit either.
+    serial, _ = train(servers(2), mode, workers, overlap=False)
+    running = servers(2)
+    streamed, opts = train(running, mode, workers, overlap=True, part_bytes=2048)
+    parts = opts[0].client.shard_map.pieces_of("fc1.weight")
+    assert [p.key for p in parts] == [f"fc1.weight/part{i}of16" for i in range(16)]
+    assert sorted(p.shard for p in parts) == [0] * 8 + [1] * 8
+    for i in range(workers):
+        overlap = opts[i]._overlap
+        assert overlap is not None and overlap.streamed == 2 * (STEPS - 1)
+        assert_identical(serial[i], streamed[i])
+    # Every streamed step's reply predicted and installed on a shard whose every part each
+    # push carries (the branch only odd steps use sits on one shard).
+    predicted = (STEPS - 1) * (workers if mode == "async" else 1)
+    assert sum(s.shard.predicted_rounds for s in running) >= predicted
+
+
 @pytest.mark.parametrize("data_plane", ["flight", "flight-step", "grpc"], indirect=True)
 def test_overlap_gives_the_serial_steps_results_whichever_way_the_steps_travel(servers, data_plane):
     # conftest.py's data_plane: record batches on the data port at every size (streamed

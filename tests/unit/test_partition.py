@@ -11,7 +11,15 @@ from hypothesis import given, settings, target
 from hypothesis import strategies as st
 
 from pswire.errors import UnknownVariableError
-from psworker.placement import DEFAULT_SPLIT_BYTES, Piece, ShardMap, VarInfo, plan
+from psworker.placement import (
+    DEFAULT_PART_BYTES,
+    DEFAULT_SPLIT_BYTES,
+    MAX_PARTS,
+    Piece,
+    ShardMap,
+    VarInfo,
+    plan,
+)
 
 DTYPES = ["float16", "float32", "float64", "int64", "uint8", "bool"]
 
@@ -31,15 +39,21 @@ def models(draw: st.DrawFn, max_vars: int = 8) -> list[VarInfo]:
 num_shards_st = st.integers(1, 6)
 # Small limits too, so that most variables get split and slice rounding matters.
 split_bytes_st = st.one_of(st.integers(1, 64), st.integers(1, 600))
+# Parts: none (0), the default (these models never reach it), or small enough to cut many.
+part_bytes_st = st.one_of(st.just(0), st.just(DEFAULT_PART_BYTES), st.integers(1, 600))
 
 
 def rows_of(v: VarInfo) -> int:
     return v.shape[0] if v.shape else 0
 
 
-def expected_pieces(v: VarInfo, num_shards: int, split_bytes: int) -> int:
+def expected_pieces(v: VarInfo, num_shards: int, split_bytes: int, part_bytes: int = 0) -> int:
     rows = rows_of(v)
-    return min(num_shards, rows) if v.nbytes > split_bytes and rows > 1 else 1
+    if rows < 2:
+        return 1
+    across = num_shards if v.nbytes > split_bytes else 1
+    parts = min(MAX_PARTS, -(-v.nbytes // part_bytes)) if part_bytes else 1
+    return min(rows, max(across, parts))
 
 
 def random_arrays(variables: list[VarInfo], seed: int) -> dict[str, np.ndarray]:
@@ -65,12 +79,17 @@ def test_plan_is_deterministic(variables: list[VarInfo], num_shards: int, split_
     assert a.digest() == b.digest()
 
 
-@settings(max_examples=200, deadline=None)
-@given(variables=models(), num_shards=num_shards_st, split_bytes=split_bytes_st)
+@settings(max_examples=300, deadline=None)
+@given(
+    variables=models(),
+    num_shards=num_shards_st,
+    split_bytes=split_bytes_st,
+    part_bytes=part_bytes_st,
+)
 def test_every_variable_is_covered_exactly_once(
-    variables: list[VarInfo], num_shards: int, split_bytes: int
+    variables: list[VarInfo], num_shards: int, split_bytes: int, part_bytes: int
 ) -> None:
-    m = plan(variables, num_shards, split_bytes)
+    m = plan(variables, num_shards, split_bytes, part_bytes)
     assert m.num_shards == num_shards
     assert m.variables == tuple(variables)
     assert {p.var for p in m.pieces} == {v.name for v in variables}
@@ -80,7 +99,7 @@ def test_every_variable_is_covered_exactly_once(
     for v in variables:
         parts = m.pieces_of(v.name)
         rows = rows_of(v)
-        k = expected_pieces(v, num_shards, split_bytes)
+        k = expected_pieces(v, num_shards, split_bytes, part_bytes)
         assert len(parts) == k
         # Slices in row order, contiguous, covering [0, rows).
         assert parts[0].start == 0
@@ -97,11 +116,11 @@ def test_every_variable_is_covered_exactly_once(
                 assert p.key == f"{v.name}/part{i}of{k}"
                 assert p.stop > p.start
                 assert p.shape == (p.stop - p.start, *v.shape[1:])
-        # Slices are near-equal and never share a shard.
+        # Slices are near-equal and share a shard only once every shard holds one.
         if k > 1:
             sizes = [p.stop - p.start for p in parts]
             assert max(sizes) - min(sizes) <= 1
-            assert len({p.shard for p in parts}) == k
+            assert len({p.shard for p in parts}) == min(k, num_shards)
 
     assert sum(m.shard_bytes()) == sum(v.nbytes for v in variables)
     # Pieces listed in model order, then slice order: every process iterates them the same way.
@@ -110,11 +129,16 @@ def test_every_variable_is_covered_exactly_once(
 
 
 @settings(max_examples=300, deadline=None)
-@given(variables=models(max_vars=10), num_shards=num_shards_st, split_bytes=split_bytes_st)
+@given(
+    variables=models(max_vars=10),
+    num_shards=num_shards_st,
+    split_bytes=split_bytes_st,
+    part_bytes=part_bytes_st,
+)
 def test_shards_are_balanced_within_the_largest_piece(
-    variables: list[VarInfo], num_shards: int, split_bytes: int
+    variables: list[VarInfo], num_shards: int, split_bytes: int, part_bytes: int
 ) -> None:
-    m = plan(variables, num_shards, split_bytes)
+    m = plan(variables, num_shards, split_bytes, part_bytes)
     loads = m.shard_bytes()
     assert len(loads) == num_shards
     largest = max((p.nbytes for p in m.pieces), default=0)
@@ -131,11 +155,16 @@ def matrices(draw: st.DrawFn) -> list[VarInfo]:
 
 
 @settings(max_examples=1000, deadline=None)
-@given(variables=matrices(), num_shards=st.integers(2, 4), split_bytes=st.integers(1, 24))
+@given(
+    variables=matrices(),
+    num_shards=st.integers(2, 4),
+    split_bytes=st.integers(1, 24),
+    part_bytes=st.integers(0, 24),
+)
 def test_balance_with_slices_of_unequal_rows(
-    variables: list[VarInfo], num_shards: int, split_bytes: int
+    variables: list[VarInfo], num_shards: int, split_bytes: int, part_bytes: int
 ) -> None:
-    m = plan(variables, num_shards, split_bytes)
+    m = plan(variables, num_shards, split_bytes, part_bytes)
     loads = m.shard_bytes()
     assert max(loads) - min(loads) <= max(p.nbytes for p in m.pieces)
 
@@ -156,12 +185,13 @@ def test_balance_when_a_later_slice_is_larger_than_an_earlier_one() -> None:
     variables=models(),
     num_shards=num_shards_st,
     split_bytes=split_bytes_st,
+    part_bytes=part_bytes_st,
     seed=st.integers(0, 2**32 - 1),
 )
 def test_split_then_join_round_trips_exactly(
-    variables: list[VarInfo], num_shards: int, split_bytes: int, seed: int
+    variables: list[VarInfo], num_shards: int, split_bytes: int, part_bytes: int, seed: int
 ) -> None:
-    m = plan(variables, num_shards, split_bytes)
+    m = plan(variables, num_shards, split_bytes, part_bytes)
     arrays = random_arrays(variables, seed)
     per_shard = m.split(arrays)
     assert len(per_shard) == num_shards
@@ -201,6 +231,36 @@ def test_large_variable_is_split_across_all_shards() -> None:
     assert sorted(p.shard for p in parts) == [0, 1, 2, 3]
     (bias,) = m.pieces_of("bias")
     assert bias.key == "bias"
+
+
+def test_a_variable_above_part_bytes_is_cut_into_parts_of_about_that_size() -> None:
+    # The LM's 2048 x 512 float32 weight (4 MiB) on 2 shards: four 1 MiB parts, two on each
+    # shard, so a streamed push's reply comes back part by part.
+    w = VarInfo("ffn.weight", (2048, 512), "float32")
+    m = plan([w, VarInfo("bias", (512,), "float32")], 2)
+    parts = m.pieces_of("ffn.weight")
+    assert [p.key for p in parts] == [f"ffn.weight/part{i}of4" for i in range(4)]
+    assert {p.stop - p.start for p in parts} == {512}
+    assert sorted(p.shard for p in parts) == [0, 0, 1, 1]
+    assert m.pieces_of("bias")[0].key == "bias"
+    # part_bytes=0: the placement before part_bytes existed (one piece per shard above 8 MiB).
+    assert [p.key for p in plan([w], 2, part_bytes=0).pieces] == ["ffn.weight"]
+
+
+def test_parts_are_at_most_max_parts_and_rows() -> None:
+    huge = VarInfo("emb", (1000, 4), "float32")  # 16,000 bytes
+    assert len(plan([huge], 2, part_bytes=10).pieces) == MAX_PARTS
+    tall = VarInfo("w", (3, 1000), "float32")
+    assert len(plan([tall], 2, part_bytes=10).pieces) == 3
+    at_limit = VarInfo("v", (25, 1), "float32")  # exactly part_bytes: not above it
+    assert len(plan([at_limit], 2, part_bytes=100).pieces) == 1
+
+
+def test_parts_on_one_shard_still_cut() -> None:
+    m = plan([VarInfo("w", (8, 4), "float32")], 1, part_bytes=32)
+    assert [(p.key, p.shard, p.start, p.stop) for p in m.pieces] == [
+        (f"w/part{i}of4", 0, 2 * i, 2 * i + 2) for i in range(4)
+    ]
 
 
 def test_fewer_rows_than_shards_gives_one_row_per_piece() -> None:
