@@ -14,7 +14,6 @@ from pscore.optim import Optimizer
 from pscore.optspec import StepOptions, group_optimizers
 from pscore.tables import RowSparse, TableSlice, check_rows
 from pswire.errors import InvalidRequestError, TooLargeError, UnknownVariableError
-from pswire.piecekey import parse_piece_key
 
 Grads = dict[str, np.ndarray | RowSparse]
 
@@ -375,13 +374,6 @@ class Job:
         if self.variables != other.variables:
             theirs_by = {v.key: v for v in other.variables}
             mine_by = {v.key: v for v in self.variables}
-            if set(theirs_by) != set(mine_by) and _cut_apart(theirs_by, mine_by):
-                # Said before the slices (a mismatch names ten differences at most).
-                out.append(
-                    "the same variables, cut into other slices: the worker's split_bytes or "
-                    "part_bytes differ from the job's (a job checkpointed before part_bytes "
-                    "existed restores with part_bytes=0)"
-                )
             for key in sorted(set(theirs_by) | set(mine_by)):
                 a, b = theirs_by.get(key), mine_by.get(key)
                 if a != b:
@@ -389,15 +381,6 @@ class Job:
                         f"variable '{key}': shard has {_describe(a)}, worker sent {_describe(b)}"
                     )
         return out
-
-
-def _cut_apart(theirs: Mapping[str, VarSpec], mine: Mapping[str, VarSpec]) -> bool:
-    """Whether two variable lists name the same variables, sliced differently."""
-
-    def whole(keys: Mapping[str, VarSpec]) -> set[str]:
-        return {piece[0] if (piece := parse_piece_key(k)) else k for k in keys}
-
-    return whole(theirs) == whole(mine)
 
 
 def _describe(v: VarSpec | None) -> str:

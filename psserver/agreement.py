@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from pscore.job import Job
 from pswire.errors import ModelMismatchError
+from pswire.piecekey import parse_piece_key
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class JobAgreement:
         if not self._settled:
             self._declared[worker] = job  # judged when worker 0 declares
             return False
-        diffs = job.differences(self.job)
+        diffs = _differences(job, self.job)
         if diffs:
             # Said to this caller now; not kept: a refused declaration changes nothing.
             holder = "the one an earlier worker 0 declared" if worker == 0 else "worker 0's"
@@ -70,7 +71,7 @@ class JobAgreement:
 
     def _declare_after_restore(self, worker: int, job: Job) -> bool:
         assert self.job is not None
-        diffs = job.differences(self.job)
+        diffs = _differences(job, self.job)
         if diffs and not _values_only(job, self.job):
             raise ModelMismatchError(_mismatch(worker, diffs, "the job in this shard's checkpoint"))
         if worker != 0:
@@ -91,7 +92,7 @@ class JobAgreement:
         """Refuses, from now on, every provisional declaration that differs from the job."""
         assert self.job is not None
         for other, declared in self._declared.items():
-            diffs = declared.differences(self.job)
+            diffs = _differences(declared, self.job)
             if diffs:
                 self._refused[other] = _mismatch(other, diffs, holder)
             else:
@@ -132,6 +133,26 @@ def _values_only(mine: Job, theirs: Job) -> bool:
         if type(a) is not type(b) or a.layout() != b.layout():
             return False
     return not replace(mine, optimizer=theirs.optimizer, groups=theirs.groups).differences(theirs)
+
+
+def _differences(job: Job, held: Job) -> list[str]:
+    """``job.differences(held)``, led by why where the two cut the same variables into other
+    slices (a mismatch names ten differences at most, and the slices would fill them)."""
+    diffs = job.differences(held)
+    mine, theirs = {v.key for v in job.variables}, {v.key for v in held.variables}
+    if mine != theirs and _whole(mine) == _whole(theirs):
+        diffs.insert(
+            0,
+            "the same variables, cut into other slices: the worker's split_bytes or part_bytes "
+            "differ from the job's (a job checkpointed before part_bytes existed restores "
+            "with part_bytes=0)",
+        )
+    return diffs
+
+
+def _whole(keys: set[str]) -> set[str]:
+    """The variables that piece keys are slices of."""
+    return {piece[0] if (piece := parse_piece_key(k)) else k for k in keys}
 
 
 def _mismatch(worker: int, diffs: list[str], holder: str) -> str:

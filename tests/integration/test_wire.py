@@ -97,11 +97,13 @@ def test_pull_and_push_pull_decode_into_the_callers_arrays(shards):
     from pswire.errors import InvalidRequestError
 
     servers = shards(2)
-    big = np.arange(3_000_000, dtype=np.float32).reshape(1_000_000, 3)  # split across both
+    # 12 MB: cut into 12 parts of 1 MiB (part_bytes), on both shards.
+    big = np.arange(3_000_000, dtype=np.float32).reshape(1_000_000, 3)
     small = np.arange(12, dtype=np.float32).reshape(3, 4)
     with psworker.connect([s.address for s in servers], mode="async", timeout=30) as client:
         client.init({"big": big, "small": small}, psworker.SGD(lr=1.0))
-        assert len(client.shard_map.pieces_of("big")) == 2
+        parts = client.shard_map.pieces_of("big")
+        assert len(parts) == 12 and {p.shard for p in parts} == {0, 1}
         out = {"big": np.zeros_like(big), "small": np.zeros((4, 3), np.float32).T}  # strided
         got = client.pull(out=out)
         assert got["big"] is out["big"] and got["small"] is out["small"]
