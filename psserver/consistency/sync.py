@@ -170,6 +170,9 @@ class _Sums:
         self.held: dict[int, Mapping[str, Any]] = {}  # pushes not added yet
         self._owned: set[int] = set()  # held workers whose arrays are ours to change
         self._sum: dict[str, np.ndarray] = {}  # dense gradients added so far, in worker order
+        # Sums that are still a push's own array, not ours to change (read-only, as Flight
+        # decodes a tensor that arrived in one batch): replaced, never written, by the next add.
+        self._borrowed: set[str] = set()
         self._rows: dict[str, list[RowSparse]] = {}  # table rows added so far, in order
 
     def hold(self, worker: int, grads: Mapping[str, Any], owned: bool) -> None:
@@ -188,12 +191,20 @@ class _Sums:
                 continue
             acc = self._sum.get(key)
             if acc is None:
-                # The first push's own array when it is ours to change: one model copy less
-                # while a step is open (the same additions, in the same order).
+                # The first push's own array when it was decoded for this call alone: no copy,
+                # one model copy less while a step is open (the same additions, in the same
+                # order); borrowed while it is read-only.
                 flags = grad.flags
-                self._sum[key] = (
-                    grad if mine and flags.writeable and flags.c_contiguous else (grad.copy())
-                )
+                if mine and flags.c_contiguous:
+                    if not flags.writeable:
+                        self._borrowed.add(key)
+                    self._sum[key] = grad
+                else:
+                    self._sum[key] = grad.copy()
+            elif key in self._borrowed:
+                self._borrowed.discard(key)
+                with np.errstate(over="ignore"):  # an overflow is refused when applied
+                    self._sum[key] = np.add(acc, grad, out=np.empty_like(acc))
             else:
                 with np.errstate(over="ignore"):  # an overflow is refused when applied
                     acc += grad
@@ -213,9 +224,13 @@ class _Sums:
         mean = self._sum
         for key, acc in mean.items():
             if acc.dtype.kind == "f":
-                acc /= acc.dtype.type(count)
+                if key not in self._borrowed:
+                    acc /= acc.dtype.type(count)
+                elif count != 1:  # x / 1 is x, bit for bit: a lone push's array is the mean
+                    mean[key] = np.divide(acc, acc.dtype.type(count), out=np.empty_like(acc))
             else:  # integer buffers such as BatchNorm's num_batches_tracked
                 mean[key] = acc // count
+        self._borrowed.clear()
         update: dict[str, Any] = dict(mean)
         for key, parts in self._rows.items():
             # A row only some workers touched averages with zeros from the rest, exactly as a

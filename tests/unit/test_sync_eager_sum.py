@@ -87,20 +87,43 @@ def test_the_order_of_addition_shows_in_these_bits() -> None:
     assert forward.tobytes() != backward.tobytes()  # so the test below can fail
 
 
-@pytest.mark.parametrize("owned", [False, True])
-def test_every_order_of_arrival_gives_the_bits_of_the_sum_at_the_close(owned: bool) -> None:
+def read_only(grads: dict[str, Any]) -> dict[str, Any]:
+    """A push decoded for one call into read-only arrays (Flight's one-batch tensors)."""
+    out = fresh(grads)
+    for v in out.values():
+        if isinstance(v, np.ndarray):
+            v.flags.writeable = False
+    return out
+
+
+@pytest.mark.parametrize("owned", [False, True, "read-only"])
+def test_every_order_of_arrival_gives_the_bits_of_the_sum_at_the_close(owned: Any) -> None:
     grads = pushes()
     expected = reference(grads, list(range(WORKERS)))
     assert same_bits(at_close(grads, list(range(WORKERS))), expected)
     live = set(range(WORKERS))
+    decode = read_only if owned == "read-only" else fresh
     for order in itertools.permutations(range(WORKERS)):
         policy = SyncPolicy()
         update = None
+        sent = {w: decode(grads[w]) for w in order}
         for w in order:
             assert update is None
-            update = policy.submit(Clocks(0, {}, live), w, 0, fresh(grads[w]), owned=owned)
+            update = policy.submit(Clocks(0, {}, live), w, 0, sent[w], owned=bool(owned))
         assert update is not None and same_bits(dict(update), expected), order
         assert policy.pending_bytes() == 0
+        # A push's arrays are written only where they are ours to change (owned and
+        # writeable); a read-only one would have raised.
+        if owned is not True:
+            assert all(same_bits(sent[w], grads[w]) for w in order)
+
+
+def test_a_lone_read_only_push_is_the_mean_without_a_copy() -> None:
+    grads = pushes()
+    sent = read_only(grads[2])
+    update = SyncPolicy().submit(Clocks(0, {}, {2}), 2, 0, sent, owned=True)
+    assert update is not None and same_bits(dict(update), reference(grads, [2]))
+    assert update["w"] is sent["w"] and update["mean"] is sent["mean"]
 
 
 def test_pushes_in_turn_are_summed_at_once_and_only_early_ones_are_held() -> None:
