@@ -49,6 +49,7 @@ _CONVERT: dict[str, Any] = {
     "replay_bytes": int,
     "stall_warning_s": float,
     "grpc_below_bytes": int,
+    "part_bytes": int,
 }
 
 
@@ -104,6 +105,7 @@ class ClientSettings:
         DEFAULT_PART_BYTES,
         "Variables larger than this are also cut by rows into parts of about this size (at "
         "most 64), so an overlapped step's weights come back part by part; 0: never.",
+        "PS_PART_BYTES",
     )
     security: ClientSecurity = field(
         default=_PLAINTEXT,

@@ -27,6 +27,7 @@ FROM_ENV = [
     ("job_id", "PS_JOB_ID", "job-a", "job-a", "job-b"),
     ("replay_bytes", "PS_REPLAY_BYTES", "1024", 1024, 2048),
     ("stall_warning_s", "PS_STALL_WARNING", "2.5", 2.5, 0.0),
+    ("part_bytes", "PS_PART_BYTES", "0", 0, 2 << 20),
 ]
 
 
@@ -82,6 +83,7 @@ def test_security_from_arguments_then_variables(
         ("PS_REPLAY_BYTES", "lots"),
         ("PS_STALL_WARNING", "soon"),
         ("PS_MODE", "fast"),
+        ("PS_PART_BYTES", "1MiB"),
     ],
 )
 def test_a_variable_that_does_not_convert_is_named(
@@ -104,6 +106,7 @@ def test_a_variable_that_does_not_convert_is_named(
         ({"timeout": 0}, "timeout must be > 0, got 0"),
         ({"chunk_bytes": -5}, "chunk_bytes must be > 0, got -5"),
         ({"split_bytes": 0}, "split_bytes must be > 0, got 0"),
+        ({"part_bytes": -1}, "part_bytes must be >= 0, got -1"),
         (
             {"min_workers": 3, "max_workers": 2, "num_workers": 2},
             "an elastic job needs 1 <= min_workers <= max_workers, got 3:2",
