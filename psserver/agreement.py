@@ -144,8 +144,8 @@ def _differences(job: Job, held: Job) -> list[str]:
         diffs.insert(
             0,
             "the same variables, cut into other slices: the worker's split_bytes or part_bytes "
-            "differ from the job's (a job checkpointed before part_bytes existed restores "
-            "with part_bytes=0)",
+            "differ from those the job was placed with (every worker, and every restart of "
+            "the job, must pass the same)",
         )
     return diffs
 

@@ -18,12 +18,13 @@ from pswire.piecekey import check_names, piece_key
 # Variables above this many bytes are split along dim 0 across shards (like TF's
 # MinSizePartitioner), so one huge embedding does not sit on a single shard.
 DEFAULT_SPLIT_BYTES = 8 << 20
-# Variables above this many bytes are also cut into parts of about this size, as BytePS
+# ``part_bytes``: variables above it are also cut into parts of about that size, as BytePS
 # partitions tensors: a shard answers a streamed push (``overlap=True``) part by part, so the
 # weights of the last gradients backward makes come back one part's trip after them, not one
-# whole tensor's (1 MiB: 1.05-1.07x faster than whole tensors at 1 Gbit/s, bench/NOTES.md
-# entry 43). 0: no such cut (the placement before ``part_bytes`` existed).
-DEFAULT_PART_BYTES = 1 << 20
+# whole tensor's. Off by default (0): 1 MiB parts made overlapped steps 1.05-1.07x faster at
+# 1 Gbit/s but 0.91-0.94x at 10 Gbit/s in async here, each part costing its own work on a
+# CPU-bound shard (bench/NOTES.md entry 43).
+DEFAULT_PART_BYTES = 0
 # The most parts ``part_bytes`` cuts one variable into: each part costs a key's work on both
 # sides every step.
 MAX_PARTS = 64

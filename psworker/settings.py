@@ -104,7 +104,8 @@ class ClientSettings:
     part_bytes: int = _setting(
         DEFAULT_PART_BYTES,
         "Variables larger than this are also cut by rows into parts of about this size (at "
-        "most 64), so an overlapped step's weights come back part by part; 0: never.",
+        "most 64), so an overlapped step's weights come back part by part (try 1 MiB where "
+        "the link is slower than backward); 0: never.",
         "PS_PART_BYTES",
     )
     security: ClientSecurity = field(

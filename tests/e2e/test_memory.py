@@ -54,9 +54,8 @@ class Sampler:
 def test_shard_memory_returns_after_rejected_large_pushes(procs: Processes) -> None:
     daemon = procs.psserver("--max-request-bytes", str(1 << 30))
     log = Lines(daemon.proc)  # drained, so the daemon never blocks on a full pipe
-    # part_bytes=0: "big" whole on the shard, as the raw pushes below name it.
     with psworker.connect(
-        [daemon.address], worker_id=0, num_workers=1, mode="async", timeout=120, part_bytes=0
+        [daemon.address], worker_id=0, num_workers=1, mode="async", timeout=120
     ) as client:
         client.init(
             {"big": np.zeros(BIG, np.float32), "small": np.zeros(4, np.float32)}, SGD(lr=0.1)

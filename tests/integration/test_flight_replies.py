@@ -36,14 +36,8 @@ class Ports:
         self.shard = Shard(Limits(max_wait_s=20.0))
         self.control: RunningServer = start_server(self.shard)
         self.data: RunningFlightService = start_flight_service(self.shard, piece_bytes=piece)
-        # part_bytes=0: every variable whole on the shard, as the links below name them.
         self.client = psworker.connect(
-            [self.control.address],
-            worker_id=0,
-            num_workers=workers,
-            mode=mode,
-            timeout=20,
-            part_bytes=0,
+            [self.control.address], worker_id=0, num_workers=workers, mode=mode, timeout=20
         )
         self.client.init(model, psworker.SGD(lr=LR))
         self.links: list[FlightLink] = []

@@ -100,7 +100,9 @@ def test_pull_and_push_pull_decode_into_the_callers_arrays(shards):
     # 12 MB: cut into 12 parts of 1 MiB (part_bytes), on both shards.
     big = np.arange(3_000_000, dtype=np.float32).reshape(1_000_000, 3)
     small = np.arange(12, dtype=np.float32).reshape(3, 4)
-    with psworker.connect([s.address for s in servers], mode="async", timeout=30) as client:
+    with psworker.connect(
+        [s.address for s in servers], mode="async", timeout=30, part_bytes=1 << 20
+    ) as client:
         client.init({"big": big, "small": small}, psworker.SGD(lr=1.0))
         parts = client.shard_map.pieces_of("big")
         assert len(parts) == 12 and {p.shard for p in parts} == {0, 1}

@@ -39,8 +39,9 @@ def models(draw: st.DrawFn, max_vars: int = 8) -> list[VarInfo]:
 num_shards_st = st.integers(1, 6)
 # Small limits too, so that most variables get split and slice rounding matters.
 split_bytes_st = st.one_of(st.integers(1, 64), st.integers(1, 600))
-# Parts: none (0), the default (these models never reach it), or small enough to cut many.
-part_bytes_st = st.one_of(st.just(0), st.just(DEFAULT_PART_BYTES), st.integers(1, 600))
+# Parts: none (0, the default), 1 MiB (these models never reach it), or small enough to cut
+# many.
+part_bytes_st = st.one_of(st.just(0), st.just(1 << 20), st.integers(1, 600))
 
 
 def rows_of(v: VarInfo) -> int:
@@ -237,14 +238,15 @@ def test_a_variable_above_part_bytes_is_cut_into_parts_of_about_that_size() -> N
     # The LM's 2048 x 512 float32 weight (4 MiB) on 2 shards: four 1 MiB parts, two on each
     # shard, so a streamed push's reply comes back part by part.
     w = VarInfo("ffn.weight", (2048, 512), "float32")
-    m = plan([w, VarInfo("bias", (512,), "float32")], 2)
+    m = plan([w, VarInfo("bias", (512,), "float32")], 2, part_bytes=1 << 20)
     parts = m.pieces_of("ffn.weight")
     assert [p.key for p in parts] == [f"ffn.weight/part{i}of4" for i in range(4)]
     assert {p.stop - p.start for p in parts} == {512}
     assert sorted(p.shard for p in parts) == [0, 0, 1, 1]
     assert m.pieces_of("bias")[0].key == "bias"
-    # part_bytes=0: the placement before part_bytes existed (one piece per shard above 8 MiB).
-    assert [p.key for p in plan([w], 2, part_bytes=0).pieces] == ["ffn.weight"]
+    # The default, part_bytes=0: one piece per shard above split_bytes (8 MiB) only.
+    assert DEFAULT_PART_BYTES == 0
+    assert [p.key for p in plan([w], 2).pieces] == ["ffn.weight"]
 
 
 def test_parts_are_at_most_max_parts_and_rows() -> None:
