@@ -1,6 +1,7 @@
 """Training throughput (samples/s) of a real model against DDP: a ~25M-parameter transformer LM
 and a ResNet-style CNN, 2 workers (``--workers``), for DDP with gloo, the torch RPC parameter
-server, and ours (sync, async, allreduce) with overlap on and off; over loopback and over
+server, and ours (sync, async, allreduce) with overlap on and off, and ``overlap="auto"`` in
+the parameter-server modes (overlap kept only where it measured faster); over loopback and over
 emulated links (a network namespace per host, each worker and each shard, joined by veth pairs
 to a bridge, each host's link shaped with tc netem: 10 Gbit/s and 1 Gbit/s, 0.2 ms delay).
 
@@ -32,21 +33,25 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import Ratio, Table, check, print_table
+from psworker.overlap_trial import TRIAL_STEPS
 
 START_TIMEOUT_S = 120.0
 RUN_TIMEOUT_S = 900.0
-# name -> (system, mode, overlap): what a round measures, in this order (reversed every other
-# round); ``--systems`` picks some by name.
-SYSTEMS: dict[str, tuple[str, str, bool]] = {
+# name -> (system, mode, overlap: False, True or "auto"): what a round measures, in this order
+# (reversed every other round); ``--systems`` picks some by name.
+SYSTEMS: dict[str, tuple[str, str, bool | str]] = {
     "ddp": ("DDP gloo", "ddp", False),
     "rpcps": ("torch RPC PS", "rpcps", False),
     "sync": ("ours sync", "sync", False),
     "sync+overlap": ("ours sync", "sync", True),
+    "sync+auto": ("ours sync", "sync", "auto"),
     "async": ("ours async", "async", False),
     "async+overlap": ("ours async", "async", True),
+    "async+auto": ("ours async", "async", "auto"),
     "allreduce": ("ours allreduce", "allreduce", False),
     "allreduce+overlap": ("ours allreduce", "allreduce", True),
 }
+_OVERLAP_ARG: dict[bool | str, str] = {False: "off", True: "on", "auto": "auto"}  # --overlap
 NETS = {"loopback": None, "10gbit": "10gbit", "1gbit": "1gbit"}
 DELAY = "0.2ms"
 LR = 0.01
@@ -193,7 +198,9 @@ def run_worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)  # 2 cores shared by every process of the run
     landed: Any = lambda: None  # noqa: E731
+    overlapping: Any = lambda: False  # noqa: E731
     sizes = Sizes(**json.loads(args.sizes))
+    warmup = sizes.warmup
     model = build_model(args.model, sizes)
     n = sizes.lm_batch if args.model == "lm" else sizes.cnn_batch
     mode = args.mode
@@ -259,9 +266,13 @@ def run_worker(args: argparse.Namespace) -> None:
             client = psworker.connect(
                 args.shards.split(","), worker_id=args.rank, num_workers=args.world, mode=mode
             )
+        overlap = {arg: value for value, arg in _OVERLAP_ARG.items()}[args.overlap]
         dopt = DistributedOptimizer(
-            model, client, torch.optim.SGD(model.parameters(), lr=LR), overlap=args.overlap
+            model, client, torch.optim.SGD(model.parameters(), lr=LR), overlap=overlap
         )
+        overlapping = lambda: dopt.overlapping  # noqa: E731
+        if overlap == "auto":  # timed in its steady state: after the trial's choice
+            warmup = max(warmup, TRIAL_STEPS)
 
         def step(t: int) -> None:
             dopt.zero_grad()
@@ -270,7 +281,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
         landed = dopt.synchronize  # overlap: the last step's weights are in the model
         closer = client.close
-    for t in range(sizes.warmup):
+    for t in range(warmup):
         step(t)
     # The timer starts with no step in flight: with overlap the last warm-up step's weights
     # may still be landing, and a window opened now would count that step's communication
@@ -282,13 +293,20 @@ def run_worker(args: argparse.Namespace) -> None:
     for r in range(args.rounds):
         started, cpus = time.perf_counter(), machine_cpu()
         for t in range(sizes.steps):
-            step(sizes.warmup + r * sizes.steps + t)
+            step(warmup + r * sizes.steps + t)
         landed()
         windows.append(time.perf_counter() - started)
         (busy_before, all_before), (busy_after, all_after) = cpus, machine_cpu()
         busy.append((busy_after - busy_before) / max(1, all_after - all_before))
     Path(args.out).write_text(
-        json.dumps({"elapsed": windows, "samples": n * sizes.steps, "machine_busy": busy})
+        json.dumps(
+            {
+                "elapsed": windows,
+                "samples": n * sizes.steps,
+                "machine_busy": busy,
+                "overlapping": overlapping(),
+            }
+        )
     )
     closer()
 
@@ -489,16 +507,17 @@ def run_once(
     hosts: Hosts,
     model: str,
     mode: str,
-    overlap: bool,
+    overlap: bool | str,
     workers: int,
     shards: int,
     sizes: Sizes,
     rounds: int,
     tree: Path | None = None,
-) -> tuple[list[float], float]:
+) -> tuple[list[float], float, int]:
     """The job's samples/s in each round (every worker's samples over the slowest worker's
-    time), and the share of the machine's CPU time busy while the workers' timed steps ran
-    (their mean: near 1, the run is CPU-bound and overlap has no idle time to fill).
+    time), the share of the machine's CPU time busy while the workers' timed steps ran
+    (their mean: near 1, the run is CPU-bound and overlap has no idle time to fill), and how
+    many workers overlapped at the end (``overlap="auto"``: those that kept it).
     ``tree``: the checkout whose code the shards and workers run (default: this one), so
     two commits compare interleaved in one run."""
     root = tree or Path(__file__).resolve().parents[1]
@@ -544,7 +563,9 @@ def run_once(
                 str(Path(tmp) / f"w{rank}.json"),
                 "--rounds",
                 str(rounds),
-            ] + (["--overlap"] if overlap else [])
+                "--overlap",
+                _OVERLAP_ARG[overlap],
+            ]
             p = subprocess.Popen(
                 cmd,
                 env={**env_base, **hosts.env(k)},
@@ -566,7 +587,9 @@ def run_once(
         results = [json.loads((Path(tmp) / f"w{r}.json").read_text()) for r in range(workers)]
     total = sum(r["samples"] for r in results)
     busy = statistics.mean(b for r in results for b in r["machine_busy"])
-    return [total / max(r["elapsed"][i] for r in results) for i in range(rounds)], busy
+    overlapping = sum(bool(r["overlapping"]) for r in results)
+    rates = [total / max(r["elapsed"][i] for r in results) for i in range(rounds)]
+    return rates, busy, overlapping
 
 
 # -- the suite -------------------------------------------------------------------------------
@@ -592,8 +615,9 @@ def measure(
     systems = [n for n in systems if modes is None or SYSTEMS[n][1] in modes]
     chosen = [SYSTEMS[name] for name in systems]
     started = time.perf_counter()
-    samples: dict[tuple[str, str, str, bool], list[float]] = {}
-    cpu_busy: dict[tuple[str, str, str, bool], list[float]] = {}
+    samples: dict[tuple[str, str, str, bool | str], list[float]] = {}
+    cpu_busy: dict[tuple[str, str, str, bool | str], list[float]] = {}
+    chose: dict[tuple[str, str, str, bool | str], list[int]] = {}  # auto: workers that kept it
     loads: list[float] = []
     failures: list[str] = []
     links: list[str] = []
@@ -610,7 +634,7 @@ def measure(
                         key = (model, net, label, overlap)
                         loads.append(os.getloadavg()[0])
                         try:
-                            rate, busy = run_once(
+                            rate, busy, kept = run_once(
                                 hosts, model, mode, overlap, workers, shards, sizes, 1
                             )
                         except RuntimeError as exc:
@@ -619,10 +643,18 @@ def measure(
                             continue
                         samples.setdefault(key, []).append(rate[0])
                         cpu_busy.setdefault(key, []).append(busy)
+                        if overlap == "auto":
+                            chose.setdefault(key, []).append(kept)
                         print(
                             f"  round {r} {model} {net} {label} overlap={overlap}: "
                             f"{rate[0]:.2f} samples/s (load {loads[-1]:.1f}, CPUs "
-                            f"{busy:.0%} busy in the timed steps)",
+                            f"{busy:.0%} busy in the timed steps"
+                            + (
+                                f"; {kept}/{workers} workers kept overlap"
+                                if overlap == "auto"
+                                else ""
+                            )
+                            + ")",
                             flush=True,
                         )
     med = {k: statistics.median(v) for k, v in samples.items()}
@@ -631,7 +663,7 @@ def measure(
             model,
             net,
             label,
-            "on" if overlap else "off",
+            _OVERLAP_ARG[overlap],
             med[key],
             f"{min(samples[key]):.3g}-{max(samples[key]):.3g}",
             len(samples[key]),
@@ -644,12 +676,12 @@ def measure(
 
     def ratio(
         comparison: str,
-        ours: tuple[str, str, str, bool],
-        peer: tuple[str, str, str, bool],
+        ours: tuple[str, str, str, bool | str],
+        peer: tuple[str, str, str, bool | str],
         goal: str,
     ) -> Ratio:
         value = med[ours] / med[peer] if ours in med and peer in med else None
-        name = lambda k: f"{k[2]} overlap {'on' if k[3] else 'off'} ({k[0]}, {k[1]})"  # noqa: E731
+        name = lambda k: f"{k[2]} overlap {_OVERLAP_ARG[k[3]]} ({k[0]}, {k[1]})"  # noqa: E731
         return Ratio(
             "training",
             comparison,
@@ -668,6 +700,8 @@ def measure(
             a_on, a_off = (model, net, "ours async", True), (model, net, "ours async", False)
             ar, ddp = (model, net, "ours allreduce", False), (model, net, "DDP gloo", False)
             ar_on = (model, net, "ours allreduce", True)
+            s_auto, a_auto = (model, net, "ours sync", "auto"), (model, net, "ours async", "auto")
+            no_loss = ">= 1.0" if net == "loopback" else ""
             goal_vs_off = ">= 1.3" if (net == "1gbit" and model == "lm") else ">= 1.0"
             ratios.append(ratio("sync overlap / sync no overlap", s_on, s_off, goal_vs_off))
             ratios.append(
@@ -696,6 +730,9 @@ def measure(
             ratios.append(
                 ratio("sync overlap / torch RPC PS", s_on, (model, net, "torch RPC PS", False), "")
             )
+            for m, (auto, off) in {"sync": (s_auto, s_off), "async": (a_auto, a_off)}.items():
+                ratios.append(ratio(f"{m} overlap auto / {m} no overlap", auto, off, no_loss))
+                ratios.append(ratio(f"{m} overlap auto / DDP gloo", auto, ddp, ddp_goal))
     ratios = [r for r in ratios if r.ratio is not None]
     params = {m: sum(p.numel() for p in build_model(m, sizes).parameters()) for m in models}
     load = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "?"
@@ -718,6 +755,16 @@ def measure(
             else []
         ),
         *(
+            [
+                f"overlap auto times serial then overlapped steps and keeps the faster: its "
+                f"runs warm up for {TRIAL_STEPS} steps (the trial), so the timed steps come "
+                "after its choice; 'kept overlap' in the raw figures: per round, the workers "
+                "that kept it"
+            ]
+            if any(SYSTEMS[n][2] == "auto" for n in systems)
+            else []
+        ),
+        *(
             ["torch RPC PS applies each trainer's gradient at once (the tutorial's async PS)"]
             if "rpcps" in systems
             else []
@@ -736,6 +783,7 @@ def measure(
         raw={
             "samples": {" | ".join(map(str, k)): v for k, v in samples.items()},
             "cpu_busy": {" | ".join(map(str, k)): v for k, v in cpu_busy.items()},
+            "auto_kept_overlap": {" | ".join(map(str, k)): v for k, v in chose.items()},
             "sizes": sizes.__dict__,
             "load": loads,
         },
@@ -763,7 +811,7 @@ def main(argv: list[str] | None = None) -> int:
     # a worker's
     parser.add_argument("--model", default="lm")
     parser.add_argument("--mode", default="sync")
-    parser.add_argument("--overlap", action="store_true")
+    parser.add_argument("--overlap", default="off", choices=sorted(set(_OVERLAP_ARG.values())))
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--world", type=int, default=1)
     parser.add_argument("--master", default="127.0.0.1")

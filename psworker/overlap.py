@@ -261,6 +261,23 @@ class ShardOverlap:
         self._watch.observe(grads, grad_scaler, closure)
         self._end()
 
+    def hold(self, held: bool) -> None:
+        """While held, a serial step that would arm overlap leaves it unarmed (the trial of
+        ``overlap="auto"``, psworker/overlap_trial.py)."""
+        self._watch.held = held
+
+    def disarm(self) -> None:
+        """Lands the last step's replies; every later step is serial.
+
+        Raises:
+            PSError: a shard's call failed.
+        """
+        try:
+            self.wait()
+        finally:
+            self._watch.disarm()
+            self._order = None
+
     def close(self) -> None:
         """Cancels this step's streamed pushes and stops the pool (calls in flight finish on
         their own deadline)."""

@@ -54,6 +54,7 @@ class GradWatch:
     def __init__(self) -> None:
         self.armed = False
         self.off = False  # a serial step showed the script needs it: never armed
+        self.held = False  # overlap="auto" still timing serial steps: judged, not armed
         self._fired: dict[str, tuple[int, int]] = {}  # name -> (id, version) when reached
         self._twice: set[str] = set()  # reached twice: a second backward accumulated into it
 
@@ -131,8 +132,14 @@ class GradWatch:
                 UserWarning,
                 stacklevel=4,
             )
-        else:
+        elif not self.held:
             self.armed = True
+
+    def disarm(self) -> None:
+        """Every later step is serial (overlap="auto" found it faster); no warning."""
+        self.armed = False
+        self.off = True
+        self.reset()
 
     @staticmethod
     def refuse_scaler(grad_scaler: Any) -> None:

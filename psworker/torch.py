@@ -17,7 +17,8 @@ from pscore.optspec import StepOptions
 from pscore.tables import RowSparse
 from pswire.errors import ConfigError
 from psworker.api import Client, Elastic, Replica
-from psworker.overlap import build_overlap, overlap_unsupported
+from psworker.overlap import ShardOverlap, build_overlap, overlap_unsupported
+from psworker.overlap_trial import OverlapTrial
 from psworker.overlap_watch import Overlap
 from psworker.reports import StepLog
 from psworker.torch_optim import (
@@ -94,6 +95,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     once it is full and every earlier bucket has started, and ``step()`` waits for the buckets
     in flight, then applies the step locally; every rank must pass the same ``overlap``. The
     math is the serial step's (bit-identical in ``sync`` and ``allreduce``).
+    ``overlap="auto"`` overlaps only where it pays: in the parameter-server modes it times
+    a few serial steps, then a few overlapped ones, and keeps overlap only if its steps were
+    faster (logged at INFO by ``psworker.overlap_trial``; ``overlapping`` tells the choice).
+    Over loopback or a fast link on a machine short of cores, overlap's threads can cost more
+    than they hide. In ``allreduce``, where every rank must agree, ``"auto"`` is ``True``.
     Overlap arms after one serial step showed that nothing touches the gradients between
     ``backward()`` and ``step()``; a script that clips (``clip_grad_norm_``), uses a GradScaler
     or a closure, or accumulates several ``backward()`` per step keeps the serial step, with a
@@ -129,8 +135,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         client: Client,
         optimizer: torch.optim.Optimizer | Optimizer,
         writer: Any = None,
-        overlap: bool = False,
+        overlap: bool | str = False,
     ) -> None:
+        if overlap not in (False, True, "auto"):
+            raise ConfigError(f"overlap must be False, True or 'auto', got {overlap!r}")
         self._prepare(model, client, optimizer, prefix="", first_group=0, writer=writer)
         if overlap:  # checked before anything is sent
             targets = {**self._params, **self._buffers}
@@ -151,6 +159,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._staging.to_host,
                 self._changed_values,
             )
+            if overlap == "auto" and isinstance(self._overlap, ShardOverlap):
+                self._trial: OverlapTrial | None = OverlapTrial(self._overlap)
 
     @classmethod
     def for_models(
@@ -277,6 +287,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._together = 1  # how many models train through the client (for_models)
         self._stale_warned = False
         self._overlap = None  # overlap=True: set by the constructor after init
+        self._trial = None  # overlap="auto" in the parameter-server modes: set after init
 
     def _finish(self) -> None:
         """Makes this object the torch optimizer over the wrapped one's groups (after init)."""
@@ -332,6 +343,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # The step left from backward's hooks (the shards' pushes): nothing more to send.
             self._warn_stale({n: p.grad for n, p in self._params.items() if p.grad is not None})
             self._inner._opt_called = True  # type: ignore[attr-defined]  # for its schedulers
+            if self._trial is not None:
+                self._trial.ended(overlapped=True)
             return loss
         values = self._changed_values()
         # A table untouched this step is left out: it counts as zero, like a None grad.
@@ -372,10 +385,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._log.step(pushed_step, time.perf_counter() - started, sent, received)
         if grad_scaler is not None and self.client.last_skipped and not skip:
             _found_inf(grad_scaler, self)  # another worker skipped: back off as it does
+        if self._trial is not None:
+            self._trial.ended(overlapped=False)  # may release the overlap to arm (observe)
         if self._overlap is not None:
             self._overlap.observe(grads, grad_scaler, closure)
         self._inner._opt_called = True  # type: ignore[attr-defined]  # for its schedulers
         return loss
+
+    @property
+    def overlapping(self) -> bool:
+        """Whether ``step()`` overlaps communication now: armed (after the first serial step
+        and, with ``overlap="auto"``, while it is faster; see the constructor)."""
+        return self._overlap is not None and self._overlap.armed
 
     def synchronize(self) -> None:
         """Waits until the last ``step()``'s weights are in the model (only ``overlap=True``

@@ -52,12 +52,16 @@ def train(
     addrs: list[str],
     mode: str,
     workers: int,
-    overlap: bool,
+    overlap: bool | str,
     clip_at: frozenset[int] = frozenset(),
     accumulate: bool = False,
+    steps: int = STEPS,
+    overlapped_s: dict[int, float] | None = None,
 ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, DistributedOptimizer]]:
-    """Each worker's final state_dict (and optimizer) after STEPS steps on its own slice."""
-    x, y = data(STEPS * workers * BATCH * 2)
+    """Each worker's final state_dict (and optimizer) after ``steps`` steps on its own slice.
+    ``overlapped_s``: overlap="auto"'s clock, per worker: a serial step takes 1 s, an
+    overlapped one this long."""
+    x, y = data(steps * workers * BATCH * 2)
     states: dict[int, dict[str, torch.Tensor]] = {}
     opts: dict[int, DistributedOptimizer] = {}
     # Built here: torch's global RNG is not for threads. Worker 1 starts elsewhere: init fixes it.
@@ -71,15 +75,18 @@ def train(
             ) as client:
                 inner = two_groups(model)
                 opt = DistributedOptimizer(model, client, inner, overlap=overlap)
+                if overlapped_s is not None:
+                    assert opt._trial is not None
+                    opt._trial._clock = fake_clock(opt, overlapped_s[i])
                 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
                 opts[i] = opt
-                for t in range(STEPS):
+                for t in range(steps):
                     a = (t * workers + i) * BATCH
                     opt.zero_grad()
                     loss_fn = torch.nn.functional.cross_entropy
                     loss_fn(model(x[a : a + BATCH]), y[a : a + BATCH]).backward()
                     if accumulate:
-                        b = a + STEPS * workers * BATCH
+                        b = a + steps * workers * BATCH
                         loss_fn(model(x[b : b + BATCH]), y[b : b + BATCH]).backward()
                     if t in clip_at:
                         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
@@ -93,6 +100,18 @@ def train(
     return states, opts
 
 
+def fake_clock(opt: DistributedOptimizer, overlapped_s: float):
+    """A clock that moves 1 s per serial step and ``overlapped_s`` per overlapped one (read
+    once per step, at its end)."""
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += overlapped_s if opt.overlapping else 1.0
+        return now[0]
+
+    return clock
+
+
 def test_sync_with_overlap_is_bit_identical_to_the_serial_step(shards):
     serial, _ = train([s.address for s in shards(2)], "sync", 2, overlap=False)
     overlapped, opts = train([s.address for s in shards(2)], "sync", 2, overlap=True)
@@ -100,6 +119,56 @@ def test_sync_with_overlap_is_bit_identical_to_the_serial_step(shards):
     for i in range(2):
         assert_identical(serial[i], overlapped[i])
     assert_identical(overlapped[0], overlapped[1])
+
+
+@pytest.mark.parametrize("overlapped_s", [0.5, 1.5])
+def test_sync_with_overlap_auto_keeps_the_faster_and_every_bit(shards, overlapped_s):
+    # overlap="auto": 6 serial steps timed, then 4 overlapped; the faster kept, the same bits.
+    steps = 13
+    serial, _ = train([s.address for s in shards(2)], "sync", 2, overlap=False, steps=steps)
+    auto, opts = train(
+        [s.address for s in shards(2)],
+        "sync",
+        2,
+        overlap="auto",
+        steps=steps,
+        overlapped_s={0: overlapped_s, 1: overlapped_s},
+    )
+    for i in range(2):
+        trial = opts[i]._trial
+        assert trial is not None and trial.chosen is (overlapped_s < 1.0)
+        assert opts[i].overlapping is trial.chosen
+        assert opts[i].client.step == steps
+        assert_identical(serial[i], auto[i])
+
+
+def test_async_workers_choosing_differently_both_finish(shards):
+    # Worker 0 finds overlap slower and goes serial; worker 1 keeps it: its streamed pushes
+    # beside worker 0's whole ones train every weight, every step counted.
+    start = make_model(0).state_dict()
+    steps = 14
+    states, opts = train(
+        [s.address for s in shards(2)],
+        "async",
+        2,
+        overlap="auto",
+        steps=steps,
+        overlapped_s={0: 2.0, 1: 0.5},
+    )
+    assert [opts[i].overlapping for i in range(2)] == [False, True]
+    for i, state in states.items():
+        assert opts[i].client.step == steps
+        for name, value in state.items():
+            assert torch.isfinite(value.float()).all(), name
+            if name.endswith("weight"):
+                assert not torch.equal(value, start[name]), f"worker {i}: {name} never moved"
+
+
+def test_overlap_must_be_a_bool_or_auto():
+    with psworker.connect(mode="local") as client:
+        model = make_model(0)
+        with pytest.raises(ConfigError, match="overlap must be False, True or 'auto', got 'on'"):
+            DistributedOptimizer(model, client, two_groups(model), overlap="on")
 
 
 @pytest.mark.parametrize("mode", ["async", "ssp"])

@@ -1,0 +1,85 @@
+"""``DistributedOptimizer(..., overlap="auto")``: overlap only where it pays, measured.
+
+Overlap hides communication behind backward and the next forward; where communication is
+already cheap (loopback, a fast link) and the processes share too few cores, its threads cost
+more than they hide (bench/NOTES.md entry 44: 0.85-0.9x the serial step over loopback on two
+cores, 1.85x at 1 Gbit/s). ``OverlapTrial`` times ``SKIPPED + STEPS`` serial steps (the first
+``SKIPPED`` not counted: start-up), then ``STEPS + 1`` overlapped ones (the first not counted:
+its reply lands under the next forward), and keeps overlap only when its steps took less time
+than the serial ones; otherwise the overlap lands what is in flight and the serial step goes
+on for good. Either way the math is the same (bit-identical in ``sync``); only the time a step
+takes differs. The choice is this worker's: in ``sync`` every worker times the same lockstep
+rounds, so they choose alike; in ``async`` each times its own steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+__all__ = ["TRIAL_STEPS", "OverlapTrial", "Trialled"]
+
+log = logging.getLogger(__name__)
+
+SKIPPED = 2  # serial steps not timed: the first steps' allocations and warm caches
+STEPS = 3  # steps timed each way
+# ``step()`` calls until the choice: the serial ones, then the overlapped ones.
+TRIAL_STEPS = SKIPPED + STEPS + 1 + STEPS + 1
+
+
+class Trialled(Protocol):
+    """An overlap the trial turns on and off (``psworker.overlap.ShardOverlap``)."""
+
+    def hold(self, held: bool) -> None:
+        """While held, the overlap does not arm: steps stay serial."""
+        ...
+
+    def disarm(self) -> None:
+        """Lands what is in flight; every later step is serial."""
+        ...
+
+
+class OverlapTrial:
+    """Times serial steps, then overlapped ones, and keeps the faster (see the module).
+
+    ``ended(overlapped)`` is told each ``step()``'s end, on the training thread.
+    """
+
+    def __init__(self, overlap: Trialled, clock: Callable[[], float] = time.perf_counter):
+        self._overlap = overlap
+        self._clock = clock
+        self._serial: list[float] = []  # ends of serial steps
+        self._overlapped: list[float] = []  # ends of overlapped steps
+        self.serial_s: float | None = None  # a serial step's mean time (once timed)
+        self.overlapped_s: float | None = None  # an overlapped step's mean time (once timed)
+        self.chosen: bool | None = None  # True: overlap kept; False: serial; None: timing
+        overlap.hold(True)
+
+    def ended(self, overlapped: bool) -> None:
+        """A ``step()`` returned; ``overlapped``: whether the overlap ended it."""
+        if self.chosen is not None:
+            return
+        now = self._clock()
+        if not overlapped:
+            if self.serial_s is not None:
+                return  # released, not armed yet (no backward hook fired): judged next step
+            self._serial.append(now)
+            if len(self._serial) == SKIPPED + STEPS + 1:
+                self.serial_s = (self._serial[-1] - self._serial[SKIPPED]) / STEPS
+                self._overlap.hold(False)  # arms after this step, if the script allows
+            return
+        self._overlapped.append(now)
+        if len(self._overlapped) == STEPS + 1:
+            self.overlapped_s = (self._overlapped[-1] - self._overlapped[0]) / STEPS
+            assert self.serial_s is not None
+            self.chosen = self.overlapped_s < self.serial_s
+            log.info(
+                "overlap='auto': a step took %.3f s overlapped and %.3f s serial; %s",
+                self.overlapped_s,
+                self.serial_s,
+                "keeping overlap" if self.chosen else "the serial step from now on",
+            )
+            if not self.chosen:
+                self._overlap.disarm()
