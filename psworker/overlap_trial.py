@@ -5,11 +5,13 @@ already cheap (loopback, a fast link) and the processes share too few cores, its
 more than they hide (bench/NOTES.md entry 44: 0.85-0.9x the serial step over loopback on two
 cores, 1.85x at 1 Gbit/s). ``OverlapTrial`` times ``SKIPPED + STEPS`` serial steps (the first
 ``SKIPPED`` not counted: start-up), then ``STEPS + 1`` overlapped ones (the first not counted:
-its reply lands under the next forward), and keeps overlap only when its steps took less time
-than the serial ones; otherwise the overlap lands what is in flight and the serial step goes
-on for good. Either way the math is the same (bit-identical in ``sync``); only the time a step
-takes differs. The choice is this worker's: in ``sync`` every worker times the same lockstep
-rounds, so they choose alike; in ``async`` each times its own steps.
+its reply lands under the next forward), and keeps overlap only when its steps took at least
+``MARGIN`` less time than the serial ones (a near tie keeps the serial step: fewer threads
+and buffers, and workers timing the same rounds choose alike); otherwise the overlap lands
+what is in flight and the serial step goes on for good. Either way the math is the same
+(bit-identical in ``sync``); only the time a step takes differs. The choice is this worker's:
+in ``sync`` every worker times the same lockstep rounds, so they choose alike unless it is
+close; in ``async`` each times its own steps.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-__all__ = ["TRIAL_STEPS", "OverlapTrial", "Trialled"]
+__all__ = ["MARGIN", "TRIAL_STEPS", "OverlapTrial", "Trialled"]
 
 log = logging.getLogger(__name__)
 
 SKIPPED = 2  # serial steps not timed: the first steps' allocations and warm caches
-STEPS = 3  # steps timed each way
+STEPS = 4  # steps timed each way
+MARGIN = 0.05  # overlap is kept only if its steps take at most 95% of the serial ones' time
 # ``step()`` calls until the choice: the serial ones, then the overlapped ones.
 TRIAL_STEPS = SKIPPED + STEPS + 1 + STEPS + 1
 
@@ -74,7 +77,7 @@ class OverlapTrial:
         if len(self._overlapped) == STEPS + 1:
             self.overlapped_s = (self._overlapped[-1] - self._overlapped[0]) / STEPS
             assert self.serial_s is not None
-            self.chosen = self.overlapped_s < self.serial_s
+            self.chosen = self.overlapped_s < (1 - MARGIN) * self.serial_s
             log.info(
                 "overlap='auto': a step took %.3f s overlapped and %.3f s serial; %s",
                 self.overlapped_s,

@@ -3,6 +3,7 @@ module through any client mode, wrapping the user's own torch optimizer."""
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 import weakref
@@ -37,6 +38,7 @@ from psworker.torch_tables import Embedding, EmbeddingBag, _tables_of
 __all__ = ["BUFFER_PREFIX", "DistributedOptimizer", "Embedding", "EmbeddingBag"]
 
 BUFFER_PREFIX = "buffer:"
+log = logging.getLogger(__name__)
 # Each client's model (its variables' names, shapes, dtypes), once a DistributedOptimizer
 # initialised it: a second, other model over the same client is refused with the way to train
 # both.
@@ -99,7 +101,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     a few serial steps, then a few overlapped ones, and keeps overlap only if its steps were
     faster (logged at INFO by ``psworker.overlap_trial``; ``overlapping`` tells the choice).
     Over loopback or a fast link on a machine short of cores, overlap's threads can cost more
-    than they hide. In ``allreduce``, where every rank must agree, ``"auto"`` is ``True``.
+    than they hide. In ``allreduce``, where every rank must agree, ``"auto"`` is ``True``;
+    where overlap is not supported (``local``, a GPU model, tables), ``"auto"`` is the serial
+    step (logged), where ``True`` raises.
     Overlap arms after one serial step showed that nothing touches the gradients between
     ``backward()`` and ``step()``; a script that clips (``clip_grad_norm_``), uses a GradScaler
     or a closure, or accumulates several ``backward()`` per step keeps the serial step, with a
@@ -145,7 +149,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             why = overlap_unsupported(client, targets, self._staging.receivers(targets))
             if self._tables:
                 why = "embedding tables push row-sparse gradients at step()"
-            if why:
+            if why and overlap == "auto":  # the choice is ours: the serial step
+                log.info("overlap='auto' keeps the serial step: overlap is not supported: %s", why)
+                overlap = False
+            elif why:
                 raise ConfigError(f"overlap=True is not supported here: {why}")
         _init_together(client, [self])
         if overlap:

@@ -164,6 +164,20 @@ def test_async_workers_choosing_differently_both_finish(shards):
                 assert not torch.equal(value, start[name]), f"worker {i}: {name} never moved"
 
 
+def test_overlap_auto_is_the_serial_step_where_overlap_is_not_supported(caplog):
+    # overlap=True raises in mode local (the test below); "auto" chooses the serial step.
+    with psworker.connect(mode="local") as client, caplog.at_level("INFO", "psworker.torch"):
+        model = make_model(0)
+        opt = DistributedOptimizer(model, client, two_groups(model), overlap="auto")
+        x, y = data(BATCH)
+        for _ in range(2):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        assert not opt.overlapping and opt.client.step == 2
+    assert "overlap='auto' keeps the serial step" in caplog.text and "mode 'local'" in caplog.text
+
+
 def test_overlap_must_be_a_bool_or_auto():
     with psworker.connect(mode="local") as client:
         model = make_model(0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from psworker.overlap_trial import SKIPPED, STEPS, OverlapTrial
+from psworker.overlap_trial import MARGIN, SKIPPED, STEPS, TRIAL_STEPS, OverlapTrial
 
 
 class FakeOverlap:
@@ -46,18 +46,21 @@ def run(serial_s: float, overlapped_s: float, slow_first: float = 50.0):
         trial.ended(overlapped=True)
         overlapped += 1
         assert overlapped <= STEPS + 1
-    assert overlapped == STEPS + 1
+    assert overlapped == STEPS + 1 and serial + overlapped == TRIAL_STEPS
     return trial, overlap
 
 
-def test_overlap_kept_when_its_steps_are_faster():
-    trial, overlap = run(serial_s=1.0, overlapped_s=0.6)
+@pytest.mark.parametrize("overlapped_s", [0.6, 0.94])
+def test_overlap_kept_when_its_steps_are_faster_by_the_margin(overlapped_s):
+    trial, overlap = run(serial_s=1.0, overlapped_s=overlapped_s)
     assert trial.chosen is True and overlap.disarmed == 0
-    assert trial.serial_s == pytest.approx(1.0) and trial.overlapped_s == pytest.approx(0.6)
+    assert trial.serial_s == pytest.approx(1.0)
+    assert trial.overlapped_s == pytest.approx(overlapped_s)
 
 
-@pytest.mark.parametrize("overlapped_s", [1.2, 1.0])
-def test_the_serial_step_kept_when_overlap_is_not_faster(overlapped_s):
+@pytest.mark.parametrize("overlapped_s", [1.2, 1.0, 0.97])
+def test_the_serial_step_kept_when_overlap_is_not_faster_by_the_margin(overlapped_s):
+    assert overlapped_s > 1 - MARGIN
     trial, overlap = run(serial_s=1.0, overlapped_s=overlapped_s)
     assert trial.chosen is False and overlap.disarmed == 1
 
