@@ -1,7 +1,7 @@
 """Training throughput (samples/s) of a real model against DDP: a ~25M-parameter transformer LM
 and a ResNet-style CNN, 2 workers (``--workers``), for DDP with gloo, the torch RPC parameter
-server, and ours (sync, async, allreduce) with overlap on and off, and ``overlap="auto"`` in
-the parameter-server modes (overlap kept only where it measured faster); over loopback and over
+server, and ours (sync, async, allreduce) with overlap on and off, and ``overlap="auto"``
+(overlap kept only where it measured faster); over loopback and over
 emulated links (a network namespace per host, each worker and each shard, joined by veth pairs
 to a bridge, each host's link shaped with tc netem: 10 Gbit/s and 1 Gbit/s, 0.2 ms delay).
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -50,7 +51,9 @@ SYSTEMS: dict[str, tuple[str, str, bool | str]] = {
     "async+auto": ("ours async", "async", "auto"),
     "allreduce": ("ours allreduce", "allreduce", False),
     "allreduce+overlap": ("ours allreduce", "allreduce", True),
+    "allreduce+auto": ("ours allreduce", "allreduce", "auto"),
 }
+_HOSTS = itertools.count()  # Hosts made by this process (in the interface names)
 _OVERLAP_ARG: dict[bool | str, str] = {False: "off", True: "on", "auto": "auto"}  # --overlap
 NETS = {"loopback": None, "10gbit": "10gbit", "1gbit": "1gbit"}
 DELAY = "0.2ms"
@@ -334,7 +337,8 @@ class Hosts:
     def __init__(self, count: int, rate: str | None) -> None:
         self.count = count
         self.rate = rate
-        self.tag = f"{os.getpid() % 100000}"
+        # Unique per instance too: a net's veths may outlive its namespaces for a moment.
+        self.tag = f"{os.getpid() % 100000}{next(_HOSTS) % 10}"
         self.names = [f"ov29-{self.tag}-{k}" for k in range(count)]
         self.bridge = f"ov29b{self.tag}"
         self._made: list[str] = []
@@ -734,7 +738,9 @@ def measure(
             ratios.append(
                 ratio("sync overlap / torch RPC PS", s_on, (model, net, "torch RPC PS", False), "")
             )
-            for m, (auto, off) in {"sync": (s_auto, s_off), "async": (a_auto, a_off)}.items():
+            ar_auto = (model, net, "ours allreduce", "auto")
+            autos = {"sync": (s_auto, s_off), "async": (a_auto, a_off), "allreduce": (ar_auto, ar)}
+            for m, (auto, off) in autos.items():
                 ratios.append(ratio(f"{m} overlap auto / {m} no overlap", auto, off, no_loss))
                 ratios.append(ratio(f"{m} overlap auto / DDP gloo", auto, ddp, ddp_goal))
     ratios = [r for r in ratios if r.ratio is not None]

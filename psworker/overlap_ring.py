@@ -37,6 +37,8 @@ class BucketSteps(Protocol):
 
     def abandon_step(self, error: Exception) -> None: ...
 
+    def sum_over_ranks(self, array: np.ndarray) -> np.ndarray: ...
+
 
 class BucketOverlap:
     """Starts each gradient bucket's all-reduce from backward; ``step()`` checks, then the
@@ -128,6 +130,23 @@ class BucketOverlap:
 
     def wait(self) -> None:
         """Nothing lands after ``step()``: the serial step applied every bucket."""
+
+    def hold(self, held: bool) -> None:
+        """While held, a serial step that would arm overlap leaves it unarmed (the trial of
+        ``overlap="auto"``, psworker/overlap_trial.py); every rank holds the same steps."""
+        self._watch.held = held
+
+    def disarm(self) -> None:
+        """Every later step is serial (nothing is in flight between steps)."""
+        self._watch.disarm()
+
+    def agree(self, times: np.ndarray) -> np.ndarray:
+        """Every rank's times summed over the ring: each rank makes the same choice.
+
+        Raises:
+            WaitTimeoutError, UnavailableError: a peer is silent or gone.
+        """
+        return self._client.sum_over_ranks(times)
 
     def close(self) -> None:
         """Nothing of its own to stop (the client's thread stops with the client)."""

@@ -9,9 +9,11 @@ its reply lands under the next forward), and keeps overlap only when its steps t
 ``MARGIN`` less time than the serial ones (a near tie keeps the serial step: fewer threads
 and buffers, and workers timing the same rounds choose alike); otherwise the overlap lands
 what is in flight and the serial step goes on for good. Either way the math is the same
-(bit-identical in ``sync``); only the time a step takes differs. The choice is this worker's:
-in ``sync`` every worker times the same lockstep rounds, so they choose alike unless it is
-close; in ``async`` each times its own steps.
+(bit-identical in ``sync`` and ``allreduce``); only the time a step takes differs. In the
+parameter-server modes the choice is each worker's: in ``sync`` every worker times the same
+lockstep rounds, so they choose alike unless it is close; in ``async`` each times its own
+steps. In ``allreduce`` every rank must run the same collectives, so the ranks sum their times
+over the ring (``Trialled.agree``) and make the same choice at the same step.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Protocol
+
+import numpy as np
 
 __all__ = ["MARGIN", "TRIAL_STEPS", "OverlapTrial", "Trialled"]
 
@@ -41,6 +45,11 @@ class Trialled(Protocol):
 
     def disarm(self) -> None:
         """Lands what is in flight; every later step is serial."""
+        ...
+
+    def agree(self, times: np.ndarray) -> np.ndarray:
+        """The times the choice is made from: this worker's own, or every rank's summed
+        where all must choose alike (the ring)."""
         ...
 
 
@@ -77,7 +86,8 @@ class OverlapTrial:
         if len(self._overlapped) == STEPS + 1:
             self.overlapped_s = (self._overlapped[-1] - self._overlapped[0]) / STEPS
             assert self.serial_s is not None
-            self.chosen = self.overlapped_s < (1 - MARGIN) * self.serial_s
+            serial, overlapped = self._overlap.agree(np.array([self.serial_s, self.overlapped_s]))
+            self.chosen = bool(overlapped < (1 - MARGIN) * serial)
             log.info(
                 "overlap='auto': a step took %.3f s overlapped and %.3f s serial; %s",
                 self.overlapped_s,

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from pswire.errors import ConfigError
@@ -41,6 +42,18 @@ class Overlap(Protocol):
 
     def wait(self) -> None:
         """Lands whatever is still in flight."""
+        ...
+
+    def hold(self, held: bool) -> None:
+        """While held, serial steps do not arm overlap (``overlap="auto"``'s trial)."""
+        ...
+
+    def disarm(self) -> None:
+        """Lands what is in flight; every later step is serial."""
+        ...
+
+    def agree(self, times: np.ndarray) -> np.ndarray:
+        """The times ``overlap="auto"`` chooses from (psworker/overlap_trial.py)."""
         ...
 
     def close(self) -> None: ...

@@ -18,7 +18,7 @@ from pscore.optspec import StepOptions
 from pscore.tables import RowSparse
 from pswire.errors import ConfigError
 from psworker.api import Client, Elastic, Replica
-from psworker.overlap import ShardOverlap, build_overlap, overlap_unsupported
+from psworker.overlap import build_overlap, overlap_unsupported
 from psworker.overlap_trial import OverlapTrial
 from psworker.overlap_watch import Overlap
 from psworker.reports import StepLog
@@ -101,8 +101,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     a few serial steps, then a few overlapped ones, and keeps overlap only if its steps were
     faster (logged at INFO by ``psworker.overlap_trial``; ``overlapping`` tells the choice).
     Over loopback or a fast link on a machine short of cores, overlap's threads can cost more
-    than they hide. In ``allreduce``, where every rank must agree, ``"auto"`` is ``True``;
-    where overlap is not supported (``local``, a GPU model, tables), ``"auto"`` is the serial
+    than they hide. In ``allreduce`` the ranks choose together (their times summed over the
+    ring); where overlap is not supported (``local``, a GPU model, tables), ``"auto"`` is the serial
     step (logged), where ``True`` raises.
     Overlap arms after one serial step showed that nothing touches the gradients between
     ``backward()`` and ``step()``; a script that clips (``clip_grad_norm_``), uses a GradScaler
@@ -166,7 +166,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._staging.to_host,
                 self._changed_values,
             )
-            if overlap == "auto" and isinstance(self._overlap, ShardOverlap):
+            if overlap == "auto":
                 self._trial: OverlapTrial | None = OverlapTrial(self._overlap)
 
     @classmethod
@@ -342,6 +342,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         started = time.perf_counter()
         pushed_step = self.client.step
+        overlapped = self._overlap is not None and self._overlap.armed
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -351,7 +352,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._warn_stale({n: p.grad for n, p in self._params.items() if p.grad is not None})
             self._inner._opt_called = True  # type: ignore[attr-defined]  # for its schedulers
             if self._trial is not None:
-                self._trial.ended(overlapped=True)
+                self._trial.ended(overlapped)
             return loss
         values = self._changed_values()
         # A table untouched this step is left out: it counts as zero, like a None grad.
@@ -393,7 +394,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if grad_scaler is not None and self.client.last_skipped and not skip:
             _found_inf(grad_scaler, self)  # another worker skipped: back off as it does
         if self._trial is not None:
-            self._trial.ended(overlapped=False)  # may release the overlap to arm (observe)
+            self._trial.ended(overlapped)  # serial: may release the overlap to arm (observe)
         if self._overlap is not None:
             self._overlap.observe(grads, grad_scaler, closure)
         self._inner._opt_called = True  # type: ignore[attr-defined]  # for its schedulers

@@ -279,6 +279,15 @@ class AllReduceClient:
             reduction.abandon(exc)
             raise
 
+    def sum_over_ranks(self, array: np.ndarray) -> np.ndarray:
+        """``array`` summed over every rank (between steps; every rank must call it at the
+        same point, as any collective), the same bits on each.
+
+        Raises:
+            WaitTimeoutError, UnavailableError: a peer is silent or gone (named).
+        """
+        return self.ring.allreduce(np.ascontiguousarray(array, dtype=np.float64))
+
     def abandon_step(self, error: Exception) -> None:
         """Gives up a step whose buckets ``start_bucket`` sent but that will not be pushed
         (``error``, e.g. its gradients changed): the ring fails with ``error`` on every rank

@@ -261,18 +261,20 @@ class Branchy(torch.nn.Module):
 
 def ring_train(
     workers: int,
-    overlap: bool,
+    overlap: bool | str,
     clip_at: frozenset[int] = frozenset(),
     stop: dict[int, int] | None = None,
     timeout: float = 20,
     failed: threading.Event | None = None,
+    steps: int = STEPS,
+    overlapped_s: dict[int, float] | None = None,
 ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, Any], dict[int, BaseException]]:
-    """Each rank's final state_dict, its optimizer, and its error, after STEPS allreduce steps
-    (``stop``: rank -> the step before which it closes its client, as a rank that died;
-    ``failed`` is set when a rank fails)."""
+    """Each rank's final state_dict, its optimizer, and its error, after ``steps`` allreduce
+    steps (``stop``: rank -> the step before which it closes its client, as a rank that died;
+    ``failed`` is set when a rank fails; ``overlapped_s`` as ``train``'s)."""
     servers = [RingServer("127.0.0.1:0") for _ in range(workers)]
     peers = [s.address for s in servers]
-    x, y = data(STEPS * workers * BATCH)
+    x, y = data(steps * workers * BATCH)
     models = {i: Branchy(i) for i in range(workers)}
     states: dict[int, dict[str, torch.Tensor]] = {}
     opts: dict[int, Any] = {}
@@ -294,9 +296,11 @@ def ring_train(
                 groups = [{"params": convs, "lr": 0.05}, {"params": rest}]
                 inner = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
                 opt = DistributedOptimizer(model, client, inner, overlap=overlap)
+                if overlapped_s is not None:
+                    opt._trial._clock = fake_clock(opt, overlapped_s[i])
                 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
                 opts[i] = opt
-                for t in range(STEPS):
+                for t in range(steps):
                     if stop is not None and stop.get(i) == t:
                         return
                     a = (t * workers + i) * BATCH
@@ -349,6 +353,27 @@ def test_allreduce_with_overlap_is_bit_identical_to_the_serial_step(workers, mon
     for i in range(workers):
         assert_identical(serial[i], overlapped[i])
     assert_identical(overlapped[0], overlapped[workers - 1])
+
+
+@pytest.mark.parametrize(
+    ("overlapped_s", "kept"),
+    [
+        ({0: 0.5, 1: 0.6}, True),
+        # Rank 0 alone would keep overlap, rank 1 would not: their summed times decide for
+        # both (2 s serial, 2.1 s overlapped), so the ranks run the same collectives.
+        ({0: 0.5, 1: 1.6}, False),
+    ],
+)
+def test_allreduce_overlap_auto_ranks_choose_together_and_keep_every_bit(overlapped_s, kept):
+    steps = 14
+    serial, _, errors = ring_train(2, overlap=False, steps=steps)
+    assert not errors, errors
+    auto, opts, errors = ring_train(2, overlap="auto", steps=steps, overlapped_s=overlapped_s)
+    assert not errors, errors
+    for i in range(2):
+        assert opts[i]._trial.chosen is kept and opts[i].overlapping is kept
+        assert opts[i].client.step == steps
+        assert_identical(serial[i], auto[i])
 
 
 def test_allreduce_clipping_keeps_the_serial_step_with_a_warning():

@@ -3,6 +3,7 @@ the faster kept; the overlap is held unarmed until the serial steps are timed.""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from psworker.overlap_trial import MARGIN, SKIPPED, STEPS, TRIAL_STEPS, OverlapTrial
@@ -12,12 +13,16 @@ class FakeOverlap:
     def __init__(self) -> None:
         self.held: list[bool] = []
         self.disarmed = 0
+        self.others = np.zeros(2)
 
     def hold(self, held: bool) -> None:
         self.held.append(held)
 
     def disarm(self) -> None:
         self.disarmed += 1
+
+    def agree(self, times: np.ndarray) -> np.ndarray:
+        return times + self.others  # every other rank's times summed in (the ring)
 
 
 class Clock:
@@ -69,6 +74,21 @@ def test_start_up_steps_do_not_count():
     # The first serial steps are slow (start-up): counted, they would make serial look slower.
     trial, _ = run(serial_s=1.0, overlapped_s=1.1, slow_first=30.0)
     assert trial.serial_s == pytest.approx(1.0) and trial.chosen is False
+
+
+@pytest.mark.parametrize(("others", "kept"), [((1.0, 1.5), False), ((1.0, 0.5), True)])
+def test_the_agreed_times_decide(others, kept):
+    # This rank alone: 1.0 s serial, 0.8 s overlapped. The ring's sum over the ranks decides.
+    overlap, clock = FakeOverlap(), Clock()
+    overlap.others = np.array(others)
+    trial = OverlapTrial(overlap, clock)
+    for _ in range(SKIPPED + STEPS + 1):
+        clock.now += 1.0
+        trial.ended(overlapped=False)
+    for _ in range(STEPS + 1):
+        clock.now += 0.8
+        trial.ended(overlapped=True)
+    assert trial.chosen is kept and overlap.disarmed == (0 if kept else 1)
 
 
 def test_a_decided_trial_and_a_serial_step_before_arming_change_nothing():
