@@ -404,7 +404,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def overlapping(self) -> bool:
         """Whether ``step()`` overlaps communication now: armed (after the first serial step
         and, with ``overlap="auto"``, while it is faster; see the constructor)."""
-        return self._overlap is not None and self._overlap.armed
+        overlap = getattr(self, "_overlap", None)  # DiLoCoOptimizer has none
+        return overlap is not None and overlap.armed
 
     def synchronize(self) -> None:
         """Waits until the last ``step()``'s weights are in the model (only ``overlap=True``

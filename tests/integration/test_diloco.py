@@ -287,7 +287,7 @@ def test_fp16_pseudo_gradients_halve_the_bytes_sent(shards):
         ) as client:
             assert isinstance(client, DiLoCoClient)
             opt = DistributedOptimizer(model, client, torch.optim.SGD(model.parameters(), lr=0.1))
-            assert isinstance(opt, DiLoCoOptimizer)
+            assert isinstance(opt, DiLoCoOptimizer) and not opt.overlapping
             for t in range(6):
                 opt.zero_grad()
                 loss_of(model, x[batch_of(0, t, 1)], y[batch_of(0, t, 1)]).backward()
