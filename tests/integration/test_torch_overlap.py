@@ -100,6 +100,21 @@ def train(
     return states, opts
 
 
+def assert_every_weight_trained(
+    states: dict[int, dict[str, torch.Tensor]],
+    opts: dict[int, DistributedOptimizer],
+    start: dict[str, torch.Tensor],
+    steps: int,
+) -> None:
+    """Every worker took ``steps`` steps, and each weight is finite and moved from ``start``."""
+    for i, state in states.items():
+        assert opts[i].client.step == steps
+        for name, value in state.items():
+            assert torch.isfinite(value.float()).all(), name
+            if name.endswith("weight"):
+                assert not torch.equal(value, start[name]), f"worker {i}: {name} never moved"
+
+
 def fake_clock(opt: DistributedOptimizer, overlapped_s: float):
     """A clock that moves 1 s per serial step and ``overlapped_s`` per overlapped one (read
     once per step, at its end)."""
@@ -156,12 +171,7 @@ def test_async_workers_choosing_differently_both_finish(shards):
         overlapped_s={0: 2.0, 1: 0.5},
     )
     assert [opts[i].overlapping for i in range(2)] == [False, True]
-    for i, state in states.items():
-        assert opts[i].client.step == steps
-        for name, value in state.items():
-            assert torch.isfinite(value.float()).all(), name
-            if name.endswith("weight"):
-                assert not torch.equal(value, start[name]), f"worker {i}: {name} never moved"
+    assert_every_weight_trained(states, opts, start, steps)
 
 
 def test_overlap_auto_is_the_serial_step_where_overlap_is_not_supported(caplog):
@@ -197,12 +207,7 @@ def test_one_worker_async_and_ssp_with_overlap_match_the_serial_step(shards, mod
 def test_async_two_workers_with_overlap_train_every_weight(shards):
     start = make_model(0).state_dict()
     states, opts = train([s.address for s in shards(2)], "async", 2, overlap=True)
-    for i, state in states.items():
-        assert opts[i].client.step == STEPS
-        for name, value in state.items():
-            assert torch.isfinite(value.float()).all(), name
-            if name.endswith("weight"):
-                assert not torch.equal(value, start[name]), f"worker {i}: {name} never moved"
+    assert_every_weight_trained(states, opts, start, STEPS)
 
 
 def test_clipping_keeps_the_serial_step_with_a_warning(shards):
