@@ -2,18 +2,18 @@
 
 Overlap hides communication behind backward and the next forward; where communication is
 already cheap (loopback, a fast link) and the processes share too few cores, its threads cost
-more than they hide (bench/NOTES.md entry 44: 0.85-0.9x the serial step over loopback on two
-cores, 1.85x at 1 Gbit/s). ``OverlapTrial`` times ``SKIPPED + STEPS`` serial steps (the first
-``SKIPPED`` not counted: start-up), then ``STEPS + 1`` overlapped ones (the first not counted:
-its reply lands under the next forward), and keeps overlap only when its steps took at least
-``MARGIN`` less time than the serial ones (a near tie keeps the serial step: fewer threads
-and buffers, and workers timing the same rounds choose alike); otherwise the overlap lands
-what is in flight and the serial step goes on for good. Either way the math is the same
+more than they hide (bench/NOTES.md entry 44: 0.80-0.92x the serial step over loopback on two
+cores, 1.50x at 1 Gbit/s in sync). ``OverlapTrial`` times ``SKIPPED + STEPS`` serial steps (the
+first ``SKIPPED`` not counted: start-up), then ``STEPS + 1`` overlapped ones (the first not
+counted: its reply lands under the next forward), and keeps overlap only when its steps took at
+least ``MARGIN`` less time than the serial ones (a near tie keeps the serial step: fewer
+threads and buffers, and workers timing the same rounds choose alike); otherwise the overlap
+lands what is in flight and the serial step goes on for good. Either way the math is the same
 (bit-identical in ``sync`` and ``allreduce``); only the time a step takes differs. In the
 parameter-server modes the choice is each worker's: in ``sync`` every worker times the same
 lockstep rounds, so they choose alike unless it is close; in ``async`` each times its own
 steps. In ``allreduce`` every rank must run the same collectives, so the ranks sum their times
-over the ring (``Trialled.agree``) and make the same choice at the same step.
+over the ring (``Overlap.agree``) and make the same choice at the same step.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 import numpy as np
 
-__all__ = ["MARGIN", "TRIAL_STEPS", "OverlapTrial", "Trialled"]
+from psworker.overlap_watch import Overlap
+
+__all__ = ["MARGIN", "TRIAL_STEPS", "OverlapTrial"]
 
 log = logging.getLogger(__name__)
 
@@ -36,30 +37,13 @@ MARGIN = 0.05  # overlap is kept only if its steps take at most 95% of the seria
 TRIAL_STEPS = SKIPPED + STEPS + 1 + STEPS + 1
 
 
-class Trialled(Protocol):
-    """An overlap the trial turns on and off (``psworker.overlap.ShardOverlap``)."""
-
-    def hold(self, held: bool) -> None:
-        """While held, the overlap does not arm: steps stay serial."""
-        ...
-
-    def disarm(self) -> None:
-        """Lands what is in flight; every later step is serial."""
-        ...
-
-    def agree(self, times: np.ndarray) -> np.ndarray:
-        """The times the choice is made from: this worker's own, or every rank's summed
-        where all must choose alike (the ring)."""
-        ...
-
-
 class OverlapTrial:
     """Times serial steps, then overlapped ones, and keeps the faster (see the module).
 
     ``ended(overlapped)`` is told each ``step()``'s end, on the training thread.
     """
 
-    def __init__(self, overlap: Trialled, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, overlap: Overlap, clock: Callable[[], float] = time.perf_counter):
         self._overlap = overlap
         self._clock = clock
         self._serial: list[float] = []  # ends of serial steps
