@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_support import Processes, child_env, free_port, wait_port_file
+from e2e_support import Processes, child_env, wait_port_file
 
 
 def chromium() -> str:
@@ -56,9 +56,8 @@ def wait_for(predicate: Any, timeout: float, what: str) -> Any:
 def metered_shards(procs: Processes, n: int = 2) -> tuple[list[str], list[str]]:
     """``n`` psserver daemons, each with ``--metrics-port``: their addresses and their
     ``/metrics`` host:port."""
-    metrics = [f"127.0.0.1:{free_port()}" for _ in range(n)]
-    shards = [procs.psserver("--metrics-port", m.rsplit(":", 1)[1]) for m in metrics]
-    return [s.address for s in shards], metrics
+    metered = [procs.metered_psserver() for _ in range(n)]
+    return [s.address for s, _ in metered], [f"127.0.0.1:{port}" for _, port in metered]
 
 
 def start_dashboard(

@@ -151,6 +151,22 @@ class Processes:
         assert health_status(f"127.0.0.1:{port}", START_TIMEOUT_S) == SERVING
         return Daemon(proc, port)
 
+    def metered_psserver(self, *flags: str, tries: int = 3) -> tuple[Daemon, int]:
+        """Starts ``psserver`` with ``--metrics-port`` on a free port; the daemon and that port.
+
+        The port is free when picked but can be taken before the daemon binds it (another job
+        on this machine): the daemon then exits naming "Address already in use", and this
+        starts it again on another port, up to ``tries`` times.
+        """
+        for attempt in range(tries):
+            port = free_port()
+            try:
+                return self.psserver("--metrics-port", str(port), *flags), port
+            except AssertionError as exc:
+                if "Address already in use" not in str(exc) or attempt == tries - 1:
+                    raise
+        raise AssertionError("unreachable: the last try raises")
+
     def reap(self) -> None:
         for proc in self.started:
             if proc.poll() is None:

@@ -16,6 +16,7 @@ weights to ``--out`` (.npz).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -44,6 +45,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks for a test's timeout
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(64, 256),

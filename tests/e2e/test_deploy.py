@@ -318,8 +318,7 @@ def test_compose_services_train_the_demo_on_their_own_hosts(compose_hosts: Compo
 
 @pytest.mark.timeout(60)
 def test_daemon_metrics_json_logs_and_the_images_healthcheck(procs: Processes) -> None:
-    metrics_port = free_port()
-    daemon = procs.psserver("--metrics-port", str(metrics_port), "--log-format", "json")
+    daemon, metrics_port = procs.metered_psserver("--log-format", "json")
     url = f"http://127.0.0.1:{metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=10) as reply:
         text = reply.read().decode()

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from e2e_support import REPO, Processes, free_port
+from e2e_support import REPO, Processes
 from prometheus_client.parser import text_string_to_metric_families
 
 import psworker
@@ -74,10 +74,7 @@ def exported_names(text: str) -> set[str]:
 def test_every_grafana_query_names_metrics_a_live_shard_exports(
     procs: Processes, tmp_path: Path
 ) -> None:
-    port = free_port()
-    daemon = procs.psserver(
-        "--metrics-port", str(port), "--checkpoint-dir", str(tmp_path / "ckpt")
-    )  # fmt: skip
+    daemon, port = procs.metered_psserver("--checkpoint-dir", str(tmp_path / "ckpt"))
     # A job that touches every family: a dense variable and a table pushed and pulled, a
     # checkpoint, and a worker leaving (a membership change).
     with psworker.connect([daemon.address], worker_id=0, num_workers=1, mode="sync") as client:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from e2e_support import Lines, Processes, free_port
+from e2e_support import Lines, Processes
 
 from psworker.link import shard_status
 
@@ -62,12 +62,9 @@ def job(
     Returns the workers (worker 0's last start first), the shards' addresses and their
     metrics pages."""
     tmp.mkdir()
-    ports = [free_port() for _ in range(2)]
-    shards = [
-        procs.psserver("--heartbeat-timeout", str(heartbeat_s), "--metrics-port", str(port))
-        for port in ports
-    ]
-    addresses = [s.address for s in shards]
+    metered = [procs.metered_psserver("--heartbeat-timeout", str(heartbeat_s)) for _ in range(2)]
+    addresses = [s.address for s, _ in metered]
+    ports = [port for _, port in metered]
 
     def start(i: int, *flags: str) -> Lines:
         args = [sys.executable, WORKER, "--addresses", ",".join(addresses), "--workers", "2"]
