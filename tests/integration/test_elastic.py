@@ -60,8 +60,8 @@ def reference() -> dict[str, np.ndarray]:
         return local.pull()
 
 
-def elastic(addresses: list[str], worker: int, **kw) -> ElasticPSClient:
-    client = psworker.connect(addresses, worker_id=worker, elastic="2:4", timeout=30, **kw)
+def elastic(addresses: list[str], worker: int, timeout: float = 30, **kw) -> ElasticPSClient:
+    client = psworker.connect(addresses, worker_id=worker, elastic="2:4", timeout=timeout, **kw)
     assert isinstance(client, ElasticPSClient)
     return client
 
@@ -129,7 +129,8 @@ def test_a_sync_job_grows_and_shrinks_without_restarts_and_matches_one_process(s
 def test_below_the_minimum_the_wait_ends_at_its_deadline_naming_who_is_missing(shards):
     servers = shards(2)
     addresses = [s.address for s in servers]
-    clients = [elastic(addresses, w, heartbeat_s=0.2) for w in (0, 1)]
+    # The pull below waits out the client's deadline: a short one.
+    clients = [elastic(addresses, w, heartbeat_s=0.2, timeout=5.0) for w in (0, 1)]
     try:
         run_workers([lambda c=c: c.init(init_values(), optimizer()) for c in clients])
         run_workers(
@@ -137,9 +138,6 @@ def test_below_the_minimum_the_wait_ends_at_its_deadline_naming_who_is_missing(s
         )
         clients[1].close()  # leaves: step 3 opened with both, so it ends with worker 0 alone
         survivor = clients[0]
-        survivor.timeout = 3.0
-        for link in survivor.links:
-            link.timeout = 3.0
         survivor.push(grad(0, 3))
         with pytest.raises(psworker.WaitTimeoutError) as info:
             survivor.pull()  # step 4 may not open with one member of at least two
