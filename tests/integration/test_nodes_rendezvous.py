@@ -4,18 +4,12 @@ rank taken twice, a node that never comes)."""
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import pytest
+from ports import free_port
 
 from psctl.nodes import Layout, NodeError, Nodes, NodesConfig
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def never() -> None:

@@ -3,21 +3,15 @@ other's ring server, the ring then all-reduces, and a rank that never comes is n
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import numpy as np
 import pytest
+from ports import free_port
 
 from pswire.errors import WaitTimeoutError
 from psworker.ring.client import AllReduceClient
 from psworker.ring.rendezvous import RendezvousSettings, rendezvous_ring
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.timeout(120)
