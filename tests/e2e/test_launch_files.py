@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from e2e_support import REPO, Processes, child_env
+from e2e_support import REPO, Processes, child_env, free_port
 
 from pswire.cluster import ClusterSpec
 from psworker import main as psworker_main
@@ -72,9 +72,8 @@ def test_the_sbatch_script_trains_the_example_with_slurm_task_ids(
 def _free_base_port() -> int:
     """A port P with P and P + 1 free right now (the two shards' ports)."""
     for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            base = a.getsockname()[1]
+        base = free_port()  # below the ephemeral range, as tests/ports.py says why
+        with socket.socket() as b:
             try:
                 b.bind(("127.0.0.1", base + 1))
             except OSError:
