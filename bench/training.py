@@ -31,7 +31,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench.report import Ratio, Table, check, print_table
 from psworker.overlap_trial import TRIAL_STEPS
@@ -293,25 +293,35 @@ def run_worker(args: argparse.Namespace) -> None:
     landed()
     windows = []  # the rounds: one process start for all of them (a start costs more)
     busy = []  # the machine's CPUs: the share of their time spent running anything
+    busy_s = []  # the machine's CPU seconds spent running anything (every process, kernel)
+    own_s = []  # this process's CPU seconds (all its threads)
     for r in range(args.rounds):
-        started, cpus = time.perf_counter(), machine_cpu()
+        started, cpus, own = time.perf_counter(), machine_cpu(), time.process_time()
         for t in range(sizes.steps):
             step(warmup + r * sizes.steps + t)
         landed()
         windows.append(time.perf_counter() - started)
+        own_s.append(time.process_time() - own)
         (busy_before, all_before), (busy_after, all_after) = cpus, machine_cpu()
         busy.append((busy_after - busy_before) / max(1, all_after - all_before))
+        busy_s.append((busy_after - busy_before) / _TICKS_PER_S)
     Path(args.out).write_text(
         json.dumps(
             {
                 "elapsed": windows,
                 "samples": n * sizes.steps,
                 "machine_busy": busy,
+                "machine_busy_s": busy_s,
+                "cpu_s": own_s,
+                "steps": sizes.steps,
                 "overlapping": overlapping(),
             }
         )
     )
     closer()
+
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def machine_cpu() -> tuple[int, int]:
@@ -507,6 +517,21 @@ def _free_port() -> int:
     return free_port()
 
 
+class Run(NamedTuple):
+    """One job's figures, over its workers' timed steps."""
+
+    rates: list[float]  # samples/s per round: every worker's samples over the slowest's time
+    # The share of the machine's CPU time busy (the workers' mean): near 1, the run is
+    # CPU-bound and overlap has no idle time to fill.
+    busy: float
+    overlapping: int  # workers overlapping at the end (``overlap="auto"``: those that kept it)
+    worker_cpu_s: float  # a worker's CPU seconds per step (all its threads; the workers' mean)
+    # The machine's other busy CPU seconds per step: the shards (or the RPC PS), network work
+    # the kernel charged to no worker, anything else running. On hosts with CPUs of their own
+    # the shards' part would not slow the workers.
+    other_cpu_s: float
+
+
 def run_once(
     hosts: Hosts,
     model: str,
@@ -517,13 +542,9 @@ def run_once(
     sizes: Sizes,
     rounds: int,
     tree: Path | None = None,
-) -> tuple[list[float], float, int]:
-    """The job's samples/s in each round (every worker's samples over the slowest worker's
-    time), the share of the machine's CPU time busy while the workers' timed steps ran
-    (their mean: near 1, the run is CPU-bound and overlap has no idle time to fill), and how
-    many workers overlapped at the end (``overlap="auto"``: those that kept it).
-    ``tree``: the checkout whose code the shards and workers run (default: this one), so
-    two commits compare interleaved in one run."""
+) -> Run:
+    """One job's figures (``Run``). ``tree``: the checkout whose code the shards and workers
+    run (default: this one), so two commits compare interleaved in one run."""
     root = tree or Path(__file__).resolve().parents[1]
     env_base = {**os.environ, "PYTHONPATH": str(root)}
     with tempfile.TemporaryDirectory(prefix="ov29-") as tmp, processes() as procs:
@@ -593,7 +614,10 @@ def run_once(
     busy = statistics.mean(b for r in results for b in r["machine_busy"])
     overlapping = sum(bool(r["overlapping"]) for r in results)
     rates = [total / max(r["elapsed"][i] for r in results) for i in range(rounds)]
-    return rates, busy, overlapping
+    steps = rounds * results[0]["steps"]
+    worker_cpu = statistics.mean(sum(r["cpu_s"]) for r in results) / steps
+    machine = statistics.mean(sum(r["machine_busy_s"]) for r in results) / steps
+    return Run(rates, busy, overlapping, worker_cpu, max(0.0, machine - workers * worker_cpu))
 
 
 # -- the suite -------------------------------------------------------------------------------
@@ -625,6 +649,8 @@ def measure(
     started = time.perf_counter()
     samples: dict[tuple[str, str, str, bool | str], list[float]] = {}
     cpu_busy: dict[tuple[str, str, str, bool | str], list[float]] = {}
+    # per round: (a worker's CPU s/step, the rest of the machine's), as ``Run``
+    cpu_step: dict[tuple[str, str, str, bool | str], list[tuple[float, float]]] = {}
     chose: dict[tuple[str, str, str, bool | str], list[int]] = {}  # auto: workers that kept it
     loads: list[float] = []
     failures: list[str] = []
@@ -642,23 +668,23 @@ def measure(
                         key = (model, net, label, overlap)
                         loads.append(os.getloadavg()[0])
                         try:
-                            rate, busy, kept = run_once(
-                                hosts, model, mode, overlap, workers, shards, sizes, 1
-                            )
+                            run = run_once(hosts, model, mode, overlap, workers, shards, sizes, 1)
                         except RuntimeError as exc:
                             failures.append(f"{key} round {r}: {str(exc)[-400:]}")
                             print(f"  FAILED {key}: {str(exc)[-2000:]}", flush=True)
                             continue
-                        samples.setdefault(key, []).append(rate[0])
-                        cpu_busy.setdefault(key, []).append(busy)
+                        samples.setdefault(key, []).append(run.rates[0])
+                        cpu_busy.setdefault(key, []).append(run.busy)
+                        cpu_step.setdefault(key, []).append((run.worker_cpu_s, run.other_cpu_s))
                         if overlap == "auto":
-                            chose.setdefault(key, []).append(kept)
+                            chose.setdefault(key, []).append(run.overlapping)
                         print(
                             f"  round {r} {model} {net} {label} overlap={overlap}: "
-                            f"{rate[0]:.2f} samples/s (load {loads[-1]:.1f}, CPUs "
-                            f"{busy:.0%} busy in the timed steps"
+                            f"{run.rates[0]:.2f} samples/s (load {loads[-1]:.1f}, CPUs "
+                            f"{run.busy:.0%} busy in the timed steps; CPU s/step: "
+                            f"{run.worker_cpu_s:.3f} a worker, {run.other_cpu_s:.3f} the rest"
                             + (
-                                f"; {kept}/{workers} workers kept overlap"
+                                f"; {run.overlapping}/{workers} workers kept overlap"
                                 if overlap == "auto"
                                 else ""
                             )
@@ -675,6 +701,8 @@ def measure(
             med[key],
             f"{min(samples[key]):.3g}-{max(samples[key]):.3g}",
             len(samples[key]),
+            round(statistics.median(w for w, _ in cpu_step[key]), 3),
+            round(statistics.median(o for _, o in cpu_step[key]), 3),
         ]
         for model in models
         for net in nets
@@ -756,6 +784,10 @@ def measure(
         f"1-minute load average when each run started: {load}",
         "every process shares this machine's CPUs (torch threads = 1 each): compute is slow, "
         "so communication is a smaller share of a step than on GPUs",
+        "CPU s/step (medians): worker, one worker process's CPU per step (all its threads); "
+        "rest, the machine's other busy CPU per step (the shards or the RPC PS, network work "
+        "the kernel charged to no worker, anything else running). Here every host shares "
+        "these CPUs, so the rest slows the workers; with hosts of their own it would not",
         *(
             [
                 "allreduce with overlap starts each gradient bucket's ring all-reduce from "
@@ -784,7 +816,17 @@ def measure(
     return Table(
         "training",
         "training throughput, samples/s (higher is better)",
-        ["model", "network", "system", "overlap", "samples/s", "min-max", "rounds"],
+        [
+            "model",
+            "network",
+            "system",
+            "overlap",
+            "samples/s",
+            "min-max",
+            "rounds",
+            "worker CPU s/step",
+            "rest CPU s/step",
+        ],
         rows,
         notes=notes,
         ratios=ratios,
@@ -792,6 +834,7 @@ def measure(
         raw={
             "samples": {" | ".join(map(str, k)): v for k, v in samples.items()},
             "cpu_busy": {" | ".join(map(str, k)): v for k, v in cpu_busy.items()},
+            "cpu_s_per_step": {" | ".join(map(str, k)): v for k, v in cpu_step.items()},
             "auto_kept_overlap": {" | ".join(map(str, k)): v for k, v in chose.items()},
             "sizes": sizes.__dict__,
             "load": loads,
