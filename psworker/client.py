@@ -83,7 +83,6 @@ class PSClient:
         self.num_workers = settings.num_workers
         self.mode = settings.mode
         self.staleness = settings.staleness
-        self.timeout = settings.timeout
         self.chunk_bytes = settings.chunk_bytes
         self.split_bytes = settings.split_bytes
         self.part_bytes = settings.part_bytes
@@ -111,6 +110,20 @@ class PSClient:
             settings.stall_warning_s, self.worker_id, probe, self.mode, self.staleness
         )
         leave_at_exit(self)
+
+    @property
+    def timeout(self) -> float:
+        """Every call's deadline in seconds (``connect(timeout=...)``)."""
+        return self.settings.timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        # Each link and transport was built with the deadline; a new one set here would reach
+        # some calls and not others.
+        raise AttributeError(
+            f"a client's timeout is fixed when it connects (now {self.settings.timeout:g}s): "
+            f"connect(timeout={value!r}) instead of setting client.timeout"
+        )
 
     @property
     def links(self) -> list[ShardLink]:

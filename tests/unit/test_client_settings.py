@@ -186,6 +186,11 @@ def test_connect_builds_the_clients_settings_from_keywords_and_variables(
         )
         assert (client.staleness, client.timeout, client.identity.value) == (4, 7.0, "the-job")
         assert [link.chunk_bytes for link in client.links] == [1 << 16] * 2
+        # Each link and transport holds the deadline it was built with: a new one set on the
+        # client would reach some calls only, so setting it is refused, naming the way.
+        with pytest.raises(AttributeError, match=r"fixed when it connects \(now 7s\): connect"):
+            client.timeout = 1.0
+        assert client.timeout == 7.0 and [link.timeout for link in client.links] == [7.0] * 2
     finally:
         client.close()
     elastic = psworker.connect(["127.0.0.1:7001"], worker_id=2, elastic="2:5", heartbeat_s=0)
