@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -268,6 +269,7 @@ class Lines:
 
 
 NUMPY_WORKER = str(Path(__file__).with_name("numpy_worker.py"))
+OVERLAP_WORKER = str(Path(__file__).with_name("overlap_worker.py"))
 
 
 def numpy_worker(
@@ -283,3 +285,14 @@ def numpy_worker(
     args = [sys.executable, NUMPY_WORKER, "--addresses", ",".join(addresses)]
     args += ["--worker-id", str(worker_id), "--num-workers", str(num_workers), *flags]
     return Lines(procs.start(args, env))
+
+
+def pipelined_replies(metrics: list[str], outcome: str) -> float:
+    """The shards' ``psserver_pipelined_replies_total{outcome=...}``, summed."""
+    total = 0.0
+    for url in metrics:
+        with urllib.request.urlopen(url, timeout=10) as page:
+            for line in page.read().decode().splitlines():
+                if line.startswith(f'psserver_pipelined_replies_total{{outcome="{outcome}"'):
+                    total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -17,13 +17,12 @@ import os
 import signal
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-from e2e_support import Lines, Processes
+from e2e_support import OVERLAP_WORKER, Lines, Processes, pipelined_replies
 
 from psworker.link import shard_status
 
@@ -32,19 +31,7 @@ pytestmark = [
     pytest.mark.timeout(240),
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGSTOP"),
 ]
-WORKER = str(Path(__file__).with_name("overlap_worker.py"))
 STEPS, PAUSED_AT = 8, 4
-
-
-def pipelined(metrics: list[str], outcome: str) -> float:
-    """The shards' ``psserver_pipelined_replies_total{outcome=...}``, summed."""
-    total = 0.0
-    for url in metrics:
-        with urllib.request.urlopen(url, timeout=10) as page:
-            for line in page.read().decode().splitlines():
-                if line.startswith(f'psserver_pipelined_replies_total{{outcome="{outcome}"'):
-                    total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def job(
@@ -67,7 +54,14 @@ def job(
     ports = [port for _, port in metered]
 
     def start(i: int, *flags: str) -> Lines:
-        args = [sys.executable, WORKER, "--addresses", ",".join(addresses), "--workers", "2"]
+        args = [
+            sys.executable,
+            OVERLAP_WORKER,
+            "--addresses",
+            ",".join(addresses),
+            "--workers",
+            "2",
+        ]
         args += ["--worker-id", str(i), "--steps", str(STEPS), "--out", str(tmp / f"w{i}.npz")]
         return Lines(procs.start([*args, "--mode", mode, "--timeout", "60", *flags]))
 
@@ -116,8 +110,8 @@ def test_a_worker_paused_mid_stream_under_the_heartbeat_timeout_changes_nothing(
     for name, value in clean.items():
         assert paused[name].tobytes() == value.tobytes(), name
     # The steps overlapped and the shards' predictions were confirmed, across the pause too.
-    assert pipelined(metrics, "held") >= 2 * 2 * (STEPS - 2)
-    assert pipelined(metrics, "resent") == 0
+    assert pipelined_replies(metrics, "held") >= 2 * 2 * (STEPS - 2)
+    assert pipelined_replies(metrics, "resent") == 0
 
 
 def test_a_worker_paused_mid_stream_past_the_heartbeat_timeout_is_dropped_and_told(
@@ -138,8 +132,8 @@ def test_a_worker_paused_mid_stream_past_the_heartbeat_timeout_is_dropped_and_to
     status = shard_status(addresses)
     assert [s.clock for s in status] == [STEPS, STEPS]
     # The round it was predicted for (two workers) closed with one: refused, answered whole.
-    assert pipelined(metrics, "resent") >= 1
-    assert pipelined(metrics, "held") >= 2 * (STEPS - 2)
+    assert pipelined_replies(metrics, "resent") >= 1
+    assert pipelined_replies(metrics, "held") >= 2 * (STEPS - 2)
 
 
 def test_a_worker_paused_mid_stream_in_async_holds_nobody_back(
