@@ -196,6 +196,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if not models:
             raise ConfigError("for_models needs at least one model: for_models(client, D=...)")
+        if "overlap" in models:
+            raise ConfigError(
+                "for_models has no overlap: each model's step() is serial (pushes after "
+                "backward); DistributedOptimizer(model, client, optimizer, overlap=...) "
+                "overlaps one model"
+            )
         if len(models) > 1 and isinstance(client, Elastic):
             raise ConfigError(
                 "for_models with an elastic client is not supported yet: shard() splits each "

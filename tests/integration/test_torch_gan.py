@@ -217,6 +217,14 @@ def test_for_models_refuses_an_elastic_client_before_anything_is_sent():
         DistributedOptimizer.for_models(elastic, D=(net_d, opt_d), G=(net_g, opt_g))
 
 
+def test_for_models_refuses_overlap_naming_the_one_model_way():
+    net_d, net_g = gan.make_nets(0)
+    opt_d, opt_g = gan.optimizers(net_d, net_g)
+    client = SimpleNamespace(worker_id=0, step=0)
+    with pytest.raises(ValueError, match=r"for_models has no overlap.*overlap=\.\.\.\) overlaps"):
+        DistributedOptimizer.for_models(client, D=(net_d, opt_d), G=(net_g, opt_g), overlap=True)
+
+
 # -- one optimizer over both nets (issue 27 item 11) ---------------------------------------
 
 
