@@ -185,6 +185,18 @@ class Membership:
             return True
         return False
 
+    def release(self, worker: int, session: str) -> bool:
+        """Ends ``session``'s claim on ``worker`` (a process whose init failed: it never
+        joined), so another process may take the id at once; the quorum stays as it was.
+        True when ``session`` held the id."""
+        if not session or self._sessions.get(worker) != session:
+            return False
+        del self._sessions[worker]
+        log.info(
+            "worker %d: session %s gave up its claim on the id (its init failed)", worker, session
+        )
+        return True
+
     def leave(self, worker: int) -> bool:
         """``worker`` left the job; True when that changed the quorum (or a prepared join)."""
         self._sessions.pop(worker, None)

@@ -195,7 +195,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @rpc_errors
     def Leave(self, request, context):
-        self.shard.leave(request.worker_id, request.session)
+        if request.release_only:
+            self.shard.release(request.worker_id, request.session)
+        else:
+            self.shard.leave(request.worker_id, request.session)
         return ps_pb2.LeaveResponse()
 
     @rpc_errors

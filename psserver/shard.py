@@ -681,6 +681,13 @@ class Shard:
                     self._roster.record(self._progress.finished_by(worker_id), worker_id, "left")
                 self._membership_changed()
 
+    def release(self, worker_id: int, session: str) -> None:
+        """A worker whose init failed gives up its claim on its id (``Membership.release``):
+        a corrected rerun need not wait out the claim's grace. Nothing else changes, the quorum
+        included (a running job's member restarted with a wrong model is still awaited)."""
+        with self._cond:
+            self._roster.members.release(worker_id, session)
+
     def expire_silent(self) -> list[int]:
         """Drops workers silent past the heartbeat timeout (see ``Membership.expire``); a sync
         step waiting only on them closes now. The server calls this on a timer; reads

@@ -513,9 +513,16 @@ class ShardLink:
         self._dial_data(reply.data_port)
         return reply
 
-    def leave(self) -> None:
-        """Tells the shard this worker is done (best effort, short deadline)."""
-        request = ps_pb2.LeaveRequest(worker_id=self.worker_id, session=self.config.session)
+    def leave(self, joined: bool = True) -> None:
+        """Tells the shard this worker is done (best effort, short deadline). ``joined``
+        False: its init failed, so only its claim on the worker id ends (a corrected rerun
+        takes the id at once) and the quorum stays as it was; nothing to say if it never
+        registered here."""
+        if not joined and self.incarnation is None:
+            return
+        request = ps_pb2.LeaveRequest(
+            worker_id=self.worker_id, session=self.config.session, release_only=not joined
+        )
         try:
             self.stub.Leave(request, timeout=min(self.timeout, 5.0))
         except grpc.RpcError as exc:

@@ -103,7 +103,7 @@ class Beating(Protocol):
 class Leaving(Beating, Protocol):
     """What leaving a job needs of a shard's link."""
 
-    def leave(self) -> None: ...
+    def leave(self, joined: bool = True) -> None: ...
 
 
 class Joined(Protocol):
@@ -213,9 +213,10 @@ def leave_at_exit(client: Joined) -> None:
 def _leave(ref: weakref.ref[Joined]) -> None:
     # One shard after another: the thread pools that close() fans out on are shut down by now.
     client = ref()
-    if client is None or client.closed or client.shard_map is None:
+    if client is None or client.closed:
         return
+    joined = client.shard_map is not None  # else its init failed: it gives up its id's claim
     for link in client.links:
-        link.leave()
+        link.leave(joined)
     with contextlib.suppress(PSError):
         client.close()

@@ -109,8 +109,9 @@ class Shards:
         if self.closed:
             return
         self.closed = True
-        if self.shard_map is not None:  # only a worker that joined (init) leaves
-            self._fan.settle(lambda shard: self.links[shard].leave())
+        # A worker that joined (init) leaves; one whose init failed gives up its claim on its id.
+        joined = self.shard_map is not None
+        self._fan.settle(lambda shard: self.links[shard].leave(joined))
         self._fan.close()
         for link in self.links:
             link.close()

@@ -558,17 +558,23 @@ class LeaveRequest(_message.Message):
 
     WORKER_ID_FIELD_NUMBER: _builtins.int
     SESSION_FIELD_NUMBER: _builtins.int
+    RELEASE_ONLY_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.int
     session: _builtins.str
+    release_only: _builtins.bool
+    """The worker never joined (its init failed): only this session's claim on the id ends, so
+    a corrected rerun may take it at once; the quorum stays as it was.
+    """
     def __init__(
         self,
         *,
         worker_id: _builtins.int = ...,
         session: _builtins.str = ...,
+        release_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["session", b"session", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["release_only", b"release_only", "session", b"session", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

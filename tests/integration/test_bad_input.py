@@ -162,7 +162,7 @@ def test_request_over_the_size_limit_is_resource_exhausted(served):
     unchanged(server, before)
 
 
-def test_model_mode_and_optimizer_mismatch_are_failed_precondition(served):
+def test_model_mode_and_optimizer_mismatch_are_failed_precondition(served, caplog):
     server, client, _, before = served
     # The job's worker leaves first: a second live process claiming worker 0 would be refused
     # as a duplicate before its model is even compared.
@@ -191,6 +191,9 @@ def test_model_mode_and_optimizer_mismatch_are_failed_precondition(served):
     with other, pytest.raises(psworker.ModelMismatchError, match="num_workers 3"):
         other.init(WEIGHTS, psworker.SGD(lr=0.1))
     unchanged(server, before)
+    # Each refused process gave up its claim on worker id 0 as it closed: the next one took
+    # the id at once instead of waiting out the claim's grace.
+    assert "waiting for the old claim to lapse" not in caplog.text
 
 
 def test_bad_job_description_is_invalid(served):

@@ -207,6 +207,30 @@ def test_a_second_live_process_cannot_claim_a_worker_id_but_a_restarted_one_take
     assert shard.push(1, 0, grad(1.0), session="second").applied
 
 
+def test_a_process_whose_init_failed_gives_up_its_claim_and_nothing_else():
+    clock = Clock()
+    shard = Shard(Limits(max_wait_s=2, claim_grace_s=5.0), clock=clock)
+    shard.init(0, job("sync", 2), VALUES)
+    shard.register_worker(0, 2, session="zero")
+    shard.register_worker(1, 2, session="first")
+    # Worker 1's process is restarted once the first went silent, and the restart's init
+    # fails (say, a changed model): it gives up its claim.
+    clock.now += 6
+    shard.register_worker(1, 2, session="wrong")
+    shard.release(1, "first")  # no longer the holder: changes nothing
+    with pytest.raises(DuplicateWorkerError, match="session wrong"):
+        shard.register_worker(1, 2, session="fixed")
+    shard.release(1, "wrong")
+    # Worker 1 is still in the sync quorum: worker 0's push leaves the round open (a leave
+    # would close it); the fixed rerun takes the id at once, not after the grace.
+    shard.push(0, 0, grad(1.0), session="zero")
+    status = shard.status()
+    assert (status.clock, 1 in status.live, status.left) == (0, True, frozenset())
+    shard.register_worker(1, 2, session="fixed")
+    shard.push(1, 0, grad(1.0), session="fixed")
+    assert shard.status().clock == 1
+
+
 def test_a_worker_that_leaves_stops_holding_back_sync_and_ssp():
     for mode in ("sync", "ssp"):
         shard = shard_with(mode, 2)
