@@ -20,7 +20,6 @@ import json
 import multiprocessing
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ import grpc
 import numpy as np
 import pyarrow
 
+from bench.torchps import free_port
 from psworker.ring.algorithm import RING_CHUNK_BYTES
 
 MIB = 1 << 20
@@ -91,13 +91,6 @@ class Row:
 
 def torch_available() -> bool:
     return importlib.util.find_spec("torch") is not None
-
-
-def free_port() -> int:
-    """A loopback port free a moment ago (for gloo's TCP store, which cannot report one)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # -- one rank: a worker under psctl local, timing the three systems interleaved --------------
