@@ -39,3 +39,8 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def refused_address() -> str:
+    """``127.0.0.1:PORT`` where nothing listens (see ``free_port``): a connection is refused."""
+    return f"127.0.0.1:{free_port()}"

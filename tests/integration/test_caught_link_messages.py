@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import re
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ import grpc
 import pytest
 from faults import FaultPlan, InjectedUnavailable
 from link_cluster import grad
+from ports import refused_address
 
 import psworker
 from pswire.errors import TooLargeError, UnavailableError, WaitTimeoutError
@@ -27,13 +27,6 @@ from psworker.link import ShardLink, shard_status
 from psworker.session import LinkConfig
 
 NOTHING_LISTENS = "nothing accepts connections there: is the shard running, on that host and port?"
-
-
-def refused_address() -> str:
-    """A port nothing listens on: bound, then closed."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 @pytest.fixture

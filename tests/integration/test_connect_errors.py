@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ports import refused_address
 
 import psworker
 from psctl.certs import CertPaths, write_certs
@@ -56,13 +57,6 @@ def serve() -> Iterator[Callable[[ServerSecurity], RunningServer]]:
     yield make
     for server in started:
         server.stop(grace=0.5)
-
-
-def refused_address() -> str:
-    """A port nothing listens on: bound, then closed."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def init_error(address: str, **security: str) -> tuple[psworker.PSError, float]:
