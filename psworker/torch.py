@@ -322,9 +322,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the parameters' gradients, as ``torch.optim.Optimizer.zero_grad`` does, and
-        the rows embedding tables gathered since the last step."""
+        those of the rows embedding tables gathered since the last step (set to None whatever
+        ``set_to_none``: a zeroed row would still step momentum and Adam's moments)."""
         for table in self._tables.values():
-            table.forget()
+            table.zero_grad()
         overlap = getattr(self, "_overlap", None)  # DiLoCoOptimizer has none
         if overlap is not None and not set_to_none:
             # Zeroing in place would change gradients a push may still be sending.

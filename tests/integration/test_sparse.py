@@ -277,3 +277,37 @@ def test_a_shard_restarted_between_calls_resumes_tables_and_the_worker_replays(t
     finally:
         clean_server.stop(grace=0)
     assert clean.tobytes() == faulty.tobytes()
+
+
+@pytest.mark.parametrize("order", ["zero_grad_after_forward", "a_discarded_backward_first"])
+def test_zero_grad_between_forward_and_backward_keeps_the_tables_gradient(order):
+    # torch allows zero_grad anywhere before backward; it clears gradients, not forwards. A
+    # zero_grad after the forward once dropped the table's rows silently: the dense layers
+    # trained and the table never moved.
+    ids, y = data(4 * BATCH)
+
+    def run(order: str) -> tuple[np.ndarray, np.ndarray]:
+        with psworker.connect(mode="local") as client:
+            net = Net(Embedding(ROWS, DIM, client, name="emb"), bag=False)
+            opt = DistributedOptimizer(net, client, psworker.Adagrad(lr=0.3))
+            for t in range(3):
+                batch = slice(BATCH * t, BATCH * (t + 1))
+                loss = lambda b=batch: torch.nn.functional.mse_loss(net(ids[b]), y[b])  # noqa: E731
+                if order == "zero_grad_first":
+                    opt.zero_grad()
+                    loss().backward()
+                elif order == "zero_grad_after_forward":
+                    pending = loss()
+                    opt.zero_grad()
+                    pending.backward()
+                else:  # a whole backward whose gradient zero_grad discards, then the real one
+                    loss(slice(3 * BATCH, 4 * BATCH)).backward()
+                    opt.zero_grad()
+                    loss().backward()
+                opt.step()
+            return client.pull_rows("emb", np.arange(ROWS)), net.head.weight.detach().numpy()
+
+    rows, head = run("zero_grad_first")
+    assert not np.array_equal(rows, dense_embedding(False).weight.detach().numpy())  # trained
+    got_rows, got_head = run(order)
+    assert np.array_equal(got_rows, rows) and np.array_equal(got_head, head)
