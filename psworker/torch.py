@@ -325,7 +325,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         those of the rows embedding tables gathered since the last step (set to None whatever
         ``set_to_none``: a zeroed row would still step momentum and Adam's moments)."""
         for table in self._tables.values():
-            table.zero_grad()
+            table.zero_row_grads()
         overlap = getattr(self, "_overlap", None)  # DiLoCoOptimizer has none
         if overlap is not None and not set_to_none:
             # Zeroing in place would change gradients a push may still be sending.

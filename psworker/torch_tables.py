@@ -120,7 +120,7 @@ class _RemoteTable(torch.nn.Module):
         values = np.concatenate([g.detach().cpu().numpy() for _, g in parts])
         return RowSparse(ids, values)
 
-    def zero_grad(self) -> None:
+    def zero_row_grads(self) -> None:
         """Drops the row gradients of the forwards since the last step, as ``zero_grad`` does a
         parameter's. The forwards stay: a backward still to come (a loop that calls
         ``zero_grad`` between forward and backward) fills their rows' gradients again."""
