@@ -20,7 +20,14 @@ import numpy as np
 from pscore.checks import all_finite
 from pscore.optim import Optimizer, run_pieces, scratch
 from pscore.rowindex import RowIndex
-from pscore.tables import TableSlice, gather_rows, init_rows, row_items, sum_duplicates
+from pscore.tables import (
+    TableSlice,
+    gather_rows,
+    init_rows,
+    row_items,
+    rows_from_file,
+    sum_duplicates,
+)
 from pswire.errors import InvalidRequestError
 
 # Arrays at least this large are reserved as anonymous memory in 4 KiB pages (see _reserve).
@@ -77,6 +84,11 @@ class RowStore:
             for k, v in kinds.items()
         }
         self._scratch: dict[str, np.ndarray] = {}
+        if spec.init_from:  # every row now, from the file: nothing later depends on it
+            self.values[:] = rows_from_file(spec)
+            self._slot[:] = np.arange(1, rows + 1, dtype=self._slot.dtype)
+            self._made = rows
+            self._start_state(slice(0, rows))
 
     @property
     def rows(self) -> int:
@@ -214,6 +226,10 @@ class RowStore:
             init_rows(ids, s.dim, s.dtype, s.init, s.init_scale, s.seed, out=self.values[rows])
         else:
             self.values[rows] = init_rows(ids, s.dim, s.dtype, s.init, s.init_scale, s.seed)
+        self._start_state(rows)
+
+    def _start_state(self, rows: np.ndarray | slice) -> None:
+        """Starts the optimizer state of rows ``rows``."""
         # Arrays where the dense optimizer makes them lazily (SGD's momentum buffer): a row's
         # buffer starts at zero, so its first step equals torch's buf = grad (dampening 0).
         for k, v in self.optimizer.make_state(self.values[:1]).items():

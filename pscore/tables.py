@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 from pscore.checks import all_finite
 from pscore.optim import Optimizer
@@ -21,6 +23,8 @@ from pswire.errors import ConfigError, InvalidRequestError, TooLargeError
 
 INITS = ("normal", "uniform", "zeros")
 TABLE_DTYPES = ("float32", "float64")
+ROW_FILES = (".safetensors", ".npy")  # what ``init_from`` reads (see ``rows_from_file``)
+_SAFETENSORS_DTYPES = {"F32": "float32", "F64": "float64"}
 # Column pairs initialised per block: the block's scratch (two uint64, three float32 and one
 # uint32 arrays, 1 MiB) stays in a core's cache through the passes that draw it.
 _INIT_BLOCK_PAIRS = 1 << 15
@@ -37,6 +41,12 @@ class Table:
     ranges across the shards. Rows start as ``init`` ("normal": N(0, init_scale**2), like
     ``torch.nn.Embedding`` with the default scale 1; "uniform": U(-init_scale, init_scale);
     "zeros"), drawn from ``(seed, id)`` alone.
+
+    ``init_from``: a fixed table's rows come from a file instead, read by each shard (its own
+    id range) when the table is made: a ``.safetensors`` file holding a ``(num_rows, dim)``
+    tensor under the table's name (what ``psctl export --out model.safetensors`` writes), or a
+    ``.npy`` file of that array. So a table trained on some shard count can go on, with fresh
+    optimizer state, on another. A relative path is made absolute here, as the worker sees it.
     """
 
     num_rows: int | None
@@ -46,6 +56,7 @@ class Table:
     init_scale: float = 1.0
     seed: int = 0
     capacity: int = 0
+    init_from: str = ""
 
     def __post_init__(self) -> None:
         if self.num_rows is not None and self.num_rows < 1:
@@ -62,6 +73,11 @@ class Table:
             raise ConfigError("capacity is for dynamic tables (num_rows=None) and must be >= 0")
         if not 0 <= self.seed <= _MASK64:
             raise ConfigError(f"seed must be in [0, 2**64), got {self.seed}")
+        if self.init_from:
+            why = _row_file_problem(self.init_from, self.num_rows or 0)
+            if why:
+                raise ConfigError(f"init_from {self.init_from!r}: {why}")
+            object.__setattr__(self, "init_from", str(Path(self.init_from).absolute()))
 
     @property
     def dynamic(self) -> bool:
@@ -86,6 +102,7 @@ class TableSlice:
     init: str = "normal"
     init_scale: float = 1.0
     seed: int = 0
+    init_from: str = ""  # a file of the whole table's rows (Table.init_from)
 
     @property
     def dynamic(self) -> bool:
@@ -117,6 +134,9 @@ class TableSlice:
                 f"{where}: rows [{self.row_start}, {self.row_end}) are not within "
                 f"[0, {self.num_rows})"
             )
+        why = _row_file_problem(self.init_from, self.num_rows) if self.init_from else ""
+        if why:
+            raise InvalidRequestError(f"{where}: init_from {self.init_from!r}: {why}")
         if not optimizer.sparse:
             raise InvalidRequestError(
                 f"{where}: optimizer {optimizer.name!r} has no row-sparse form (torch has no "
@@ -129,6 +149,63 @@ class TableSlice:
                 f"{where}: weight_decay {decay} has no row-sparse form (it "
                 "would decay rows a step never touched); torch's sparse optimizers refuse it too"
             )
+
+
+def _row_file_problem(path: str, num_rows: int) -> str:
+    """Why ``path`` cannot be a table's ``init_from`` ("" if it can, as far as its name says)."""
+    if not num_rows:
+        return "only a fixed table (num_rows) starts from a file; a dynamic one has no dense form"
+    if Path(path).suffix not in ROW_FILES:
+        return f"expected a file ending in one of {ROW_FILES}"
+    return ""
+
+
+def rows_from_file(spec: TableSlice) -> np.ndarray:
+    """This slice's rows, ``[row_start, row_end)``, from its table's ``init_from`` file, read
+    on this host: only that range is read (a new array of it).
+
+    Raises:
+        InvalidRequestError: naming the table and the file: it cannot be read here, holds no
+            such tensor, or one of another shape or dtype than the table's, or a row that is
+            not finite.
+    """
+    where = f"table '{spec.key}': init_from {spec.init_from!r}"
+    expected = (spec.num_rows, spec.dim)
+    try:
+        shape, dtype, rows = _read_rows(spec, where)
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise InvalidRequestError(f"{where} could not be read on this host: {exc}") from exc
+    if rows is None:
+        raise InvalidRequestError(
+            f"{where} holds a tensor of shape {shape} and dtype {dtype}; the table is "
+            f"{expected} {spec.dtype}"
+        )
+    if not all_finite(rows):
+        bad = int(np.flatnonzero(~np.isfinite(rows).all(axis=1))[0])
+        raise InvalidRequestError(f"{where}: row {spec.row_start + bad} is not finite")
+    return rows
+
+
+def _read_rows(spec: TableSlice, where: str) -> tuple[tuple[int, ...], str, np.ndarray | None]:
+    """The file's tensor's shape and dtype, and this slice's rows if they are the table's."""
+    expected = (spec.num_rows, spec.dim)
+    if spec.init_from.endswith(".npy"):
+        whole = np.load(spec.init_from, mmap_mode="r", allow_pickle=False)
+        fits = whole.shape == expected and whole.dtype == spec.dtype
+        rows = np.array(whole[spec.row_start : spec.row_end]) if fits else None
+        return whole.shape, str(whole.dtype), rows
+    with safe_open(spec.init_from, framework="np") as f:
+        names = f.keys()
+        if spec.key not in names:
+            raise InvalidRequestError(
+                f"{where} holds no tensor '{spec.key}' (the table's name): it holds "
+                f"{sorted(names)[:20]}"
+            )
+        piece = f.get_slice(spec.key)
+        shape = tuple(piece.get_shape())
+        dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype(), piece.get_dtype())
+        fits = shape == expected and dtype == spec.dtype
+        return shape, dtype, piece[spec.row_start : spec.row_end] if fits else None
 
 
 def check_rows(spec: TableSlice, ids: np.ndarray, values: np.ndarray | None, what: str) -> None:

@@ -239,6 +239,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             if not header.has_values:
                 values = None
             job = job_from_proto(header.job)
+            if header.check_only:
+                if values is not None:
+                    raise InvalidRequestError("Init with check_only carries values")
+                self.shard.check_init(header.worker_id, job)
+                return ps_pb2.InitResponse(job_id=self.shard.job_id)
             # The assembler's arrays belong to this call alone: the shard may keep them.
             accepted = self.shard.init(header.worker_id, job, values, take=True)
         if accepted and self.save_checkpoint is not None:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from pscore.job import OBSERVER, Job
-from pscore.tables import RowSparse
+from pscore.tables import RowSparse, rows_from_file
 from pscore.variables import Variables
 from psserver.agreement import JobAgreement
 from psserver.consistency import ConsistencyPolicy, make_policy
@@ -155,9 +155,7 @@ class Shard:
             ModelMismatchError: the job differs from worker 0's, which the shard holds.
             TooLargeError: over the shard's limits (variables, memory).
         """
-        limits = self.limits
-        job.check(limits.max_workers, limits.max_variables, limits.memory_limit_bytes)
-        self._check_worker(worker_id, job.num_workers, "init")
+        self._check_job(worker_id, job)
         if values is not None:
             job.check_values(values)
         # Tables are made (and their rows drawn) outside the lock: a large one takes seconds,
@@ -181,6 +179,30 @@ class Shard:
             self._ready = True
             self._cond.notify_all()
             return True
+
+    def check_init(self, worker_id: int, job: Job) -> None:
+        """Raises what ``init`` of ``job`` would, for all that does not depend on the values,
+        changing nothing: worker 0 asks every shard before any takes the job, so a table file
+        that one shard cannot read leaves no shard holding the job. A shard that holds values
+        already makes no table at init, so it reads no file here either.
+
+        Raises:
+            InvalidRequestError: bad job description, or a table's file (``init_from``) that
+                cannot be its rows here.
+            TooLargeError: over the shard's limits.
+        """
+        self._check_job(worker_id, job)
+        if self._ready:  # unlocked peek: init would install nothing
+            return
+        for key, spec in job.specs.items():
+            if spec.table is not None and spec.table.init_from:
+                spec.table.check(job.optimizer_of(key))
+                rows_from_file(spec.table)
+
+    def _check_job(self, worker_id: int, job: Job) -> None:
+        limits = self.limits
+        job.check(limits.max_workers, limits.max_variables, limits.memory_limit_bytes)
+        self._check_worker(worker_id, job.num_workers, "init")
 
     def _set_job(self, job: Job) -> None:
         self._policy = make_policy(job.mode, job.staleness, job.quorum)

@@ -82,6 +82,7 @@ def table_to_proto(t: TableSlice) -> ps_pb2.VariableSpec:
             init=t.init,
             init_scale=t.init_scale,
             seed=t.seed,
+            init_from=t.init_from,
         )
     )
     return spec
@@ -93,5 +94,5 @@ def table_from_proto(v: ps_pb2.VariableSpec) -> TableSlice:
     dim = int(v.shape[1]) if len(v.shape) == 2 else 0
     return TableSlice(
         v.name, dim, v.dtype, int(t.num_rows), int(t.row_start), int(t.row_end),
-        int(t.capacity), t.init, float(t.init_scale), int(t.seed),
+        int(t.capacity), t.init, float(t.init_scale), int(t.seed), t.init_from,
     )  # fmt: skip

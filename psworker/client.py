@@ -235,21 +235,29 @@ class PSClient:
         )
         jobs = shard_jobs(shard_map, layouts, self._buffers, group, job, proposed)
 
-        def init_one(shard: int) -> None:
+        def init_one(shard: int, check_only: bool = False) -> None:
             link = self.links[shard]
             job = job_to_proto(jobs[shard])
-            header = ps_pb2.InitHeader(worker_id=self.worker_id, job=job, has_values=send_values)
+            values = send_values and not check_only
+            header = ps_pb2.InitHeader(
+                worker_id=self.worker_id, job=job, has_values=values, check_only=check_only
+            )
 
             def stream() -> Iterator[bytes | ps_pb2.InitRequest]:
                 yield ps_pb2.InitRequest(header=header)
-                if send_values:
+                if values:
                     for key, array in pieces[shard].items():
                         yield from encode_chunk_messages(key, array, 2, self.chunk_bytes)
 
             reply = link.call("Init", lambda stub: stub.Init(stream(), timeout=self.timeout))
-            link.identity.check(reply.job_id, f"shard {shard} ({link.address})")
+            if not check_only:
+                link.identity.check(reply.job_id, f"shard {shard} ({link.address})")
 
         with self._stall.waiting("init (the initial values)", None if send_values else -1):
+            if send_values and any(t.init_from for t in tables.values()):
+                # Every shard reads its rows of the file first: one that cannot leaves none
+                # holding the job (a retry would otherwise mix old rows with new).
+                self._fan_out(lambda shard: init_one(shard, check_only=True))
             self._fan_out(init_one)
         self.shards.place(shard_map, layouts)
         self.step = min(int(r.clock) for r in registered)

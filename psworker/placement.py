@@ -354,7 +354,7 @@ class TableLayout:
         start, end = (self.bounds[shard], self.bounds[shard + 1]) if self.bounds else (0, 0)
         return TableSlice(
             self.name, t.dim, t.dtype, t.num_rows or 0, start, end, t.capacity, t.init,
-            t.init_scale, t.seed,
+            t.init_scale, t.seed, t.init_from,
         )  # fmt: skip
 
     def check_ids(self, ids: np.ndarray, what: str) -> None:

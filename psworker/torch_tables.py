@@ -30,11 +30,12 @@ class _RemoteTable(torch.nn.Module):
         init_scale: float = 1.0,
         seed: int = 0,
         capacity: int = 0,
+        init_from: str = "",
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.table = Table(
-            num_embeddings, embedding_dim, "float32", init, init_scale, seed, capacity
+            num_embeddings, embedding_dim, "float32", init, init_scale, seed, capacity, init_from
         )
         self.client = client
         self.name = name
@@ -136,7 +137,9 @@ class Embedding(_RemoteTable):
     Each forward pulls only the distinct ids of its batch; backward gives those rows'
     gradient, which ``DistributedOptimizer.step()`` pushes as a ``RowSparse``: no worker ever
     holds the table. Rows start as N(0, init_scale**2) (``init="normal"``, scale 1 as in
-    torch), ``"uniform"`` or ``"zeros"``, drawn from ``(seed, id)``.
+    torch), ``"uniform"`` or ``"zeros"``, drawn from ``(seed, id)``; or, for a fixed table,
+    from a file each shard reads (``init_from``: a ``.safetensors`` file with the table under
+    ``name``, as ``psctl export`` writes it, or a ``.npy`` array).
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

@@ -123,7 +123,8 @@ Global___VariableSpec: _TypeAlias = VariableSpec  # noqa: Y015
 @_typing.final
 class TableSpec(_message.Message):
     """One shard's part of an embedding table. Rows start from a seeded initialiser, a function of
-    (seed, id) alone, so no worker ever sends (or holds) the whole table.
+    (seed, id) alone, or from a file the shard reads, so no worker ever sends (or holds) the
+    whole table.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -135,6 +136,7 @@ class TableSpec(_message.Message):
     INIT_FIELD_NUMBER: _builtins.int
     INIT_SCALE_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    INIT_FROM_FIELD_NUMBER: _builtins.int
     num_rows: _builtins.int
     """rows of the whole table; 0: dynamic (any int64 id, a row is"""
     row_start: _builtins.int
@@ -150,6 +152,8 @@ class TableSpec(_message.Message):
     """
     init_scale: _builtins.float
     seed: _builtins.int
+    init_from: _builtins.str
+    """fixed tables: rows read from this file on the shard's host"""
     def __init__(
         self,
         *,
@@ -160,10 +164,11 @@ class TableSpec(_message.Message):
         init: _builtins.str = ...,
         init_scale: _builtins.float = ...,
         seed: _builtins.int = ...,
+        init_from: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "init", b"init", "init_scale", b"init_scale", "num_rows", b"num_rows", "row_end", b"row_end", "row_start", b"row_start", "seed", b"seed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "init", b"init", "init_from", b"init_from", "init_scale", b"init_scale", "num_rows", b"num_rows", "row_end", b"row_end", "row_start", b"row_start", "seed", b"seed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -504,9 +509,12 @@ class InitHeader(_message.Message):
     WORKER_ID_FIELD_NUMBER: _builtins.int
     JOB_FIELD_NUMBER: _builtins.int
     HAS_VALUES_FIELD_NUMBER: _builtins.int
+    CHECK_ONLY_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.int
     has_values: _builtins.bool
     """chunks with initial values follow"""
+    check_only: _builtins.bool
+    """only check what init would refuse (the job, tables' files):"""
     @_builtins.property
     def job(self) -> Global___JobSpec: ...
     def __init__(
@@ -515,10 +523,11 @@ class InitHeader(_message.Message):
         worker_id: _builtins.int = ...,
         job: Global___JobSpec | None = ...,
         has_values: _builtins.bool = ...,
+        check_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_values", b"has_values", "job", b"job", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["check_only", b"check_only", "has_values", b"has_values", "job", b"job", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -108,6 +108,37 @@ def test_row_ids_travel_in_the_first_chunk_like_protobuf():
         ChunkAssembler().add(bad)
 
 
+def test_a_table_from_a_file_holds_its_rows_and_restores_without_the_file(tmp_path):
+    whole = np.arange(24, dtype=np.float32).reshape(8, 3) / 10
+    np.save(tmp_path / "emb.npy", whole)
+    spec = TableSlice(
+        "emb", 3, num_rows=8, row_start=4, row_end=8, init_from=str(tmp_path / "emb.npy")
+    )
+    job = Job(
+        "async", 0, 1, Adam(lr=0.1), (VarSpec("emb", (4, 3), "float32", table=spec),), "digest"
+    )
+    shard = Shard()
+    shard.check_init(0, job)  # reads the file, holds nothing
+    assert not shard.status().initialized
+    shard.init(0, job, {})
+    (tmp_path / "emb.npy").unlink()  # every row was read when the table was made
+    rows, _ = shard.pull(0, 0, rows=[("emb", np.array([7, 4]))])
+    assert np.array_equal(rows["emb"], whole[[7, 4]])
+    shard.push(0, 0, {"emb": RowSparse([5], np.ones((1, 3), np.float32))})
+    saved = tmp_path / "ckpt"
+    path = Checkpointer(saved).save(shard.export_state())
+    restored = Shard()
+    restored.restore(Checkpointer(saved).load(path))
+    restored.check_init(0, job)  # holds values: reads no file
+    restored.init(0, job, None)  # the same job, init_from and all
+    ids = np.arange(4, 8)
+    a, _ = shard.pull(0, 1, rows=[("emb", ids)])
+    b, _ = restored.pull(0, 1, rows=[("emb", ids)])
+    assert np.array_equal(a["emb"], b["emb"]) and not np.array_equal(a["emb"], whole[4:])
+    with pytest.raises(InvalidRequestError, match=r"init_from '.*emb.npy' could not be read"):
+        Shard().check_init(0, job)
+
+
 def test_checkpoint_round_trips_fixed_and_dynamic_tables(tmp_path):
     fixed = TableSlice("emb", 3, num_rows=8, row_start=4, row_end=8, init="uniform", seed=2)
     dynamic = TableSlice("hashed", 2, capacity=3, seed=5)

@@ -1,0 +1,116 @@
+"""A fixed table's rows from a file (``Table(..., init_from=...)``): a table trained on two
+shards and exported goes on from three, bit for bit; a file that cannot be the table's is
+refused at init, naming the table and the file, and leaves the shards as they were."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import psworker
+from pscore.tables import RowSparse, Table
+from psctl.admin import export_state_dict
+from pswire.errors import InvalidRequestError
+from psworker.link import shard_status
+
+ROWS, DIM = 11, 3
+NAME = "user.weight"
+
+
+def trained_and_exported(shards, path: Path) -> np.ndarray:
+    """Trains a table on 2 shards (a few rows, SGD) and exports it; returns its rows."""
+    addresses = [s.address for s in shards(2)]
+    with psworker.connect(addresses, mode="async") as client:
+        client.init(
+            {"fc": np.ones(2, np.float32)},
+            psworker.SGD(lr=0.5),
+            tables={NAME: Table(ROWS, DIM, init="uniform", seed=4)},
+        )
+        for ids in ([0, 5, 10], [5, 6]):
+            client.push({NAME: RowSparse(ids, np.full((len(ids), DIM), 0.25, np.float32))})
+        rows = client.pull_rows(NAME, np.arange(ROWS))
+    export_state_dict(addresses, path, timeout=10)
+    return rows
+
+
+def test_a_table_trained_on_two_shards_goes_on_from_three(shards, tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    trained = trained_and_exported(shards, path)
+    addresses = [s.address for s in shards(3)]
+    tables = {NAME: Table(ROWS, DIM, init_from=str(path))}
+    with psworker.connect(addresses, mode="sync") as client:
+        client.init({"fc": np.ones(2, np.float32)}, psworker.SGD(lr=1.0), tables=tables)
+        path.unlink()  # read once, when the table was made: nothing later needs the file
+        assert np.array_equal(client.pull_rows(NAME, np.arange(ROWS)), trained)
+        # Each of the three shards holds its own range of the rows (ids 0-3, 4-6, 7-10).
+        client.push({NAME: RowSparse([1, 5, 9], np.ones((3, DIM), np.float32))})
+        after = client.pull_rows(NAME, np.arange(ROWS))
+    expected = trained.copy()
+    expected[[1, 5, 9]] -= 1.0
+    assert np.array_equal(after, expected)
+    # Worker 0 started again, its file gone: the shards hold the rows and read nothing.
+    with psworker.connect(addresses, mode="sync") as client:
+        client.init({"fc": np.ones(2, np.float32)}, psworker.SGD(lr=1.0), tables=tables)
+        assert np.array_equal(client.pull_rows(NAME, np.arange(ROWS)), expected)
+
+
+def test_local_mode_reads_an_npy_file(tmp_path: Path) -> None:
+    rows = np.arange(ROWS * DIM, dtype=np.float32).reshape(ROWS, DIM)
+    np.save(tmp_path / "emb.npy", rows)
+    with psworker.connect(mode="local") as client:
+        table = Table(ROWS, DIM, init_from=str(tmp_path / "emb.npy"))
+        client.init({}, psworker.SGD(lr=1.0), tables={"emb": table})
+        assert np.array_equal(client.pull_rows("emb", [10, 0, 3]), rows[[10, 0, 3]])
+
+
+def bad_files(tmp_path: Path) -> list[tuple[str, str]]:
+    """(path, what the error says) for files that cannot be the table's rows."""
+    good = np.zeros((ROWS, DIM), np.float32)
+    nan = good.copy()
+    nan[7, 1] = np.nan
+    save_file({"other": good}, str(tmp_path / "other.safetensors"))
+    save_file({NAME: good[:, :2].copy()}, str(tmp_path / "narrow.safetensors"))
+    save_file({NAME: good.astype(np.float64)}, str(tmp_path / "double.safetensors"))
+    np.save(tmp_path / "nan.npy", nan)
+    (tmp_path / "torn.safetensors").write_bytes(b"not a safetensors file")
+    return [
+        (str(tmp_path / "missing.safetensors"), "could not be read on this host"),
+        (str(tmp_path / "other.safetensors"), rf"holds no tensor '{NAME}'.*\['other'\]"),
+        (str(tmp_path / "narrow.safetensors"), r"shape \(11, 2\) and dtype float32; .* \(11, 3\)"),
+        (str(tmp_path / "double.safetensors"), r"dtype float64; the table is \(11, 3\) float32"),
+        (str(tmp_path / "nan.npy"), "row 7 is not finite"),
+        (str(tmp_path / "torn.safetensors"), "could not be read on this host"),
+    ]
+
+
+def test_a_file_that_cannot_be_the_tables_is_refused_and_changes_nothing(
+    shards, tmp_path: Path
+) -> None:
+    addresses = [s.address for s in shards(2)]
+    for path, says in bad_files(tmp_path):
+        tables = {NAME: Table(ROWS, DIM, init_from=path)}
+        with (
+            psworker.connect(addresses, mode="sync", timeout=10) as client,
+            pytest.raises(InvalidRequestError, match=says) as info,
+        ):
+            client.init({"fc": np.ones(2, np.float32)}, psworker.SGD(lr=1.0), tables=tables)
+        assert f"table '{NAME}': init_from '{path}'" in str(info.value)
+        assert info.value.status == "INVALID_ARGUMENT"
+        assert not any(s.initialized for s in shard_status(addresses, 5.0)), path  # no job
+    # The same shards then start the table from its seeded rows.
+    with psworker.connect(addresses, mode="sync", timeout=10) as client:
+        client.init(
+            {"fc": np.ones(2, np.float32)}, psworker.SGD(lr=1.0), tables={NAME: Table(ROWS, DIM)}
+        )
+        assert client.pull_rows(NAME, [3]).shape == (1, DIM)
+
+
+def test_only_a_fixed_table_from_a_file_it_can_read() -> None:
+    with pytest.raises(psworker.ConfigError, match="only a fixed table"):
+        Table(None, DIM, init_from="rows.npy")
+    with pytest.raises(psworker.ConfigError, match=r"'rows.pt': expected a file ending in"):
+        Table(ROWS, DIM, init_from="rows.pt")
+    assert Table(ROWS, DIM, init_from="rows.npy").init_from == str(Path.cwd() / "rows.npy")
