@@ -191,6 +191,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cli.add(
         parser,
+        "--table-files",
+        env="PS_TABLE_FILES",
+        default=_DEFAULT_LIMITS.table_files,
+        help="the folder (with its subfolders) whose files an embedding table may start from "
+        "(a worker's Table(init_from=...)); a file elsewhere is refused [default: the working "
+        "directory]",
+    )
+    cli.add(
+        parser,
         "--max-inflight-bytes",
         env="PS_MAX_INFLIGHT_BYTES",
         type=int,
@@ -393,6 +402,7 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                 memory_limit_bytes=(
                     physical_memory() if args.memory_limit is None else args.memory_limit
                 ),
+                table_files=args.table_files,
             ),
             grace_s=args.grace,
             log_level=args.log_level,

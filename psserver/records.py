@@ -29,6 +29,10 @@ class Limits:
     memory_limit_bytes: int = 0
     # A worker id held by a process heard within this long is refused to another process.
     claim_grace_s: float = 5.0
+    # The folder (and its subfolders) a table's init_from file must be in: a worker names the
+    # file and reads it back through the table's rows, so no file elsewhere on this host is
+    # reachable. Relative to the shard's working directory.
+    table_files: str = "."
 
 
 @dataclass

@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -166,6 +167,7 @@ class Shard:
             )
         state = Variables()
         if values is not None and not self._ready:  # unlocked peek: a waste at worst
+            self._check_table_files(job)
             state.install(job, values, take)
         with self._cond:
             if self._agreement.declare(worker_id, job):
@@ -194,10 +196,22 @@ class Shard:
         self._check_job(worker_id, job)
         if self._ready:  # unlocked peek: init would install nothing
             return
+        self._check_table_files(job)
         for key, spec in job.specs.items():
             if spec.table is not None and spec.table.init_from:
                 spec.table.check(job.optimizer_of(key))
                 rows_from_file(spec.table)
+
+    def _check_table_files(self, job: Job) -> None:
+        """Raises InvalidRequestError for a table file outside ``limits.table_files``."""
+        folder = Path(self.limits.table_files).resolve()
+        for key, spec in job.specs.items():
+            path = spec.table.init_from if spec.table is not None else ""
+            if path and not Path(path).resolve().is_relative_to(folder):
+                raise InvalidRequestError(
+                    f"table '{key}': init_from {path!r} is outside the folder this "
+                    f"shard reads table files from, {str(folder)!r} (psserver --table-files)"
+                )
 
     def _check_job(self, worker_id: int, job: Job) -> None:
         limits = self.limits

@@ -13,6 +13,7 @@ from safetensors.numpy import save_file
 import psworker
 from pscore.tables import RowSparse, Table
 from psctl.admin import export_state_dict
+from psserver.records import Limits
 from pswire.errors import InvalidRequestError
 from psworker.link import shard_status
 
@@ -39,7 +40,7 @@ def trained_and_exported(shards, path: Path) -> np.ndarray:
 def test_a_table_trained_on_two_shards_goes_on_from_three(shards, tmp_path: Path) -> None:
     path = tmp_path / "model.safetensors"
     trained = trained_and_exported(shards, path)
-    addresses = [s.address for s in shards(3)]
+    addresses = [s.address for s in shards(3, Limits(table_files=str(tmp_path)))]
     tables = {NAME: Table(ROWS, DIM, init_from=str(path))}
     with psworker.connect(addresses, mode="sync") as client:
         client.init({"fc": np.ones(2, np.float32)}, psworker.SGD(lr=1.0), tables=tables)
@@ -89,8 +90,14 @@ def bad_files(tmp_path: Path) -> list[tuple[str, str]]:
 def test_a_file_that_cannot_be_the_tables_is_refused_and_changes_nothing(
     shards, tmp_path: Path
 ) -> None:
-    addresses = [s.address for s in shards(2)]
-    for path, says in bad_files(tmp_path):
+    folder = tmp_path / "tables"  # the shards read table files from here only
+    folder.mkdir()
+    addresses = [s.address for s in shards(2, Limits(table_files=str(folder)))]
+    np.save(tmp_path / "elsewhere.npy", np.zeros((ROWS, DIM), np.float32))  # a good file
+    (folder / "link.npy").symlink_to(tmp_path / "elsewhere.npy")
+    outside = r"is outside the folder this shard reads table files from, '.*tables' \(psserver"
+    cases = [(str(tmp_path / "elsewhere.npy"), outside), (str(folder / "link.npy"), outside)]
+    for path, says in bad_files(folder) + cases:
         tables = {NAME: Table(ROWS, DIM, init_from=path)}
         with (
             psworker.connect(addresses, mode="sync", timeout=10) as client,

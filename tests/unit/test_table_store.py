@@ -10,6 +10,7 @@ from pscore.optim import SGD, Adagrad, Adam
 from pscore.rowstore import RowStore
 from pscore.tables import RowSparse, Table, TableSlice, init_rows, sum_duplicates
 from psserver.checkpoint import Checkpointer
+from psserver.records import Limits
 from psserver.shard import Shard
 from pswire.codec import ChunkAssembler
 from pswire.errors import InvalidRequestError, ModelMismatchError
@@ -117,7 +118,7 @@ def test_a_table_from_a_file_holds_its_rows_and_restores_without_the_file(tmp_pa
     job = Job(
         "async", 0, 1, Adam(lr=0.1), (VarSpec("emb", (4, 3), "float32", table=spec),), "digest"
     )
-    shard = Shard()
+    shard = Shard(Limits(table_files=str(tmp_path)))
     shard.check_init(0, job)  # reads the file, holds nothing
     assert not shard.status().initialized
     shard.init(0, job, {})
@@ -127,7 +128,7 @@ def test_a_table_from_a_file_holds_its_rows_and_restores_without_the_file(tmp_pa
     shard.push(0, 0, {"emb": RowSparse([5], np.ones((1, 3), np.float32))})
     saved = tmp_path / "ckpt"
     path = Checkpointer(saved).save(shard.export_state())
-    restored = Shard()
+    restored = Shard()  # its table files' folder is elsewhere: it reads none
     restored.restore(Checkpointer(saved).load(path))
     restored.check_init(0, job)  # holds values: reads no file
     restored.init(0, job, None)  # the same job, init_from and all
@@ -136,7 +137,7 @@ def test_a_table_from_a_file_holds_its_rows_and_restores_without_the_file(tmp_pa
     b, _ = restored.pull(0, 1, rows=[("emb", ids)])
     assert np.array_equal(a["emb"], b["emb"]) and not np.array_equal(a["emb"], whole[4:])
     with pytest.raises(InvalidRequestError, match=r"init_from '.*emb.npy' could not be read"):
-        Shard().check_init(0, job)
+        Shard(Limits(table_files=str(tmp_path))).check_init(0, job)
 
 
 def test_checkpoint_round_trips_fixed_and_dynamic_tables(tmp_path):
@@ -249,3 +250,12 @@ def test_a_fixed_slice_untouched_until_export_exports_its_seeded_rows() -> None:
     buffer = np.zeros((9, 4), np.float32)
     buffer[7] = 1.0
     assert state.slots["momentum_buffer"].tobytes() == buffer.tobytes()
+
+
+def test_the_table_files_folder_is_a_psserver_flag_and_env(monkeypatch):
+    from psserver.config import parse_config
+
+    assert parse_config([]).limits.table_files == "."
+    assert parse_config(["--table-files", "/data/tables"]).limits.table_files == "/data/tables"
+    monkeypatch.setenv("PS_TABLE_FILES", "/mnt/t")
+    assert parse_config([]).limits.table_files == "/mnt/t"
