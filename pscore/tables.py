@@ -162,7 +162,7 @@ def _row_file_problem(path: str, num_rows: int) -> str:
 
 def rows_from_file(spec: TableSlice) -> np.ndarray:
     """This slice's rows, ``[row_start, row_end)``, from its table's ``init_from`` file, read
-    on this host: only that range is read (a new array of it).
+    on this host: only that range is read (a read-only view of a mapped .npy file; copy it).
 
     Raises:
         InvalidRequestError: naming the table and the file: it cannot be read here, holds no
@@ -192,7 +192,7 @@ def _read_rows(spec: TableSlice, where: str) -> tuple[tuple[int, ...], str, np.n
     if spec.init_from.endswith(".npy"):
         whole = np.load(spec.init_from, mmap_mode="r", allow_pickle=False)
         fits = whole.shape == expected and whole.dtype == spec.dtype
-        rows = np.array(whole[spec.row_start : spec.row_end]) if fits else None
+        rows = whole[spec.row_start : spec.row_end] if fits else None  # mapped, read-only
         return whole.shape, str(whole.dtype), rows
     with safe_open(spec.init_from, framework="np") as f:
         names = f.keys()
