@@ -299,6 +299,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._stepped: set[int] = set()  # parameters a backward reached since the last step
         self._together = 1  # how many models train through the client (for_models)
         self._stale_warned = False
+        # Each parameter's autograd version after the last step loaded the job's weights into
+        # it (None: this model keeps its own values, or nothing is loaded yet); see
+        # _warn_overwritten.
+        self._versions: dict[str, int] | None = None
+        self._overwrite_warned = False
         self._overlap = None  # overlap=True: set by the constructor after init
         self._trial = None  # overlap="auto" in the parameter-server modes: set after init
 
@@ -349,6 +354,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         started = time.perf_counter()
         pushed_step = self.client.step
+        self._warn_overwritten()
         overlapped = self._overlap is not None and self._overlap.armed
         loss = None
         if closure is not None:
@@ -393,6 +399,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # (e.g. G's graph after a D step that also stepped G's stale gradient).
             for name in grads:
                 torch.autograd.graph.increment_version(self._params[name])
+        self._remember_versions()
         if self._log.active:
             sent = sum(int(a.nbytes) for a in outgoing.values())
             sent += 0 if skip else sum(int(g.nbytes) for g in rows.values())
@@ -459,6 +466,39 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if changed:
                 out[self._first_group + index] = changed
         return out
+
+    def _remember_versions(self) -> None:
+        """Notes each parameter's autograd version once the job's weights are loaded into the
+        model, where a step replaces the model's weights with them: the parameter-server
+        modes, and any model on a GPU (not with overlap, whose pulls land during forward)."""
+        held = isinstance(self.client, Replica) and not self._staging.pin
+        if not held and self._overlap is None:
+            self._versions = {n: p._version for n, p in self._params.items()}
+
+    def _warn_overwritten(self) -> None:
+        """Warns (once) when the script changed parameters in place since the job's weights
+        were last loaded into them (``model.load_state_dict`` after this optimizer was made,
+        a write under ``torch.no_grad()``): this step replaces them with the job's weights, so
+        the change would be lost without a word. A write through ``.data`` is not seen."""
+        versions = self._versions
+        if versions is None or self._overwrite_warned or self._overlap is not None:
+            return
+        changed = [n for n, p in self._params.items() if p._version != versions.get(n)]
+        if changed:
+            self._overwrite_warned = True
+            shown = ", ".join(changed[:4]) + (", ..." if len(changed) > 4 else "")
+            warnings.warn(
+                f"step(): the script changed {len(changed)} parameters ({shown}) in place "
+                f"since the job's weights were loaded into the model (model.load_state_dict "
+                f"after the DistributedOptimizer was made? a write under torch.no_grad()?). "
+                f"In {self.client.mode!r} mode{' with a GPU model' if self._staging.pin else ''} "
+                "the job's weights live outside the model (on the shards, or in the client for "
+                "a GPU model): this step loads them into it, and that change is lost. To change "
+                "the job's weights, "
+                "call opt.load_state_dict(...) after model.load_state_dict (every worker), or "
+                "load the weights before making the DistributedOptimizer",
+                stacklevel=3,
+            )
 
     def _warn_stale(self, grads: dict[str, torch.Tensor]) -> None:
         """Warns (once) when this step applies gradients no backward reached since the last
@@ -552,6 +592,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             }
             self.client.load_state(values, slots, state_digest(slots, groups))
             self._staging.to_device(self.client.pull(), everything)
+        self._remember_versions()
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         yield from self._params.values()
@@ -612,6 +653,7 @@ def _init_together(client: Client, parts: list[DistributedOptimizer]) -> None:
     for part in parts:
         part._together = len(parts)
         part._finish()
+        part._remember_versions()
 
 
 def _unscale(scaler: Any, opt: DistributedOptimizer, rows: dict[str, Any]) -> bool:

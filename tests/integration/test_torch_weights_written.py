@@ -1,0 +1,81 @@
+"""A weight the script writes between steps: in the parameter-server modes the step loads the
+shards' weights into the model, so the write is lost; it must not be lost without a word (the
+common case: ``model.load_state_dict`` of pretrained weights after the optimizer was made)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import psworker  # noqa: E402
+from psworker.torch import DistributedOptimizer  # noqa: E402
+
+LOST = r"changed 1 parameters \(0.weight\) in place .* 'sync' mode .* that change is lost"
+
+
+def net() -> torch.nn.Module:
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3, bias=False), torch.nn.Tanh())
+    with torch.no_grad():
+        model[0].weight.copy_(torch.randn(3, 4, generator=g))
+    return model
+
+
+def train(opt: DistributedOptimizer, steps: int) -> None:
+    x = torch.ones(2, 4)
+    for _ in range(steps):
+        opt.zero_grad()
+        opt.model(x).sum().backward()
+        opt.step()
+
+
+def test_pretrained_weights_loaded_after_the_optimizer_are_named_in_a_warning(shards):
+    address = shards(1)[0].address
+    pretrained = {"0.weight": torch.full((3, 4), 0.5)}
+    with psworker.connect([address], mode="sync") as client:
+        model = net()
+        opt = DistributedOptimizer(model, client, psworker.SGD(lr=0.1))
+        opt.model = model
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # plain training warns of nothing
+            train(opt, 2)
+        model.load_state_dict(pretrained)  # too late: the shards hold the job's weights
+        with pytest.warns(UserWarning, match=LOST):
+            train(opt, 1)
+        assert (model[0].weight - 0.5).abs().max() > 0.3  # the loaded 0.5s are gone
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once
+            model.load_state_dict(pretrained)
+            train(opt, 1)
+
+
+def test_weights_made_the_jobs_through_the_optimizer_warn_of_nothing(shards):
+    address = shards(1)[0].address
+    with psworker.connect([address], mode="sync") as client:
+        model = net()
+        opt = DistributedOptimizer(model, client, psworker.SGD(lr=0.1))
+        opt.model = model
+        train(opt, 1)
+        model.load_state_dict({"0.weight": torch.full((3, 4), 0.5)})
+        opt.load_state_dict(opt.state_dict())  # the model's weights become the job's
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            train(opt, 1)
+        assert model[0].weight.abs().max() < 0.6  # trained from the loaded 0.5s
+
+
+def test_local_mode_keeps_the_write_and_warns_of_nothing():
+    with psworker.connect(mode="local") as client:
+        model = net()
+        opt = DistributedOptimizer(model, client, psworker.SGD(lr=0.0))
+        opt.model = model
+        train(opt, 1)
+        with torch.no_grad():
+            model[0].weight.fill_(0.25)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            train(opt, 1)
+        assert torch.equal(model[0].weight, torch.full((3, 4), 0.25))  # lr 0: kept as written
