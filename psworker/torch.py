@@ -489,13 +489,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             shown = ", ".join(changed[:4]) + (", ..." if len(changed) > 4 else "")
             warnings.warn(
                 f"step(): the script changed {len(changed)} parameters ({shown}) in place "
-                f"since the job's weights were loaded into the model (model.load_state_dict "
-                f"after the DistributedOptimizer was made? a write under torch.no_grad()?). "
+                "since the job's weights were loaded into the model (model.load_state_dict "
+                "after the DistributedOptimizer was made? a write under torch.no_grad()?). "
                 f"In {self.client.mode!r} mode{' with a GPU model' if self._staging.pin else ''} "
                 "the job's weights live outside the model (on the shards, or in the client for "
                 "a GPU model): this step loads them into it, and that change is lost. To change "
-                "the job's weights, "
-                "call opt.load_state_dict(...) after model.load_state_dict (every worker), or "
+                "the job's weights, call opt.load_state_dict(...) after model.load_state_dict "
+                "(every worker), or "
                 "load the weights before making the DistributedOptimizer",
                 stacklevel=3,
             )
