@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,7 +42,7 @@ class _RemoteTable(torch.nn.Module):
         self.client = client
         self.name = name
         self.device = torch.device(device or "cpu")
-        self._pending: list[tuple[np.ndarray, torch.Tensor]] = []
+        self._pending: list[_Gathered] = []  # the forwards since the last step
         self._ahead: np.ndarray | None = None  # the next batch's distinct ids (prefetch)
         self._ready: tuple[np.ndarray, np.ndarray] | None = None  # (ids, rows) fetched
         # Stands for the table in parameter groups; never trained, never in state_dict.
@@ -106,27 +108,60 @@ class _RemoteTable(torch.nn.Module):
         rows = torch.from_numpy(pulled).to(self.device)
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
-            self._pending.append((unique, rows))
+            gathered = _Gathered(unique, rows)
+            rows.register_hook(functools.partial(self._backward_reached, gathered))
+            self._pending.append(gathered)
         index = torch.from_numpy(inverse.reshape(input.shape)).to(self.device)
         return rows, index
 
     def take_grads(self) -> RowSparse | None:
         """The row-sparse gradient of every forward since the last call (None: no rows got
         a gradient); forgets those forwards."""
-        parts = [(ids, rows.grad) for ids, rows in self._pending if rows.grad is not None]
+        now = self.handle.grad
+        parts = [g for g in self._pending if g.current(now)]
         self._pending = []
         if not parts:
             return None
-        ids = np.concatenate([p[0] for p in parts])
-        values = np.concatenate([g.detach().cpu().numpy() for _, g in parts])
+        ids = np.concatenate([g.ids for g in parts])
+        grads = [g.rows.grad for g in parts]  # none is None: current()
+        values = np.concatenate([t.detach().cpu().numpy() for t in grads if t is not None])
         return RowSparse(ids, values)
 
     def zero_row_grads(self) -> None:
         """Drops the row gradients of the forwards since the last step, as ``zero_grad`` does a
         parameter's. The forwards stay: a backward still to come (a loop that calls
         ``zero_grad`` between forward and backward) fills their rows' gradients again."""
-        for _, rows in self._pending:
-            rows.grad = None
+        for gathered in self._pending:
+            gathered.rows.grad = None
+
+    def _backward_reached(self, gathered: _Gathered, grad: torch.Tensor) -> None:
+        """A backward reached ``gathered``'s rows, whose gradient is about to accumulate.
+
+        ``model.zero_grad()`` (the module's, which never sees the rows) sets the handle's
+        gradient to None, as any parameter's. So the handle gets an empty gradient here when
+        it has none, and the rows belong to it: rows whose gradient belongs to an older one
+        were zeroed since, and drop it before this one accumulates; at step only rows of the
+        handle's current gradient count (none after a zero_grad that no backward followed).
+        """
+        now = self.handle.grad
+        if now is None:
+            now = self.handle.grad = torch.zeros(0, device=self.device)
+        if gathered.since is not now:
+            gathered.rows.grad = None
+            gathered.since = now
+
+
+@dataclass
+class _Gathered:
+    """One forward's distinct rows of a table, and the handle gradient their backward saw."""
+
+    ids: np.ndarray
+    rows: torch.Tensor
+    since: torch.Tensor | None = None
+
+    def current(self, handle_grad: torch.Tensor | None) -> bool:
+        """Whether these rows hold a gradient no zero_grad has cleared since."""
+        return self.rows.grad is not None and handle_grad is not None and self.since is handle_grad
 
 
 class Embedding(_RemoteTable):

@@ -279,11 +279,14 @@ def test_a_shard_restarted_between_calls_resumes_tables_and_the_worker_replays(t
     assert clean.tobytes() == faulty.tobytes()
 
 
-@pytest.mark.parametrize("order", ["zero_grad_after_forward", "a_discarded_backward_first"])
+@pytest.mark.parametrize(
+    "order", ["zero_grad_after_forward", "a_discarded_backward_first", "the_modules_zero_grad"]
+)
 def test_zero_grad_between_forward_and_backward_keeps_the_tables_gradient(order):
     # torch allows zero_grad anywhere before backward; it clears gradients, not forwards. A
     # zero_grad after the forward once dropped the table's rows silently: the dense layers
-    # trained and the table never moved.
+    # trained and the table never moved. And model.zero_grad() once left a discarded
+    # backward's rows to be pushed.
     ids, y = data(4 * BATCH)
 
     def run(order: str) -> tuple[np.ndarray, np.ndarray]:
@@ -302,7 +305,9 @@ def test_zero_grad_between_forward_and_backward_keeps_the_tables_gradient(order)
                     pending.backward()
                 else:  # a whole backward whose gradient zero_grad discards, then the real one
                     loss(slice(3 * BATCH, 4 * BATCH)).backward()
-                    opt.zero_grad()
+                    # The module's own zero_grad (a GAN's netD.zero_grad()) never sees the
+                    # rows; it must discard their gradient all the same.
+                    (net if order == "the_modules_zero_grad" else opt).zero_grad()
                     loss().backward()
                 opt.step()
             return client.pull_rows("emb", np.arange(ROWS)), net.head.weight.detach().numpy()
