@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,7 +110,10 @@ class _RemoteTable(torch.nn.Module):
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
             gathered = _Gathered(unique, rows)
-            rows.register_hook(functools.partial(self._backward_reached, gathered))
+            # Weakly: the hook lives on the rows, which the entry holds (no cycle to collect).
+            rows.register_hook(
+                functools.partial(_backward_reached, self.handle, weakref.ref(gathered))
+            )
             self._pending.append(gathered)
         index = torch.from_numpy(inverse.reshape(input.shape)).to(self.device)
         return rows, index
@@ -134,22 +138,6 @@ class _RemoteTable(torch.nn.Module):
         for gathered in self._pending:
             gathered.rows.grad = None
 
-    def _backward_reached(self, gathered: _Gathered, grad: torch.Tensor) -> None:
-        """A backward reached ``gathered``'s rows, whose gradient is about to accumulate.
-
-        ``model.zero_grad()`` (the module's, which never sees the rows) sets the handle's
-        gradient to None, as any parameter's. So the handle gets an empty gradient here when
-        it has none, and the rows belong to it: rows whose gradient belongs to an older one
-        were zeroed since, and drop it before this one accumulates; at step only rows of the
-        handle's current gradient count (none after a zero_grad that no backward followed).
-        """
-        now = self.handle.grad
-        if now is None:
-            now = self.handle.grad = torch.zeros(0, device=self.device)
-        if gathered.since is not now:
-            gathered.rows.grad = None
-            gathered.since = now
-
 
 @dataclass
 class _Gathered:
@@ -162,6 +150,28 @@ class _Gathered:
     def current(self, handle_grad: torch.Tensor | None) -> bool:
         """Whether these rows hold a gradient no zero_grad has cleared since."""
         return self.rows.grad is not None and handle_grad is not None and self.since is handle_grad
+
+
+def _backward_reached(
+    handle: torch.Tensor, entry: weakref.ref[_Gathered], grad: torch.Tensor
+) -> None:
+    """A backward reached an entry's rows, whose gradient is about to accumulate.
+
+    ``model.zero_grad()`` (the module's, which never sees the rows) sets the table handle's
+    gradient to None, as any parameter's. So the handle gets an empty gradient here when it
+    has none, and the rows belong to it: rows whose gradient belongs to an older one were
+    zeroed since, and drop it before this one accumulates; at step only rows of the handle's
+    current gradient count (none after a zero_grad that no backward followed).
+    """
+    gathered = entry()
+    if gathered is None:  # stepped already: a backward through an old graph counts nowhere
+        return
+    now = handle.grad
+    if now is None:
+        now = handle.grad = torch.zeros(0, device=handle.device)
+    if gathered.since is not now:
+        gathered.rows.grad = None
+        gathered.since = now
 
 
 class Embedding(_RemoteTable):
