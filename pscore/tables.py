@@ -1,8 +1,9 @@
-"""Row-sparse embedding tables: their description, checks and seeded rows.
+"""Row-sparse embedding tables: their description, checks, seeded rows and rows from a file.
 
 Shared by the shards and the clients, which must agree on all of it: a slice's ids, the
 initial value of every row (a pure function of the seed and the id, so a row is the same on
-any shard, after an eviction, and in ``local`` mode). Which shard holds an id is the client's
+any shard, after an eviction, and in ``local`` mode; or a fixed table's rows read from a file,
+``rows_from_file``). Which shard holds an id is the client's
 business (``psworker.placement``); the row storage and sparse optimizer step are
 ``pscore.rowstore``; the wire form is ``pswire.jobspec``.
 """
