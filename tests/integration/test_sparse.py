@@ -316,3 +316,29 @@ def test_zero_grad_between_forward_and_backward_keeps_the_tables_gradient(order)
     assert not np.array_equal(rows, dense_embedding(False).weight.detach().numpy())  # trained
     got_rows, got_head = run(order)
     assert np.array_equal(got_rows, rows) and np.array_equal(got_head, head)
+
+
+def test_unscale_and_clip_before_step_keep_the_tables_gradient():
+    # The AMP loop that clips: scaler.unscale_(opt), clip_grad_norm_, scaler.step(opt). Both
+    # write the table handle's empty gradient in place; the rows' gradient must still count,
+    # unscaled once (equal to the same loop without the scaler, whose scale is a power of 2).
+    ids, y = data(3 * BATCH)
+
+    def run(scaled: bool) -> np.ndarray:
+        with psworker.connect(mode="local") as client:
+            net = Net(Embedding(ROWS, DIM, client, name="emb"), bag=False)
+            opt = DistributedOptimizer(net, client, psworker.SGD(lr=0.5))
+            scaler = torch.amp.GradScaler("cpu", enabled=scaled)
+            for t in range(3):
+                b = slice(BATCH * t, BATCH * (t + 1))
+                opt.zero_grad()
+                scaler.scale(torch.nn.functional.mse_loss(net(ids[b]), y[b])).backward()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 1e9)  # a no-op clip
+                scaler.step(opt)
+                scaler.update()
+            return client.pull_rows("emb", np.arange(ROWS))
+
+    rows = run(scaled=True)
+    assert not np.array_equal(rows, dense_embedding(False).weight.detach().numpy())  # trained
+    assert np.array_equal(rows, run(scaled=False))
