@@ -486,17 +486,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         changed = [n for n, p in self._params.items() if p._version != versions.get(n)]
         if changed:
             self._overwrite_warned = True
-            shown = ", ".join(changed[:4]) + (", ..." if len(changed) > 4 else "")
             warnings.warn(
-                f"step(): the script changed {len(changed)} parameters ({shown}) in place "
-                "since the job's weights were loaded into the model (model.load_state_dict "
+                f"step(): the script changed {len(changed)} parameters ({_few(changed)}) in "
+                "place since the job's weights were loaded into the model (model.load_state_dict "
                 "after the DistributedOptimizer was made? a write under torch.no_grad()?). "
                 f"In {self.client.mode!r} mode{' with a GPU model' if self._staging.pin else ''} "
                 "the job's weights live outside the model (on the shards, or in the client for "
                 "a GPU model): this step loads them into it, and that change is lost. To change "
                 "the job's weights, call opt.load_state_dict(...) after model.load_state_dict "
-                "(every worker), or "
-                "load the weights before making the DistributedOptimizer",
+                "(every worker), or load the weights before making the DistributedOptimizer",
                 stacklevel=3,
             )
 
@@ -510,9 +508,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         stale = [n for n, g in grads.items() if id(self._params[n]) not in reached]
         if stale:
             self._stale_warned = True
-            shown = ", ".join(stale[:4]) + (", ..." if len(stale) > 4 else "")
             warnings.warn(
-                f"step() applies the gradients of {len(stale)} parameters ({shown}) that no "
+                f"step() applies the gradients of {len(stale)} parameters ({_few(stale)}) that no "
                 "backward() reached since the last step(), as torch.optim does: they are "
                 "applied again. With two models (a GAN's D and G) give each its own optimizer: "
                 "DistributedOptimizer.for_models(client, D=(netD, optD), G=(netG, optG)), or "
@@ -596,6 +593,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         yield from self._params.values()
+
+
+def _few(names: list[str]) -> str:
+    """The first four names, for a warning that names what it found."""
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
 def _init_together(client: Client, parts: list[DistributedOptimizer]) -> None:
