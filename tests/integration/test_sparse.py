@@ -280,7 +280,13 @@ def test_a_shard_restarted_between_calls_resumes_tables_and_the_worker_replays(t
 
 
 @pytest.mark.parametrize(
-    "order", ["zero_grad_after_forward", "a_discarded_backward_first", "the_modules_zero_grad"]
+    "order",
+    [
+        "zero_grad_after_forward",
+        "a_discarded_backward_first",
+        "the_modules_zero_grad",
+        "zero_grad_in_place",
+    ],
 )
 def test_zero_grad_between_forward_and_backward_keeps_the_tables_gradient(order):
     # torch allows zero_grad anywhere before backward; it clears gradients, not forwards. A
@@ -307,7 +313,10 @@ def test_zero_grad_between_forward_and_backward_keeps_the_tables_gradient(order)
                     loss(slice(3 * BATCH, 4 * BATCH)).backward()
                     # The module's own zero_grad (a GAN's netD.zero_grad()) never sees the
                     # rows; it must discard their gradient all the same.
-                    (net if order == "the_modules_zero_grad" else opt).zero_grad()
+                    if order == "zero_grad_in_place":
+                        opt.zero_grad(set_to_none=False)
+                    else:
+                        (net if order == "the_modules_zero_grad" else opt).zero_grad()
                     loss().backward()
                 opt.step()
             return client.pull_rows("emb", np.arange(ROWS)), net.head.weight.detach().numpy()
