@@ -133,10 +133,11 @@ class _RemoteTable(torch.nn.Module):
 
     def zero_row_grads(self) -> None:
         """Drops the row gradients of the forwards since the last step, as ``zero_grad`` does a
-        parameter's. The forwards stay: a backward still to come (a loop that calls
-        ``zero_grad`` between forward and backward) fills their rows' gradients again."""
-        for gathered in self._pending:
-            gathered.rows.grad = None
+        parameter's, by the one rule ``model.zero_grad()`` goes through (the handle's gradient
+        set to None; see ``_backward_reached``), whatever ``set_to_none``. The forwards stay: a
+        backward still to come (a loop that calls ``zero_grad`` between forward and backward)
+        fills their rows' gradients again."""
+        self.handle.grad = None
 
 
 @dataclass
