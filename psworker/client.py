@@ -109,6 +109,8 @@ class PSClient:
         self._stall = StallWatch(
             settings.stall_warning_s, self.worker_id, probe, self.mode, self.staleness
         )
+        # What must finish before the client leaves: an overlapped step still landing.
+        self._before_close: list[Callable[[], None]] = []
         leave_at_exit(self)
 
     @property
@@ -155,12 +157,26 @@ class PSClient:
 
     def close(self) -> None:
         """Leaves the job (the shards stop counting this worker in the sync quorum and the ssp
-        gate), stops heartbeats and closes the channels; the client is unusable afterwards."""
+        gate), stops heartbeats and closes the channels; the client is unusable afterwards.
+        A step still in flight (``overlap=True`` returns before its reply) lands first.
+
+        Raises:
+            PSError: that step failed (the client is closed all the same).
+        """
         if self.shards.closed:
             return
-        self._beats.stop()
-        self._stall.close()
-        self.shards.close()
+        try:
+            for land in self._before_close:
+                land()
+        finally:
+            self._beats.stop()
+            self._stall.close()
+            self.shards.close()
+
+    def before_close(self, land: Callable[[], None]) -> None:
+        """Has ``close()`` call ``land`` first (an overlapped step's replies still landing),
+        so no step this worker began is cut off by its own close."""
+        self._before_close.append(land)
 
     # -- API --------------------------------------------------------------------------------
 

@@ -73,6 +73,10 @@ class ShardSteps(Protocol):
         """Opens a step whose pushes stream from backward (``PSClient.stream_step``)."""
         ...
 
+    def before_close(self, land: Callable[[], None]) -> None:
+        """Has the client's ``close()`` call ``land`` first (``PSClient.before_close``)."""
+        ...
+
 
 def overlap_unsupported(
     client: Any, targets: Mapping[str, torch.Tensor], receivers: Mapping[str, np.ndarray]
@@ -169,6 +173,8 @@ class ShardOverlap:
         self._streamed: set[str] = set()
         self._carried: set[int] = set()  # the shards whose stream carries this step
         self.streamed = 0  # shard steps a stream carried (the others went whole)
+        # step() returns before its reply: closing the client must not cut the last step off.
+        client.before_close(self.wait)
 
     # -- hooks -------------------------------------------------------------------------------
 

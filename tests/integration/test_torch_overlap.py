@@ -136,6 +136,35 @@ def test_sync_with_overlap_is_bit_identical_to_the_serial_step(shards):
     assert_identical(overlapped[0], overlapped[1])
 
 
+@pytest.mark.parametrize("grpc_below_bytes", [0, 1 << 30], ids=["streamed", "whole"])
+def test_closing_right_after_the_last_step_lands_it_on_the_shards(shards, grpc_below_bytes):
+    """``step()`` returns before its reply with overlap; the client's ``close()`` (here the
+    ``with`` block's end, nothing read from the model after it) must not cut that step off.
+    The layers are large enough (2 MiB) that the last push is still on its way at close."""
+    x = torch.randn(BATCH, 512, generator=torch.Generator().manual_seed(1))
+
+    def shard_values(overlap: bool) -> dict[str, torch.Tensor]:
+        servers = shards(2)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(512, 512), torch.nn.Tanh(), torch.nn.Linear(512, 512)
+        )
+        addresses = [s.address for s in servers]
+        with psworker.connect(addresses, mode="sync", grpc_below_bytes=grpc_below_bytes) as c:
+            opt = DistributedOptimizer(model, c, two_groups(model), overlap=overlap)
+            for _ in range(STEPS):
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                opt.step()
+            assert overlap is (opt._overlap is not None and opt._overlap.armed)
+        values = {}
+        for server in servers:
+            values.update({k: torch.from_numpy(v) for k, v in server.shard.snapshot().items()})
+        return values
+
+    assert_identical(shard_values(overlap=False), shard_values(overlap=True))
+
+
 @pytest.mark.parametrize("overlapped_s", [0.5, 1.5])
 def test_sync_with_overlap_auto_keeps_the_faster_and_every_bit(shards, overlapped_s):
     # overlap="auto": 6 serial steps timed, then 4 overlapped; the faster kept, the same bits.
