@@ -282,16 +282,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         f"parameter group {index} of {type(optimizer).__name__} holds a tensor "
                         f"of shape {tuple(p.shape)} that is not a parameter of the model"
                     )
-                if not p.dtype.is_floating_point:
-                    raise ConfigError(
-                        f"parameter '{name}' has dtype {p.dtype}; expected floating point"
-                    )
+                _check_tensor("parameter", name, p)
                 self._params[prefix + name] = p
                 groups[prefix + name] = first_group + index
         self._groups = groups
         self._buffers = {
             BUFFER_PREFIX + prefix + n: b for n, b in model.named_buffers() if b is not None
         }
+        for name, b in self._buffers.items():
+            _check_tensor("buffer", name[len(BUFFER_PREFIX + prefix) :], b)
         self._tables = tables
         everything = {**self._params, **self._buffers}
         on_gpu = any(t.is_cuda for t in everything.values())
@@ -656,6 +655,41 @@ def _init_together(client: Client, parts: list[DistributedOptimizer]) -> None:
         part._together = len(parts)
         part._finish()
         part._remember_versions()
+
+
+# What a parameter may hold: what numpy, the wire and the shards' optimizers compute in.
+_PARAM_DTYPES = (torch.float16, torch.float32, torch.float64)
+
+
+def _check_tensor(kind: str, name: str, tensor: torch.Tensor) -> None:
+    """Refuses, before anything is sent, a tensor the job cannot hold: a lazy module's
+    parameter before its first forward, a parameter of a dtype numpy has no form of.
+
+    Raises:
+        ConfigError: naming the tensor and what to do.
+    """
+    if torch.nn.parameter.is_lazy(tensor):
+        raise ConfigError(
+            f"{kind} '{name}' is not initialized yet (a lazy module such as nn.LazyLinear): "
+            "run one forward pass on a batch before making the DistributedOptimizer, as "
+            "torch's lazy modules advise before handing parameters to other code"
+        )
+    if kind == "parameter" and tensor.dtype not in _PARAM_DTYPES:
+        hint = (
+            "; keep the model in float32 and compute in bfloat16 under "
+            "torch.autocast(device, dtype=torch.bfloat16)"
+            if tensor.dtype == torch.bfloat16
+            else ""
+        )
+        raise ConfigError(
+            f"parameter '{name}' has dtype {tensor.dtype}; a job's parameters are float16, "
+            f"float32 or float64{hint}"
+        )
+    if kind == "buffer" and tensor.dtype == torch.bfloat16:
+        raise ConfigError(
+            f"buffer '{name}' has dtype torch.bfloat16, which the job cannot hold; keep the "
+            "model in float32 and compute in bfloat16 under torch.autocast"
+        )
 
 
 def _unscale(scaler: Any, opt: DistributedOptimizer, rows: dict[str, Any]) -> bool:

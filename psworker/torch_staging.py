@@ -28,11 +28,13 @@ class HostStaging:
         self._landed: Any = None  # CUDA event: last host->device copy finished reading `into`
 
     def to_host(self, tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-        """numpy views of ``tensors`` on the host (after one non-blocking copy if on a GPU)."""
+        """numpy views of ``tensors`` on the host (after one non-blocking copy if on a GPU).
+        A sparse gradient (``nn.Embedding(sparse=True)``) is made dense: the same math as
+        torch's sparse SGD and Adagrad, whose untouched rows see a zero gradient."""
         if not self.pin:
-            return {n: t.detach().contiguous().numpy() for n, t in tensors.items()}
+            return {n: _dense(t).contiguous().numpy() for n, t in tensors.items()}
         for name, t in tensors.items():
-            self.out[name].copy_(t.detach(), non_blocking=True)
+            self.out[name].copy_(_dense(t), non_blocking=True)
         torch.cuda.current_stream().synchronize()
         return {n: self.out[n].numpy() for n in tensors}
 
@@ -73,3 +75,8 @@ class HostStaging:
                 targets[name].copy_(staged, non_blocking=True)
         self._landed = torch.cuda.Event()
         self._landed.record()
+
+
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    return tensor.to_dense() if tensor.is_sparse else tensor
