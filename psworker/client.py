@@ -18,6 +18,7 @@ from pscore.tables import RowSparse, Table
 from pswire.errors import (
     ConfigError,
     InvalidRequestError,
+    PSError,
     WorkerDroppedError,
     not_in_model,
 )
@@ -153,7 +154,13 @@ class PSClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        if exc[0] is None:
+            self.close()
+            return
+        try:  # the block's own error is the one to see; a step that failed landing is logged
+            self.close()
+        except PSError as e:
+            log.warning("worker %d: closing after %r: %s", self.worker_id, exc[1], e)
 
     def close(self) -> None:
         """Leaves the job (the shards stop counting this worker in the sync quorum and the ssp

@@ -165,6 +165,23 @@ def test_closing_right_after_the_last_step_lands_it_on_the_shards(shards, grpc_b
     assert_identical(shard_values(overlap=False), shard_values(overlap=True))
 
 
+def test_a_step_that_failed_landing_raises_at_close_but_never_hides_the_blocks_error(shards):
+    def failed() -> None:
+        raise WaitTimeoutError("shard 0's reply to step 3 did not land")
+
+    address = shards(1)[0].address
+    client = psworker.connect([address], mode="sync")
+    client.before_close(failed)
+    with pytest.raises(WaitTimeoutError, match="did not land"):
+        client.close()
+    assert client.closed  # closed all the same
+    own = pytest.raises(KeyError, match="the script's own")  # not the landing's error
+    with own, psworker.connect([address], mode="sync") as client:
+        client.before_close(failed)
+        raise KeyError("the script's own")
+    assert client.closed
+
+
 @pytest.mark.parametrize("overlapped_s", [0.5, 1.5])
 def test_sync_with_overlap_auto_keeps_the_faster_and_every_bit(shards, overlapped_s):
     # overlap="auto": 6 serial steps timed, then 4 overlapped; the faster kept, the same bits.
