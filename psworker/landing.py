@@ -70,16 +70,16 @@ class Landing:
         self._mode: _LandingMode | None = None
         self._depth = 0  # nested calls of the model's forward
         # First of the model's hooks: a failing hook after it still runs ``_leave``.
-        model.register_forward_pre_hook(self._enter)
-        model.register_forward_hook(self._leave, always_call=True)
+        model.register_forward_pre_hook(_Hook(self, self._enter))
+        model.register_forward_hook(_Hook(self, self._leave), always_call=True)
         ids = {id(t): n for n, t in self._tensors.items()}
         for module in model.modules():
             own = [*module._parameters.values(), *module._buffers.values()]
             names = tuple(ids[id(t)] for t in own if t is not None and id(t) in ids)
             if names:
-                module.register_forward_pre_hook(partial(self._before_forward, names))
+                module.register_forward_pre_hook(_Hook(self, partial(self._before_forward, names)))
         # model.state_dict() (a checkpoint) reads the weights: they must have landed.
-        model.register_state_dict_pre_hook(lambda *_: self.wait())
+        model.register_state_dict_pre_hook(_Hook(self, lambda *_: self.wait()))
 
     @property
     def pending(self) -> bool:
@@ -226,6 +226,45 @@ class Landing:
         self._to_bump.clear()
         skipped, self._skipped = self._skipped, False
         self._landed(skipped)
+
+
+def _inert(*_: Any) -> None:
+    """What a copy of the model holds in place of a landing hook: nothing lands in a copy."""
+
+
+def _inert_hook() -> Callable[..., None]:
+    return _inert
+
+
+class _Hook:
+    """A landing hook on the model, which copies of the model (``copy.deepcopy``, an EMA's
+    ``AveragedModel``, a target network, ``torch.save(model)``) do not carry: a copy gets
+    ``_inert`` instead, and is made from landed weights (the copy waits for them first)."""
+
+    __slots__ = ("_call", "_landing")
+
+    def __init__(self, landing: Landing, call: Callable[..., None]) -> None:
+        self._landing = landing
+        self._call = call
+
+    def __call__(self, *args: Any) -> None:
+        self._call(*args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
+        landing = self._landing
+        landing.wait()
+        # Tensors the copy took before reaching this hook (a module's own parameters come
+        # before its hooks) get the landed values.
+        with torch.no_grad():
+            for tensor in landing._tensors.values():
+                copied = memo.get(id(tensor))
+                if isinstance(copied, torch.Tensor) and copied is not tensor:
+                    copied.copy_(tensor)
+        return _inert
+
+    def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
+        self._landing.wait()  # torch.save writes the tensors' bytes after the pickle
+        return (_inert_hook, ())
 
 
 class _LandingMode(TorchFunctionMode):

@@ -4,6 +4,7 @@ gradients before step() keep the serial step, or get an error, never a different
 
 from __future__ import annotations
 
+import copy
 import threading
 import warnings
 from typing import Any
@@ -163,6 +164,53 @@ def test_closing_right_after_the_last_step_lands_it_on_the_shards(shards, grpc_b
         return values
 
     assert_identical(shard_values(overlap=False), shard_values(overlap=True))
+
+
+class RootParam(torch.nn.Module):
+    """A parameter of the root module itself (a ViT's position embedding): a deep copy takes
+    it before it reaches the root's hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.scale = torch.nn.Parameter(torch.ones(512))
+        self.body = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Tanh())
+        self.head = torch.nn.Linear(512, 512)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x * self.scale))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "averaged-model", "torch-save"])
+def test_a_copy_of_the_model_right_after_step_holds_the_landed_weights(shards, tmp_path, how):
+    """An EMA's ``AveragedModel``, a target network's ``deepcopy``, ``torch.save(model)``:
+    made while the step's weights still land, the copy waits for them, and carries no hook."""
+    x = torch.randn(BATCH, 512, generator=torch.Generator().manual_seed(1))
+    model = RootParam()
+    addresses = [s.address for s in shards(2)]
+    with psworker.connect(addresses, mode="sync", grpc_below_bytes=0) as client:
+        opt = DistributedOptimizer(model, client, two_groups(model), overlap=True)
+        for _ in range(3):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+        assert opt._overlap is not None and opt._overlap.armed
+        if how == "deepcopy":
+            copied = copy.deepcopy(model)
+        elif how == "averaged-model":
+            copied = torch.optim.swa_utils.AveragedModel(model).module
+        else:
+            torch.save(model, tmp_path / "model.pt")
+            copied = torch.load(tmp_path / "model.pt", weights_only=False)
+        opt.synchronize()
+        assert_identical(copied.state_dict(), model.state_dict())
+        assert not torch.equal(copied.scale, torch.ones(512))  # it trained
+        copied(x).sum().backward()  # the copy is a model of its own: nothing of the job's
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()  # the job goes on
+        opt.synchronize()
+        assert not torch.equal(copied.head.weight, model.head.weight)
 
 
 def test_a_step_that_failed_landing_raises_at_close_but_never_hides_the_blocks_error(shards):
