@@ -4,6 +4,7 @@ against it; its protobuf form is ``pswire.jobspec``."""
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -28,6 +29,19 @@ TRAINABLE_DTYPES = ("float16", "float32", "float64")
 CLIENT_MODES = (*MODES, "allreduce", "local", "diloco")
 # What separates the model's digest from a training variant's settings in ``Job.model_digest``.
 VARIANT_MARK = "|"
+# What precedes, in the model's part of it, the digest of values every worker holds alike but
+# never sends (``fixed_digest``: parameters in no optimizer group).
+FIXED_MARK = "+fixed:"
+
+
+def fixed_digest(arrays: Mapping[str, np.ndarray]) -> str:
+    """A digest of ``arrays``' names, dtypes, shapes and bytes (16 hex digits)."""
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}:{a.dtype.str}:{a.shape};".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()[:16]
 
 
 def check_mode(mode: str, staleness: int = 0, quorum: int = 0) -> None:
@@ -359,8 +373,17 @@ class Job:
         # said apart from the model, with its settings, so the refused worker sees which.
         mine_model, _, mine_variant = self.model_digest.partition(VARIANT_MARK)
         theirs_model, _, theirs_variant = other.model_digest.partition(VARIANT_MARK)
+        mine_model, _, mine_fixed = mine_model.partition(FIXED_MARK)
+        theirs_model, _, theirs_fixed = theirs_model.partition(FIXED_MARK)
         if mine_model != theirs_model:
             out.append(f"model_digest: shard has {theirs_model!r}, worker sent {mine_model!r}")
+        elif mine_fixed != theirs_fixed:
+            out.append(
+                "parameters in no optimizer group (never sent, so every worker must hold the "
+                "same values: load them, or seed alike before building the model): shard has "
+                f"values with digest {theirs_fixed or 'none'}, worker sent "
+                f"{mine_fixed or 'none'}"
+            )
         if mine_variant != theirs_variant:
             out.append(
                 f"local steps (DiLoCo): shard has {theirs_variant or 'none'}, worker sent "

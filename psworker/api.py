@@ -45,10 +45,14 @@ class Client(Protocol):
         buffers: Sequence[str] = (),
         tables: Mapping[str, Table] | None = None,
         groups: Mapping[str, int] | None = None,
+        fixed: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         """Agrees on the model with the job; worker 0's values become the starting weights.
         ``optimizer``: one, or one per parameter group (any classes); ``groups``: the group
-        of each variable or table named (others: 0)."""
+        of each variable or table named (others: 0). ``fixed``: arrays every worker must hold
+        alike that are never trained nor sent (parameters in no optimizer group); where
+        workers train apart from each other (the shards' modes) a worker whose differ from
+        worker 0's is refused, and ``allreduce`` overwrites them with rank 0's, as DDP."""
         ...
 
     def pull(

@@ -11,7 +11,7 @@ from typing import Any, Self, TypeVar
 
 import numpy as np
 
-from pscore.job import Job
+from pscore.job import FIXED_MARK, Job, fixed_digest
 from pscore.optim import Optimizer
 from pscore.optspec import StepOptions, resolve_groups
 from pscore.tables import RowSparse, Table
@@ -194,6 +194,7 @@ class PSClient:
         buffers: Sequence[str] = (),
         tables: Mapping[str, Table] | None = None,
         groups: Mapping[str, int] | None = None,
+        fixed: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         """Agrees on the job with every shard; worker 0 sends the initial values.
 
@@ -206,10 +207,13 @@ class PSClient:
         pushes carry their values, and the shards keep the pushed values (in ``sync`` mode
         their mean over the step's workers). ``tables`` are embedding tables, split by rows
         across every shard and initialised there (never sent): read them with ``pull_rows``,
-        train them with ``RowSparse`` gradients in ``push``.
+        train them with ``RowSparse`` gradients in ``push``. ``fixed``: arrays never trained
+        nor sent (a model's parameters in no optimizer group) that every worker must hold
+        alike: their digest is part of the model's, so a worker whose differ is refused.
 
         Raises:
-            ModelMismatchError: a shard holds a different model, mode or optimizer.
+            ModelMismatchError: a shard holds a different model, mode or optimizer, or other
+                ``fixed`` values than worker 0's.
             PSError: any other failure, with its gRPC status on ``.code``.
         """
         arrays = {name: np.asarray(v) for name, v in variables.items()}
@@ -227,6 +231,8 @@ class PSClient:
         digest = shard_map.digest()
         if tables:  # a model without tables keeps the digest it always had
             digest = hashlib.sha256((digest + tables_digest(tables)).encode()).hexdigest()[:16]
+        if fixed:
+            digest += FIXED_MARK + fixed_digest(fixed)
         digest += self.variant
         send_values = self.worker_id == 0
         pieces = shard_map.split(arrays)

@@ -242,6 +242,7 @@ class DiLoCoClient:
         buffers: Sequence[str] = (),
         tables: Mapping[str, Table] | None = None,
         groups: Mapping[str, int] | None = None,
+        fixed: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         """``PSClient.init`` with the outer optimizer (``optimizer`` must be None or it):
         worker 0's values become the job's first weights.
@@ -267,7 +268,7 @@ class DiLoCoClient:
                 f"in mode 'diloco' the shards run the outer optimizer {self.settings.outer}; "
                 f"init got {optimizer} (the inner optimizer runs in the worker)"
             )
-        self.outer.init(variables, outer, buffers=buffers)
+        self.outer.init(variables, outer, buffers=buffers, fixed=fixed)
         self.step = self.outer.step * self.settings.spacing
 
     def pull(

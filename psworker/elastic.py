@@ -72,6 +72,7 @@ class ElasticPSClient(PSClient):
         buffers: Sequence[str] = (),
         tables: Mapping[str, Table] | None = None,
         groups: Mapping[str, int] | None = None,
+        fixed: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         """``PSClient.init``, then joins the job at the step the shards are in: the next
         ``pull`` reads the job's current weights (worker 0's initial ones at step 0).
@@ -80,7 +81,7 @@ class ElasticPSClient(PSClient):
             WaitTimeoutError: the shards kept opening steps before every one took the join.
             PSError: as ``PSClient.init``.
         """
-        super().init(variables, optimizer, buffers, tables, groups)
+        super().init(variables, optimizer, buffers, tables, groups, fixed)
         try:
             self.step = self.joined_at = self._join()
         except BaseException:

@@ -61,10 +61,11 @@ class LocalClient:
         buffers: Sequence[str] = (),
         tables: Mapping[str, Table] | None = None,
         groups: Mapping[str, int] | None = None,
+        fixed: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         """Copies the starting values and creates the optimizer state; ``tables`` are made
         here with the shards' seeded rows (a fixed table's rows as they are first touched).
-        ``optimizer`` and ``groups`` as ``PSClient.init``.
+        ``optimizer`` and ``groups`` as ``PSClient.init``; ``fixed`` has no one to agree with.
 
         Raises:
             InvalidRequestError: bad parameter groups.

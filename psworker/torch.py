@@ -16,7 +16,7 @@ import torch
 from pscore.optim import Optimizer
 from pscore.optspec import StepOptions
 from pscore.tables import RowSparse
-from pswire.errors import ConfigError
+from pswire.errors import ConfigError, ModelMismatchError
 from psworker.api import Client, Elastic, Replica
 from psworker.overlap import build_overlap, overlap_unsupported
 from psworker.overlap_trial import OverlapTrial
@@ -305,6 +305,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._overwrite_warned = False
         self._overlap = None  # overlap=True: set by the constructor after init
         self._trial = None  # overlap="auto" in the parameter-server modes: set after init
+
+    def _fixed(self) -> dict[str, tuple[torch.Tensor, np.ndarray]]:
+        """The model's parameters in no optimizer group (a frozen backbone), with a copy of
+        each one's bytes: never trained nor sent, so every worker must hold the same."""
+        held = {id(p) for p in self._params.values()}
+        held |= {id(t.handle) for t in self._tables.values()}
+        return {
+            self._prefix + n: (
+                p,
+                p.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy(),
+            )
+            for n, p in self.model.named_parameters()
+            if id(p) not in held and not torch.nn.parameter.is_lazy(p)
+        }
 
     def _finish(self) -> None:
         """Makes this object the torch optimizer over the wrapped one's groups (after init)."""
@@ -629,20 +643,29 @@ def _init_together(client: Client, parts: list[DistributedOptimizer]) -> None:
         tables.update(part._tables)
     everything = {n: t for part in parts for n, t in {**part._params, **part._buffers}.items()}
     with torch.no_grad():
+        fixed = {n: v for part in parts for n, v in part._fixed().items()}
         values: dict[str, np.ndarray] = {}
         for part in parts:
             own = {**part._params, **part._buffers}
             values.update(
                 (n, np.array(a, copy=True)) for n, a in part._staging.to_host(own).items()
             )
-        client.init(
-            values,
-            [spec for part in parts for spec in part._base],
-            buffers=[n for part in parts for n in part._buffers],
-            tables={name: m.table for name, m in tables.items()},
-            groups={n: g for part in parts for n, g in part._groups.items()},
-        )
-        weights = client.pull()
+        try:
+            client.init(
+                values,
+                [spec for part in parts for spec in part._base],
+                buffers=[n for part in parts for n in part._buffers],
+                tables={name: m.table for name, m in tables.items()},
+                groups={n: g for part in parts for n, g in part._groups.items()},
+                fixed={n: a for n, (_, a) in fixed.items()},
+            )
+            weights = client.pull()
+        except ModelMismatchError as exc:
+            if fixed and "no optimizer group" in str(exc):
+                raise ModelMismatchError(f"{exc}; this worker's are {_few(list(fixed))}") from exc
+            raise
+        for tensor, array in fixed.values():  # allreduce: rank 0's now
+            tensor.copy_(torch.from_numpy(array).view(tensor.dtype).reshape(tensor.shape))
         for part in parts:
             own = {n: t for n, t in everything.items() if n in part._params or n in part._buffers}
             part._staging.to_device({n: weights[n] for n in own}, own)

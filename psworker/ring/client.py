@@ -121,9 +121,10 @@ class AllReduceClient:
         buffers: Sequence[str] = (),
         tables: Mapping[str, Table] | None = None,
         groups: Mapping[str, int] | None = None,
+        fixed: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         """Starts every replica from worker 0's values (``optimizer`` and ``groups`` as
-        ``PSClient.init``).
+        ``PSClient.init``); ``fixed``'s arrays are overwritten with rank 0's too, in place.
 
         Raises:
             InvalidRequestError: embedding tables (they live on shards, and this mode has
@@ -138,6 +139,8 @@ class AllReduceClient:
         buckets = plan.flatten(arrays)
         for bucket in buckets:
             self.ring.broadcast(bucket, root=0, inplace=True)
+        for array in (fixed or {}).values():
+            self.ring.broadcast(array, root=0, inplace=True)
         self._local.init(plan.unflatten(buckets), optimizer, buffers, groups=groups)
         self._specs = {k: (v.shape, v.dtype) for k, v in arrays.items()}
         self._buffers = set(buffers)

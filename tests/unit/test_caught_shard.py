@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import re
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from hand_clock import Clock
 
-from pscore.job import OBSERVER, Job, VarSpec
+from pscore.job import FIXED_MARK, OBSERVER, Job, VarSpec, fixed_digest
 from pscore.optim import SGD
 from pscore.tables import RowSparse, TableSlice
 from psserver.records import Limits
@@ -385,3 +386,24 @@ def test_a_push_pull_whose_push_must_wait_gives_up_at_its_timeout() -> None:
     shard.push(0, 0, ones())
     with pytest.raises(WaitTimeoutError, match=r"gave up after 0\.0s waiting for push by worker 0"):
         shard.push_pull(0, 1, ones(), lambda arrays, clock: None, timeout=0)
+
+
+def test_fixed_values_that_differ_are_said_apart_from_the_model() -> None:
+    frozen = {"0.weight": np.ones((2, 2), np.float32)}
+    mine = fixed_digest(frozen)
+    assert fixed_digest({"0.weight": np.ones((2, 2), np.float32)}) == mine
+    for other in (
+        {"0.weight": np.full((2, 2), 2.0, np.float32)},  # the values
+        {"0.bias": np.ones((2, 2), np.float32)},  # the name
+        {"0.weight": np.ones((4,), np.float32)},  # the shape, same bytes
+        {"0.weight": np.ones((2, 2), np.float64)},  # the dtype
+    ):
+        assert fixed_digest(other) != mine, other
+    base = job("async")
+    held = replace(base, model_digest=base.model_digest + FIXED_MARK + mine)
+    sent = replace(base, model_digest=base.model_digest + FIXED_MARK + "0" * 16)
+    (said,) = sent.differences(held)
+    assert said.startswith("parameters in no optimizer group"), said
+    assert f"shard has values with digest {mine}, worker sent {'0' * 16}" in said
+    (said,) = base.differences(held)  # a worker holding none where worker 0 holds some
+    assert "worker sent none" in said
