@@ -7,8 +7,8 @@ import logging
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -613,6 +613,14 @@ def _few(names: list[str]) -> str:
     return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
+def raise_naming_fixed(exc: ModelMismatchError, fixed: Mapping[str, Any]) -> NoReturn:
+    """Raises ``exc``, naming this worker's parameters in no optimizer group where their
+    values are what the shards refused (the shards know only their digest)."""
+    if fixed and "no optimizer group" in str(exc):
+        raise ModelMismatchError(f"{exc}; this worker's are {_few(list(fixed))}") from exc
+    raise exc
+
+
 def _init_together(client: Client, parts: list[DistributedOptimizer]) -> None:
     """Agrees on one job holding every part's model with ``client``; worker 0's weights are
     loaded into every part's model.
@@ -661,9 +669,7 @@ def _init_together(client: Client, parts: list[DistributedOptimizer]) -> None:
             )
             weights = client.pull()
         except ModelMismatchError as exc:
-            if fixed and "no optimizer group" in str(exc):
-                raise ModelMismatchError(f"{exc}; this worker's are {_few(list(fixed))}") from exc
-            raise
+            raise_naming_fixed(exc, fixed)
         for tensor, array in fixed.values():  # allreduce: rank 0's now
             tensor.copy_(torch.from_numpy(array).view(tensor.dtype).reshape(tensor.shape))
         for part in parts:

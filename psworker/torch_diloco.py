@@ -18,12 +18,12 @@ import numpy as np
 import torch
 
 from pscore.optim import Optimizer
-from pswire.errors import ConfigError
+from pswire.errors import ConfigError, ModelMismatchError
 from psworker.api import Elastic
 from psworker.diloco import DiLoCoClient, Landed, OuterSteps
 from psworker.diloco_resume import WorkerState
 from psworker.reports import StepLog
-from psworker.torch import BUFFER_PREFIX, DistributedOptimizer
+from psworker.torch import BUFFER_PREFIX, DistributedOptimizer, raise_naming_fixed
 from psworker.torch_optim import torch_optimizer_for
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class DiLoCoOptimizer(DistributedOptimizer):
         names = {id(p): n for n, p in model.named_parameters()}
         self._params: dict[str, torch.nn.Parameter] = {}
         self._tables = {}  # none in this mode (DiLoCoClient.init refuses them)
+        self._prefix = ""
         self._together = 1
         for index, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
@@ -88,8 +89,12 @@ class DiLoCoOptimizer(DistributedOptimizer):
         client.declare(describe(optimizer))
         with torch.no_grad():
             values = {n: _host(t) for n, t in {**self._params, **self._buffers}.items()}
-            client.init(values, buffers=list(self._buffers))
-            weights = client.pull()
+            fixed = {n: a for n, (_, a) in self._fixed().items()}
+            try:
+                client.init(values, buffers=list(self._buffers), fixed=fixed)
+                weights = client.pull()
+            except ModelMismatchError as exc:
+                raise_naming_fixed(exc, fixed)
             self._load(weights)
         in_model_order = [n for n, _ in model.named_parameters() if n in self._params]
         self._steps = OuterSteps(client, weights, list(self._buffers), order=in_model_order)

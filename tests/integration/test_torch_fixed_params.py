@@ -53,13 +53,16 @@ def run_two(connect: Any, seeds: tuple[int, int]) -> tuple[dict[int, Any], dict[
     return states, errors
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "diloco"])
 def test_a_worker_with_another_frozen_backbone_is_refused_naming_it(shards, mode):
     addresses = [s.address for s in shards(2)]
+    diloco = {"local_steps": 2} if mode == "diloco" else {}
 
     def connect(i: int) -> Any:
         # Worker 0 waits for the refused worker 1 until this deadline.
-        return psworker.connect(addresses, worker_id=i, num_workers=2, mode=mode, timeout=8)
+        return psworker.connect(
+            addresses, worker_id=i, num_workers=2, mode=mode, timeout=8, **diloco
+        )
 
     _, errors = run_two(connect, seeds=(1, 2))
     assert 1 in errors, errors  # worker 0's backbone is the job's
