@@ -2,11 +2,13 @@
 never trained nor sent, so every worker must hold the same values. DDP broadcasts rank 0's at
 construction; so does ``allreduce``. The parameter-server modes never send them: a worker
 holding others than worker 0's is refused at init, naming them, instead of training its
-share of the head on another backbone."""
+share of the head on another backbone. A frozen layer that is in the optimizer and unfrozen
+later trains as in torch."""
 
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any
 
 import pytest
@@ -96,3 +98,31 @@ def test_allreduce_starts_every_rank_from_rank_0s_frozen_backbone():
     for name in states[0]:
         assert torch.equal(states[0][name], states[1][name]), name
     assert torch.equal(states[1]["0.weight"], build(1)[0].weight)  # rank 0's, as DDP
+
+
+@pytest.mark.parametrize("mode", ["local", "sync"])
+def test_a_layer_unfrozen_mid_training_trains_as_in_torch_and_warns_of_nothing(shards, mode):
+    """Gradual unfreezing: the whole model in the optimizer, the first layer frozen until
+    step 3. Its first gradient is one a backward reached, not a stale one."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+    states = []
+    for distributed in (False, True):
+        model = build(1)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        address = [shards(1)[0].address] if mode == "sync" else []
+        client = psworker.connect(address, mode=mode) if distributed else None
+        opt = DistributedOptimizer(model, client, inner) if client is not None else inner
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for t in range(6):
+                if t == 3:
+                    model[0].requires_grad_(True)
+                opt.zero_grad()
+                model(x).pow(2).sum().backward()
+                opt.step()
+        if client is not None:
+            client.close()
+        states.append(model.state_dict())
+    assert not torch.equal(states[1]["0.weight"], build(1)[0].weight)  # it trained once unfrozen
+    for name, want in states[0].items():
+        assert torch.allclose(states[1][name], want, rtol=0, atol=1e-6), name
