@@ -656,6 +656,15 @@ def _init_together(client: Client, parts: list[DistributedOptimizer]) -> None:
             "both at once: DistributedOptimizer.for_models(client, D=(netD, optimizerD), "
             "G=(netG, optimizerG))"
         )
+    if claimed is not None:
+        raise ConfigError(
+            "this client already has a DistributedOptimizer over this model. A new torch "
+            "optimizer starts with fresh state, but the job's optimizer state (momentum, Adam's "
+            "moments) lives with the job and would carry on, so a second one would not train as "
+            "torch does. Keep the first one (change lr, weight decay... through its "
+            "param_groups or a scheduler); to go on with another optimizer, export the model "
+            "(psctl export) and start a new job from it"
+        )
     tables: dict[str, Any] = {}
     for part in parts:
         clash = sorted(set(tables) & set(part._tables))

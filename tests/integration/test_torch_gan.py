@@ -197,6 +197,23 @@ def test_a_second_model_on_one_client_is_refused_with_the_way_to_train_both():
             DistributedOptimizer(net_g, client, opt_g)
 
 
+@pytest.mark.parametrize("mode", ["local", "sync"])
+def test_a_second_optimizer_over_the_same_model_is_refused_saying_why(shards, mode):
+    """A script that makes a new optimizer each epoch (or phase): torch's starts with fresh
+    momentum, but the job's state lives with the job; training on would differ from torch."""
+    net_d, _ = gan.make_nets(0)
+    address = [shards(1)[0].address] if mode == "sync" else []
+    with psworker.connect(address, mode=mode) as client:
+        first = DistributedOptimizer(net_d, client, torch.optim.SGD(net_d.parameters(), 0.1))
+        again = torch.optim.SGD(net_d.parameters(), lr=0.1, momentum=0.9)
+        with pytest.raises(ValueError, match=r"already has a DistributedOptimizer over this"):
+            DistributedOptimizer(net_d, client, again)
+        first.zero_grad()
+        net_d(torch.randn(2, 2)).sum().backward()
+        first.step()  # the first one goes on
+        assert client.step == 1
+
+
 def test_for_models_refuses_a_parameter_in_two_models():
     net_d, _ = gan.make_nets(0)
     with psworker.connect(mode="local") as client, pytest.raises(ValueError, match="share"):
