@@ -156,11 +156,14 @@ class PSClient:
     def __exit__(self, *exc: object) -> None:
         if exc[0] is None:
             self.close()
-            return
-        try:  # the block's own error is the one to see; a step that failed landing is logged
+        elif exc[0] is KeyboardInterrupt:  # Ctrl-C: leave now, waiting for nothing in flight
+            self._before_close.clear()
             self.close()
-        except PSError as e:
-            log.warning("worker %d: closing after %r: %s", self.worker_id, exc[1], e)
+        else:
+            try:  # the block's own error is the one to see; a step that failed to land is logged
+                self.close()
+            except PSError as e:
+                log.warning("worker %d: closing after %r: %s", self.worker_id, exc[1], e)
 
     def close(self) -> None:
         """Leaves the job (the shards stop counting this worker in the sync quorum and the ssp

@@ -228,6 +228,11 @@ def test_a_step_that_failed_landing_raises_at_close_but_never_hides_the_blocks_e
         client.before_close(failed)
         raise KeyError("the script's own")
     assert client.closed
+    waited = []  # Ctrl-C leaves at once: nothing in flight is waited for
+    with pytest.raises(KeyboardInterrupt), psworker.connect([address], mode="sync") as client:
+        client.before_close(lambda: waited.append(1))
+        raise KeyboardInterrupt
+    assert client.closed and not waited
 
 
 @pytest.mark.parametrize("overlapped_s", [0.5, 1.5])
