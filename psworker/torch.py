@@ -253,6 +253,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.model = model
         self.client = client
         self._log = StepLog(client, writer)
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            warnings.warn(
+                "the model is wrapped in DistributedDataParallel, which already averages the "
+                "gradients over its process group before step() sends them to the job: each "
+                "step now moves them twice (and async/ssp become lockstep). Drop the DDP "
+                "wrapper and init_process_group; pass the model itself",
+                UserWarning,
+                stacklevel=3,
+            )
         if isinstance(optimizer, Optimizer):
             trainable = [p for p in model.parameters() if p.requires_grad]
             optimizer = torch_optimizer_for(optimizer, trainable)
