@@ -339,15 +339,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.defaults = optimizer.defaults
         optimizer.state.clear()  # e.g. Adagrad's sums, made at construction; ours are remote
         self._watched: set[int] = set()  # parameters whose backward _reached hears of
+        self._unwatched = list(self._params.values())  # frozen: no hook yet
         self._watch_new()
 
     def _watch_new(self) -> None:
-        """Hooks the parameters that require a gradient and are not hooked yet: a hook needs
-        ``requires_grad``, and a frozen layer may be unfrozen later (gradual unfreezing)."""
-        for p in self._params.values():
-            if p.requires_grad and id(p) not in self._watched:
+        """Hooks the parameters that now require a gradient: a hook needs ``requires_grad``,
+        and a frozen layer may be unfrozen later (gradual unfreezing)."""
+        if not self._unwatched:
+            return
+        frozen = []
+        for p in self._unwatched:
+            if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._reached)
                 self._watched.add(id(p))
+            else:
+                frozen.append(p)
+        self._unwatched = frozen
 
     def _reached(self, param: torch.Tensor) -> None:
         self._stepped.add(id(param))
@@ -532,7 +539,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         step while it reached others: torch.optim applies them again too, which in a GAN
         script is D's old gradient applied on G's step (one optimizer over two models)."""
         reached, self._stepped = self._stepped, set()
-        watched = set(self._watched)
+        watched = set(self._watched) if self._unwatched else self._watched
         self._watch_new()  # those unfrozen since: judged from the next step on
         if self._stale_warned or not reached:
             return  # no hook fired: gradients set by hand, nothing to judge
