@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -32,6 +32,20 @@ VARIANT_MARK = "|"
 # What precedes, in the model's part of it, the digest of values every worker holds alike but
 # never sends (``fixed_digest``: parameters in no optimizer group).
 FIXED_MARK = "+fixed:"
+
+
+def keeping_fixed(job: Job, held: Job) -> Job:
+    """``job`` with ``held``'s digest of the values never sent (after ``FIXED_MARK``): only a
+    job's start compares them, as a worker that joins a job under way may hold others by
+    then (a script's own EMA target network, restored from its checkpoint)."""
+
+    def split(digest: str) -> tuple[str, str, str]:
+        model, mark, variant = digest.partition(VARIANT_MARK)
+        base, _, fixed = model.partition(FIXED_MARK)
+        return base, FIXED_MARK + fixed if fixed else "", mark + variant
+
+    base, _, variant = split(job.model_digest)
+    return replace(job, model_digest=base + split(held.model_digest)[1] + variant)
 
 
 def fixed_digest(arrays: Mapping[str, np.ndarray]) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from pscore.job import Job
+from pscore.job import Job, keeping_fixed
 from pswire.errors import ModelMismatchError
 from pswire.piecekey import parse_piece_key
 
@@ -37,14 +37,17 @@ class JobAgreement:
         self._declared: dict[int, Job] = {}  # provisional declarations, until worker 0's
         self._refused: dict[int, str] = {}
 
-    def declare(self, worker: int, job: Job) -> bool:
+    def declare(self, worker: int, job: Job, started: bool = False) -> bool:
         """Worker ``worker`` says the job is ``job``; True when the shard's job (changed and)
-        needs its rule rebuilt.
+        needs its rule rebuilt. ``started``: the job has taken a step (or was restored), so
+        the values its workers never send are no longer compared (``keeping_fixed``).
 
         Raises:
             ModelMismatchError: ``job`` differs from worker 0's (or from the checkpoint's in
                 more than hyper-parameters).
         """
+        if started and self.job is not None:
+            job = keeping_fixed(job, self.job)
         if self._restored:
             return self._declare_after_restore(worker, job)
         if worker == 0 and not self._settled:

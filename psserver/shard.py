@@ -170,7 +170,7 @@ class Shard:
             self._check_table_files(job)
             state.install(job, values, take)
         with self._cond:
-            if self._agreement.declare(worker_id, job):
+            if self._agreement.declare(worker_id, job, started=self._progress.updates > 0):
                 self._set_job(job)
             self._touch(worker_id)
             self._optim.forget_load(worker_id)
