@@ -310,7 +310,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Each parameter's autograd version after the last step loaded the job's weights into
         # it (None: this model keeps its own values, or nothing is loaded yet); see
         # _warn_overwritten.
-        self._versions: dict[str, int] | None = None
+        self._versions: dict[str, tuple[int, int]] | None = None
         self._overwrite_warned = False
         self._overlap = None  # overlap=True: set by the constructor after init
         self._trial = None  # overlap="auto" in the parameter-server modes: set after init
@@ -509,23 +509,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         modes, and any model on a GPU (not with overlap, whose pulls land during forward)."""
         held = isinstance(self.client, Replica) and not self._staging.pin
         if not held and self._overlap is None:
-            self._versions = {n: p._version for n, p in self._params.items()}
+            self._versions = {n: (p._version, p.data_ptr()) for n, p in self._params.items()}
 
     def _warn_overwritten(self) -> None:
         """Warns (once) when the script changed parameters in place since the job's weights
         were last loaded into them (``model.load_state_dict`` after this optimizer was made,
-        a write under ``torch.no_grad()``): this step replaces them with the job's weights, so
-        the change would be lost without a word. A write through ``.data`` is not seen."""
+        a write under ``torch.no_grad()``, a new tensor assigned to ``p.data`` as MoCo's
+        momentum update does): this step replaces them with the job's weights, so the change
+        would be lost without a word. An in-place write through ``.data`` is not seen."""
         versions = self._versions
         if versions is None or self._overwrite_warned or self._overlap is not None:
             return
-        changed = [n for n, p in self._params.items() if p._version != versions.get(n)]
+        changed = [
+            n for n, p in self._params.items() if (p._version, p.data_ptr()) != versions.get(n)
+        ]
         if changed:
             self._overwrite_warned = True
             warnings.warn(
                 f"step(): the script changed {len(changed)} parameters ({_few(changed)}) in "
                 "place since the job's weights were loaded into the model (model.load_state_dict "
-                "after the DistributedOptimizer was made? a write under torch.no_grad()?). "
+                "after the DistributedOptimizer was made? a write under torch.no_grad() or to "
+                "p.data?). "
                 f"In {self.client.mode!r} mode{' with a GPU model' if self._staging.pin else ''} "
                 "the job's weights live outside the model (on the shards, or in the client for "
                 "a GPU model): this step loads them into it, and that change is lost. To change "

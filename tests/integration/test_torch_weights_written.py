@@ -67,6 +67,22 @@ def test_weights_made_the_jobs_through_the_optimizer_warn_of_nothing(shards):
         assert model[0].weight.abs().max() < 0.6  # trained from the loaded 0.5s
 
 
+def test_a_new_tensor_assigned_to_data_is_named_too(shards):
+    """MoCo's momentum update of its key encoder (in the optimizer, never given a gradient):
+    ``param_k.data = param_k.data * m + param_q.data * (1 - m)``. The version does not move;
+    the parameter's memory does."""
+    address = shards(1)[0].address
+    with psworker.connect([address], mode="sync") as client:
+        model = net()
+        opt = DistributedOptimizer(model, client, psworker.SGD(lr=0.1))
+        opt.model = model
+        train(opt, 1)
+        weight = model[0].weight
+        weight.data = weight.data * 0.9 + 0.1
+        with pytest.warns(UserWarning, match=r"changed 1 parameters \(0.weight\).*p\.data"):
+            train(opt, 1)
+
+
 def test_local_mode_keeps_the_write_and_warns_of_nothing():
     with psworker.connect(mode="local") as client:
         model = net()
