@@ -534,7 +534,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "the job's weights live outside the model (on the shards, or in the client for "
                 "a GPU model): this step loads them into it, and that change is lost. To change "
                 "the job's weights, call opt.load_state_dict(...) after model.load_state_dict "
-                "(every worker), or load the weights before making the DistributedOptimizer",
+                "(every worker), or load the weights before making the DistributedOptimizer; a "
+                "parameter the script updates itself each step (an EMA target network) belongs "
+                "in no optimizer group",
                 stacklevel=3,
             )
 
