@@ -113,6 +113,21 @@ class Landing:
         for shard in list(self._calls):
             self._land(shard)
 
+    def copying(self, memo: Mapping[int, Any]) -> None:
+        """A deep copy of the model is being made (``memo``: what it copied so far): lands
+        every reply, and gives the tensors it copied before reaching a hook of ours (a
+        module's own parameters come before its hooks) the landed values.
+
+        Raises:
+            PSError: a shard's call failed.
+        """
+        self.wait()
+        with torch.no_grad():
+            for tensor in self._tensors.values():
+                copied = memo.get(id(tensor))
+                if isinstance(copied, torch.Tensor) and copied is not tensor:
+                    copied.copy_(tensor)
+
     def land(self, names: Iterable[str]) -> None:
         """Waits until the tensors ``names`` have landed (only their own pieces where the
         reply is keyed, else their shards' whole replies), and marks them changed.
@@ -251,15 +266,7 @@ class _Hook:
         self._call(*args)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
-        landing = self._landing
-        landing.wait()
-        # Tensors the copy took before reaching this hook (a module's own parameters come
-        # before its hooks) get the landed values.
-        with torch.no_grad():
-            for tensor in landing._tensors.values():
-                copied = memo.get(id(tensor))
-                if isinstance(copied, torch.Tensor) and copied is not tensor:
-                    copied.copy_(tensor)
+        self._landing.copying(memo)
         return _inert
 
     def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:

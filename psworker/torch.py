@@ -316,8 +316,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._trial = None  # overlap="auto" in the parameter-server modes: set after init
 
     def _fixed(self) -> dict[str, tuple[torch.Tensor, np.ndarray]]:
-        """The model's parameters in no optimizer group (a frozen backbone), with a copy of
-        each one's bytes: never trained nor sent, so every worker must hold the same."""
+        """The model's parameters in no optimizer group (a frozen backbone), each with its bytes
+        (a view of a contiguous CPU tensor's memory, else a copy): never trained nor sent, so
+        every worker must hold the same."""
         held = {id(p) for p in self._params.values()}
         held |= {id(t.handle) for t in self._tables.values()}
         return {
