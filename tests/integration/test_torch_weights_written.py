@@ -52,13 +52,17 @@ def test_pretrained_weights_loaded_after_the_optimizer_are_named_in_a_warning(sh
             train(opt, 1)
 
 
+def trained_once(client: psworker.PSClient) -> tuple[torch.nn.Module, DistributedOptimizer]:
+    model = net()
+    opt = DistributedOptimizer(model, client, psworker.SGD(lr=0.1))
+    train(opt, 1)
+    return model, opt
+
+
 def test_weights_made_the_jobs_through_the_optimizer_warn_of_nothing(shards):
     address = shards(1)[0].address
     with psworker.connect([address], mode="sync") as client:
-        model = net()
-        opt = DistributedOptimizer(model, client, psworker.SGD(lr=0.1))
-        opt.model = model
-        train(opt, 1)
+        model, opt = trained_once(client)
         model.load_state_dict({"0.weight": torch.full((3, 4), 0.5)})
         opt.load_state_dict(opt.state_dict())  # the model's weights become the job's
         with warnings.catch_warnings():
@@ -73,10 +77,7 @@ def test_a_new_tensor_assigned_to_data_is_named_too(shards):
     the parameter's memory does."""
     address = shards(1)[0].address
     with psworker.connect([address], mode="sync") as client:
-        model = net()
-        opt = DistributedOptimizer(model, client, psworker.SGD(lr=0.1))
-        opt.model = model
-        train(opt, 1)
+        model, opt = trained_once(client)
         weight = model[0].weight
         weight.data = weight.data * 0.9 + 0.1
         with pytest.warns(UserWarning, match=r"changed 1 parameters \(0.weight\).*p\.data"):
