@@ -35,9 +35,9 @@ FIXED_MARK = "+fixed:"
 
 
 def keeping_fixed(job: Job, held: Job) -> Job:
-    """``job`` with ``held``'s digest of the values never sent (after ``FIXED_MARK``): only a
-    job's start compares them, as a worker that joins a job under way may hold others by
-    then (a script's own EMA target network, restored from its checkpoint)."""
+    """``job`` with ``held``'s digest of the values never sent (after ``FIXED_MARK``): a
+    worker that restarts into a job it has pushed steps of is not judged on them, as it may
+    hold others by then (a script's own EMA target network, restored from its checkpoint)."""
 
     def split(digest: str) -> tuple[str, str, str]:
         model, mark, variant = digest.partition(VARIANT_MARK)

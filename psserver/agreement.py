@@ -39,8 +39,9 @@ class JobAgreement:
 
     def declare(self, worker: int, job: Job, started: bool = False) -> bool:
         """Worker ``worker`` says the job is ``job``; True when the shard's job (changed and)
-        needs its rule rebuilt. ``started``: the job has taken a step (or was restored), so
-        the values its workers never send are no longer compared (``keeping_fixed``).
+        needs its rule rebuilt. ``started``: this worker has pushed steps of the job before (it
+        restarts, or the job was restored), so the values workers never send are not compared
+        (``keeping_fixed``): its script may have changed them since.
 
         Raises:
             ModelMismatchError: ``job`` differs from worker 0's (or from the checkpoint's in

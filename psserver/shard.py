@@ -170,7 +170,8 @@ class Shard:
             self._check_table_files(job)
             state.install(job, values, take)
         with self._cond:
-            if self._agreement.declare(worker_id, job, started=self._progress.updates > 0):
+            started = self._progress.finished_by(worker_id) > 0  # a restart, not a newcomer
+            if self._agreement.declare(worker_id, job, started=started):
                 self._set_job(job)
             self._touch(worker_id)
             self._optim.forget_load(worker_id)

@@ -409,18 +409,21 @@ def test_fixed_values_that_differ_are_said_apart_from_the_model() -> None:
     assert "worker sent none" in said
 
 
-def test_fixed_values_are_compared_only_at_the_jobs_start() -> None:
-    """A worker restarting into a job under way may hold other values by then (an EMA target
-    network it restored from its own checkpoint): only the start compares them."""
+def test_fixed_values_are_compared_except_for_a_worker_that_restarts() -> None:
+    """A worker restarting into a job it pushed steps of may hold other values by then (an EMA
+    target network it restored from its own checkpoint); a newcomer is judged, even when the
+    others have stepped (an async worker that starts late)."""
     base = job("async", workers=2)
     held = replace(base, model_digest=base.model_digest + FIXED_MARK + "a" * 16)
     other = replace(base, model_digest=base.model_digest + FIXED_MARK + "b" * 16)
     shard = Shard()
     shard.init(0, held, START)
+    shard.push(0, 0, ones())  # worker 0 steps before worker 1 arrives
     with pytest.raises(ModelMismatchError, match="parameters in no optimizer group"):
         shard.init(1, other, None)
-    shard.push(0, 0, ones())  # the job takes a step
-    shard.init(1, other, None)  # a restarted worker 1 is taken
+    shard.init(1, held, None)
+    shard.push(1, 0, ones())
+    shard.init(1, other, None)  # worker 1 restarts holding others: taken
     assert shard.status().job.model_digest == held.model_digest  # the job's start stays
     with pytest.raises(ModelMismatchError, match="model_digest"):  # the model is still judged
         shard.init(1, replace(other, model_digest="n" + FIXED_MARK + "b" * 16), None)
