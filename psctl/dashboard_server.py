@@ -192,7 +192,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         cli.write_port_file(Path(args.port_file), server.httpd.server_address[1])
     print(f"dashboard at {server.url} (shards {', '.join(addresses)})", flush=True)
     try:
-        stop.wait()
+        cli.wait_for_stop(stop)
     finally:
         server.stop()
         sampler.stop()

@@ -15,7 +15,7 @@ from psserver.metrics import MetricsServer, ShardMetrics
 from psserver.server import start_server
 from psserver.shard import Shard
 from pswire import envnames
-from pswire.cli import write_port_file
+from pswire.cli import wait_for_stop, write_port_file
 from pswire.errors import PSError
 from pswire.flightwire import tune_malloc
 
@@ -110,7 +110,7 @@ def serve(config: ServerConfig, stop: threading.Event) -> int:
             write_port_file(config.port_file, server.port)
         if saver is not None:
             saver.start()
-        stop.wait()
+        wait_for_stop(stop)
         log.info("psserver stopping (grace %.1fs)", config.grace_s)
     finally:
         server.stop(config.grace_s)

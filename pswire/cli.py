@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -117,3 +119,15 @@ def write_port_file(path: Path, port: int) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def wait_for_stop(stop: threading.Event, poll_s: float = 0.1) -> None:
+    """Waits, in a daemon's main thread, until ``stop`` is set (by its SIGINT/SIGTERM handler).
+
+    It polls ``is_set()`` rather than calling ``stop.wait()``: a signal handler runs in the
+    main thread between two bytecodes, and one that interrupted ``wait()`` while it held the
+    event's lock would wait for that lock forever in ``stop.set()``. (Seen once: a
+    ``psserver`` given SIGINT just after it came up never stopped.)
+    """
+    while not stop.is_set():
+        time.sleep(poll_s)
