@@ -34,18 +34,23 @@ VARIANT_MARK = "|"
 FIXED_MARK = "+fixed:"
 
 
+def digest_parts(digest: str) -> tuple[str, str, str]:
+    """A ``Job.model_digest``'s parts: the model's own digest, the digest of the values never
+    sent (after ``FIXED_MARK``; "" for none) and the training variant's settings (after
+    ``VARIANT_MARK``; "" for none)."""
+    model, _, variant = digest.partition(VARIANT_MARK)
+    model, _, fixed = model.partition(FIXED_MARK)
+    return model, fixed, variant
+
+
 def keeping_fixed(job: Job, held: Job) -> Job:
     """``job`` with ``held``'s digest of the values never sent (after ``FIXED_MARK``): a
     worker that restarts into a job it has pushed steps of is not judged on them, as it may
     hold others by then (a script's own EMA target network, restored from its checkpoint)."""
-
-    def split(digest: str) -> tuple[str, str, str]:
-        model, mark, variant = digest.partition(VARIANT_MARK)
-        base, _, fixed = model.partition(FIXED_MARK)
-        return base, FIXED_MARK + fixed if fixed else "", mark + variant
-
-    base, _, variant = split(job.model_digest)
-    return replace(job, model_digest=base + split(held.model_digest)[1] + variant)
+    model, _, variant = digest_parts(job.model_digest)
+    fixed = digest_parts(held.model_digest)[1]
+    digest = model + (FIXED_MARK + fixed if fixed else "")
+    return replace(job, model_digest=digest + (VARIANT_MARK + variant if variant else ""))
 
 
 def fixed_digest(arrays: Mapping[str, np.ndarray]) -> str:
@@ -385,10 +390,8 @@ class Job:
                 out.append(f"{attr}: shard has {theirs!r}, worker sent {mine!r}")
         # The digest may end in the training variant (``|diloco(...)``, psworker/diloco.py):
         # said apart from the model, with its settings, so the refused worker sees which.
-        mine_model, _, mine_variant = self.model_digest.partition(VARIANT_MARK)
-        theirs_model, _, theirs_variant = other.model_digest.partition(VARIANT_MARK)
-        mine_model, _, mine_fixed = mine_model.partition(FIXED_MARK)
-        theirs_model, _, theirs_fixed = theirs_model.partition(FIXED_MARK)
+        mine_model, mine_fixed, mine_variant = digest_parts(self.model_digest)
+        theirs_model, theirs_fixed, theirs_variant = digest_parts(other.model_digest)
         if mine_model != theirs_model:
             out.append(f"model_digest: shard has {theirs_model!r}, worker sent {mine_model!r}")
         elif mine_fixed != theirs_fixed:

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pscore.job import VARIANT_MARK
+from pscore.job import digest_parts
 from pswire.errors import PSError
 from pswire.proto import ps_pb2
 from pswire.security import ClientSecurity
@@ -39,7 +39,7 @@ def local_steps_of(model_digest: str) -> dict[str, Any] | None:
     "between": what the inner steps between two outer steps are, in words}``; None for a job
     without local steps (its shard's clock then counts the job's own steps). With P
     fragments (Streaming DiLoCo) an outer step exchanges one of them every H/P inner steps."""
-    _, _, variant = model_digest.partition(VARIANT_MARK)
+    variant = digest_parts(model_digest)[2]
     found = _DILOCO.match(variant)
     if found is None:
         return None
