@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
+from pscore.job import TRAINABLE_DTYPES
 from pscore.optim import Optimizer
 from pscore.optspec import StepOptions
 from pscore.tables import RowSparse
@@ -295,11 +296,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._params[prefix + name] = p
                 groups[prefix + name] = first_group + index
         self._groups = groups
-        self._buffers = {
-            BUFFER_PREFIX + prefix + n: b for n, b in model.named_buffers() if b is not None
-        }
-        for name, b in self._buffers.items():
-            _check_tensor("buffer", name[len(BUFFER_PREFIX + prefix) :], b)
+        self._buffers = {}
+        for name, b in model.named_buffers():
+            if b is not None:
+                _check_tensor("buffer", name, b)
+                self._buffers[BUFFER_PREFIX + prefix + name] = b
         self._tables = tables
         everything = {**self._params, **self._buffers}
         on_gpu = any(t.is_cuda for t in everything.values())
@@ -307,9 +308,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._stepped: set[int] = set()  # parameters a backward reached since the last step
         self._together = 1  # how many models train through the client (for_models)
         self._stale_warned = False
-        # Each parameter's autograd version after the last step loaded the job's weights into
-        # it (None: this model keeps its own values, or nothing is loaded yet); see
-        # _warn_overwritten.
+        # Each parameter's autograd version and memory address after the last step loaded the
+        # job's weights into it (None: this model keeps its own values, or nothing is loaded
+        # yet); see _warn_overwritten.
         self._versions: dict[str, tuple[int, int]] | None = None
         self._overwrite_warned = False
         self._overlap = None  # overlap=True: set by the constructor after init
@@ -731,10 +732,6 @@ def _init_together(client: Client, parts: list[DistributedOptimizer]) -> None:
         part._remember_versions()
 
 
-# What a parameter may hold: what numpy, the wire and the shards' optimizers compute in.
-_PARAM_DTYPES = (torch.float16, torch.float32, torch.float64)
-
-
 def _check_tensor(kind: str, name: str, tensor: torch.Tensor) -> None:
     """Refuses, before anything is sent, a tensor the job cannot hold: a lazy module's
     parameter before its first forward, a parameter of a dtype numpy has no form of.
@@ -748,7 +745,7 @@ def _check_tensor(kind: str, name: str, tensor: torch.Tensor) -> None:
             "run one forward pass on a batch before making the DistributedOptimizer, as "
             "torch's lazy modules advise before handing parameters to other code"
         )
-    if kind == "parameter" and tensor.dtype not in _PARAM_DTYPES:
+    if kind == "parameter" and str(tensor.dtype).removeprefix("torch.") not in TRAINABLE_DTYPES:
         hint = (
             "; keep the model in float32 and compute in bfloat16 under "
             "torch.autocast(device, dtype=torch.bfloat16)"
@@ -756,8 +753,8 @@ def _check_tensor(kind: str, name: str, tensor: torch.Tensor) -> None:
             else ""
         )
         raise ConfigError(
-            f"parameter '{name}' has dtype {tensor.dtype}; a job's parameters are float16, "
-            f"float32 or float64{hint}"
+            f"parameter '{name}' has dtype {tensor.dtype}; a job's parameters are one of "
+            f"{list(TRAINABLE_DTYPES)}{hint}"
         )
     if kind == "buffer" and tensor.dtype == torch.bfloat16:
         raise ConfigError(
