@@ -281,14 +281,17 @@ class Job:
         shown = ", ".join(known[:10]) + (", ..." if len(known) > 10 else "")
         return f"variable '{key}' is not on this shard (it holds: {shown})"
 
-    def pull_keys(self, names: Sequence[str], rows: Sequence[tuple[str, np.ndarray]]) -> list[str]:
+    def pull_keys(
+        self, names: Sequence[str], rows: Sequence[tuple[str, np.ndarray | None]]
+    ) -> list[str]:
         """The dense variables a pull reads, its row query checked: ``names``, or with none
-        every variable that is not a table (none when ``rows`` are asked for).
+        every variable that is not a table (none when ``rows`` are asked for). Ids None: every
+        row this shard holds of a dynamic table (``psctl export``).
 
         Raises:
             UnknownVariableError: a name the job lacks.
             InvalidRequestError: a table named as a whole, rows of a dense variable, one table
-                asked twice, bad row ids.
+                asked twice, bad row ids, every row of a fixed table.
         """
         if names:
             keys = list(names)
@@ -312,7 +315,13 @@ class Job:
             if table in seen:
                 raise InvalidRequestError(f"one pull asks for rows of table '{table}' twice")
             seen.add(table)
-            check_rows(spec.table, ids, None, "pull")
+            if ids is not None:
+                check_rows(spec.table, ids, None, "pull")
+            elif not spec.table.dynamic:
+                raise InvalidRequestError(
+                    f"a pull asks for every row of table '{table}', which is fixed: ask for "
+                    f"its ids [{spec.table.row_start}, {spec.table.row_end}) on this shard"
+                )
         return keys
 
     def checked_grads(

@@ -21,6 +21,7 @@ from pscore.checks import all_finite
 from pscore.optim import Optimizer, run_pieces, scratch
 from pscore.rowindex import RowIndex
 from pscore.tables import (
+    RowSparse,
     TableSlice,
     gather_rows,
     init_rows,
@@ -65,7 +66,15 @@ class RowStore:
     counted, and come back re-initialised if touched again.
     """
 
-    def __init__(self, spec: TableSlice, optimizer: Optimizer) -> None:
+    def __init__(
+        self, spec: TableSlice, optimizer: Optimizer, place: tuple[int, int] = (0, 1)
+    ) -> None:
+        """``place``: (this shard, of how many), which picks a dynamic table's rows from its
+        ``init_from`` file (``pscore.tables.rows_from_file``).
+
+        Raises:
+            InvalidRequestError: a bad slice, or an ``init_from`` file that cannot be its rows.
+        """
         spec.check(optimizer)
         self.spec = spec
         self.optimizer = optimizer
@@ -84,11 +93,18 @@ class RowStore:
             for k, v in kinds.items()
         }
         self._scratch: dict[str, np.ndarray] = {}
-        if spec.init_from:  # every row now, from the file: nothing later depends on it
-            self.values[:] = rows_from_file(spec)
-            self._slot[:] = np.arange(1, rows + 1, dtype=self._slot.dtype)
-            self._made = rows
-            self._start_state(slice(0, rows))
+        if spec.init_from:  # the file's rows now: nothing later depends on it
+            ids, held = rows_from_file(spec, *place)
+            if self._index is None:
+                self.values[:] = held
+                self._slot[:] = np.arange(1, rows + 1, dtype=self._slot.dtype)
+                self._made = rows
+            else:  # least recently used first, as the file lists them
+                assert ids is not None
+                self._index = RowIndex.holding(ids)
+                self._grow(self._index.size)
+                self.values[: len(held)] = held
+            self._start_state(slice(0, len(held)))
 
     @property
     def rows(self) -> int:
@@ -179,14 +195,22 @@ class RowStore:
         self.slots.update(done[-1][0])
         return undo
 
+    def held(self) -> RowSparse:
+        """Copies of every row a dynamic slice holds, least recently used first, with their
+        ids; touches none (``psctl export``)."""
+        assert self._index is not None, "a fixed slice: its rows by id range"
+        rows = self._index.order()
+        return RowSparse(self._index.ids[rows], self.values[rows])
+
     def export(self) -> TableState:
         if self._index is None:  # every row, in id order
             rows = self._locate(np.arange(self.spec.row_start, self.spec.row_end, dtype=np.int64))
             slots = {k: _take(v, rows) for k, v in self.slots.items()}
             return TableState(None, gather_rows(self.values, rows), slots, self.evictions)
         rows = self._index.order()
+        held = self.held()
         slots = {k: _take(v, rows) for k, v in self.slots.items()}
-        return TableState(self._index.ids[rows], self.values[rows], slots, self.evictions)
+        return TableState(held.ids, held.values, slots, self.evictions)
 
     @classmethod
     def restore(cls, spec: TableSlice, optimizer: Optimizer, state: TableState) -> RowStore:

@@ -25,6 +25,11 @@ from pswire.errors import ConfigError, InvalidRequestError, TooLargeError
 INITS = ("normal", "uniform", "zeros")
 TABLE_DTYPES = ("float32", "float64")
 ROW_FILES = (".safetensors", ".npy")  # what ``init_from`` reads (see ``rows_from_file``)
+# A dynamic table's ids in a file of its rows: the table's rows under its name, their ids
+# under its name and this suffix (what ``psctl export`` writes; ``init_from`` reads).
+IDS_SUFFIX = ".ids"
+# The rows a dynamic table's file is read in, at most: each shard keeps its own ids' rows.
+_FILE_BLOCK_BYTES = 1 << 26
 _SAFETENSORS_DTYPES = {"F32": "float32", "F64": "float64"}
 # Column pairs initialised per block: the block's scratch (two uint64, three float32 and one
 # uint32 arrays, 1 MiB) stays in a core's cache through the passes that draw it.
@@ -43,11 +48,15 @@ class Table:
     ``torch.nn.Embedding`` with the default scale 1; "uniform": U(-init_scale, init_scale);
     "zeros"), drawn from ``(seed, id)`` alone.
 
-    ``init_from``: a fixed table's rows come from a file instead, read by each shard (its own
-    id range) when the table is made: a ``.safetensors`` file holding a ``(num_rows, dim)``
-    tensor under the table's name (what ``psctl export --out model.safetensors`` writes), or a
-    ``.npy`` file of that array. So a table trained on some shard count can go on, with fresh
-    optimizer state, on another. A relative path is made absolute here, as the worker sees it.
+    ``init_from``: the table's rows come from a file instead, read by each shard (its own
+    ids) when the table is made. A fixed table's: a ``.safetensors`` file holding a
+    ``(num_rows, dim)`` tensor under the table's name (what ``psctl export --out
+    model.safetensors`` writes), or a ``.npy`` file of that array. A dynamic table's: a
+    ``.safetensors`` file holding its rows ``(n, dim)`` under its name and their distinct int64
+    ids ``(n,)`` under its name plus ``IDS_SUFFIX`` (what ``psctl export`` writes), least
+    recently used first; every other id starts from ``init`` as before. So a table trained on
+    some shard count can go on, with fresh optimizer state, on another. A relative path is
+    made absolute here, as the worker sees it.
     """
 
     num_rows: int | None
@@ -154,59 +163,134 @@ class TableSlice:
 
 def _row_file_problem(path: str, num_rows: int) -> str:
     """Why ``path`` cannot be a table's ``init_from`` ("" if it can, as far as its name says)."""
-    if not num_rows:
-        return "only a fixed table (num_rows) starts from a file; a dynamic one has no dense form"
-    if Path(path).suffix not in ROW_FILES:
-        return f"expected a file ending in one of {ROW_FILES}"
+    suffixes = ROW_FILES if num_rows else (".safetensors",)  # a dynamic table: rows and ids
+    if Path(path).suffix not in suffixes:
+        kind = "a fixed" if num_rows else "a dynamic"
+        return f"{kind} table's rows come from a file ending in one of {suffixes}"
     return ""
 
 
-def rows_from_file(spec: TableSlice) -> np.ndarray:
-    """This slice's rows, ``[row_start, row_end)``, from its table's ``init_from`` file, read
-    on this host: only that range is read (a read-only view of a mapped .npy file; copy it).
+def rows_from_file(
+    spec: TableSlice, shard: int = 0, num_shards: int = 1
+) -> tuple[np.ndarray | None, np.ndarray]:
+    """This slice's rows from its table's ``init_from`` file, read on this host: (None, rows
+    ``[row_start, row_end)``) for a fixed table, of which only that range is read (a
+    read-only view of a mapped .npy file; copy it); (ids, their rows), least recently used
+    first, for a dynamic one: the file's ids that ``dynamic_home`` puts on shard ``shard`` of
+    ``num_shards``, read a block of rows at a time.
 
     Raises:
         InvalidRequestError: naming the table and the file: it cannot be read here, holds no
-            such tensor, or one of another shape or dtype than the table's, or a row that is
-            not finite.
+            such tensor, or one of another shape or dtype than the table's, a row that is not
+            finite, ids that repeat, or more rows for this shard than its capacity.
     """
     where = f"table '{spec.key}': init_from {spec.init_from!r}"
-    expected = (spec.num_rows, spec.dim)
+    if spec.dynamic and num_shards < 1:
+        raise InvalidRequestError(
+            f"{where}: the job does not say which shard of how many this is, so it cannot "
+            "tell which of the file's ids are its own (a worker older than this shard?)"
+        )
     try:
-        shape, dtype, rows = _read_rows(spec, where)
+        if spec.dynamic:
+            ids, rows = _read_held_rows(spec, where, shard, num_shards)
+        else:
+            ids, rows = None, _read_rows(spec, where)
     except (OSError, ValueError, SafetensorError) as exc:
         raise InvalidRequestError(f"{where} could not be read on this host: {exc}") from exc
-    if rows is None:
-        raise InvalidRequestError(
-            f"{where} holds a tensor of shape {shape} and dtype {dtype}; the table is "
-            f"{expected} {spec.dtype}"
-        )
     if not all_finite(rows):
         bad = int(np.flatnonzero(~np.isfinite(rows).all(axis=1))[0])
-        raise InvalidRequestError(f"{where}: row {spec.row_start + bad} is not finite")
-    return rows
+        row = spec.row_start + bad if ids is None else f"of id {int(ids[bad])}"
+        raise InvalidRequestError(f"{where}: row {row} is not finite")
+    if spec.capacity and ids is not None and len(ids) > spec.capacity:
+        raise InvalidRequestError(
+            f"{where} holds {len(ids)} rows for shard {shard} of {num_shards}, over the "
+            f"table's capacity of {spec.capacity} rows a shard: raise capacity to at least "
+            f"{len(ids)} or start more shards"
+        )
+    return ids, rows
 
 
-def _read_rows(spec: TableSlice, where: str) -> tuple[tuple[int, ...], str, np.ndarray | None]:
-    """The file's tensor's shape and dtype, and this slice's rows if they are the table's."""
+def dynamic_home(ids: np.ndarray, num_shards: int) -> np.ndarray:
+    """The shard holding each id of a dynamic table: ``splitmix64(id) % num_shards``."""
+    if num_shards == 1:
+        return np.zeros(len(ids), dtype=np.int64)
+    return (splitmix64(ids.view(np.uint64)) % np.uint64(num_shards)).astype(np.int64)
+
+
+def _read_rows(spec: TableSlice, where: str) -> np.ndarray:
+    """A fixed slice's rows from its file (InvalidRequestError: not the table's)."""
     expected = (spec.num_rows, spec.dim)
     if spec.init_from.endswith(".npy"):
         whole = np.load(spec.init_from, mmap_mode="r", allow_pickle=False)
-        fits = whole.shape == expected and whole.dtype == spec.dtype
-        rows = whole[spec.row_start : spec.row_end] if fits else None  # mapped, read-only
-        return whole.shape, str(whole.dtype), rows
+        _check_tensor(where, spec.key, whole.shape, str(whole.dtype), expected, spec.dtype)
+        return whole[spec.row_start : spec.row_end]  # mapped, read-only
     with safe_open(spec.init_from, framework="np") as f:
-        names = f.keys()
-        if spec.key not in names:
+        piece = _tensor(f, where, spec.key, "the table's name")
+        _check_tensor(where, spec.key, *_shape_dtype(piece), expected, spec.dtype)
+        return piece[spec.row_start : spec.row_end]
+
+
+def _read_held_rows(
+    spec: TableSlice, where: str, shard: int, num_shards: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """A dynamic slice's ids and rows from its file (InvalidRequestError: not the table's)."""
+    with safe_open(spec.init_from, framework="np") as f:
+        id_key = spec.key + IDS_SUFFIX
+        _tensor(f, where, id_key, "the table's ids")
+        ids = f.get_tensor(id_key)
+        if ids.dtype != np.int64 or ids.ndim != 1:
             raise InvalidRequestError(
-                f"{where} holds no tensor '{spec.key}' (the table's name): it holds "
-                f"{sorted(names)[:20]}"
+                f"{where}: '{id_key}' holds {ids.dtype} of shape {ids.shape}; a dynamic "
+                "table's ids are 1-d int64"
             )
-        piece = f.get_slice(spec.key)
-        shape = tuple(piece.get_shape())
-        dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype(), piece.get_dtype())
-        fits = shape == expected and dtype == spec.dtype
-        return shape, dtype, piece[spec.row_start : spec.row_end] if fits else None
+        piece = _tensor(f, where, spec.key, "the table's name")
+        _check_tensor(where, spec.key, *_shape_dtype(piece), (len(ids), spec.dim), spec.dtype)
+        unique, counts = np.unique(ids, return_counts=True)
+        if len(unique) < len(ids):
+            raise InvalidRequestError(
+                f"{where}: id {int(unique[np.argmax(counts > 1)])} is in '{id_key}' "
+                f"{int(counts.max())} times; a table's ids are distinct"
+            )
+        mine = np.flatnonzero(dynamic_home(ids, num_shards) == shard)
+        rows = np.empty((len(mine), spec.dim), dtype=spec.dtype)
+        block = max(1, _FILE_BLOCK_BYTES // (spec.dim * rows.itemsize))
+        done = 0
+        for start in range(0, len(ids), block):
+            end = min(start + block, len(ids))  # safetensors refuses a slice past the end
+            take = mine[(mine >= start) & (mine < end)]
+            if len(take):
+                rows[done : done + len(take)] = piece[start:end][take - start]
+                done += len(take)
+        return ids[mine], rows
+
+
+def _tensor(f: Any, where: str, key: str, what: str) -> Any:
+    """The slice of tensor ``key`` in an open safetensors file (InvalidRequestError: none)."""
+    names = f.keys()
+    if key not in names:
+        raise InvalidRequestError(
+            f"{where} holds no tensor '{key}' ({what}): it holds {sorted(names)[:20]}"
+        )
+    return f.get_slice(key)
+
+
+def _shape_dtype(piece: Any) -> tuple[tuple[int, ...], str]:
+    return tuple(piece.get_shape()), _SAFETENSORS_DTYPES.get(piece.get_dtype(), piece.get_dtype())
+
+
+def _check_tensor(
+    where: str,
+    key: str,
+    shape: tuple[int, ...],
+    dtype: str,
+    expected: tuple[int, ...],
+    expected_dtype: str,
+) -> None:
+    if shape != expected or dtype != expected_dtype:
+        raise InvalidRequestError(
+            f"{where} holds a tensor '{key}' of shape {shape} and dtype {dtype}; the table is "
+            f"{expected} {expected_dtype}"
+        )
 
 
 def check_rows(spec: TableSlice, ids: np.ndarray, values: np.ndarray | None, what: str) -> None:

@@ -60,7 +60,7 @@ class Variables:
             if not specs[k].average
         }
         self.tables = {
-            key: RowStore(spec.table, job.optimizer_of(key))
+            key: RowStore(spec.table, job.optimizer_of(key), (job.shard, job.num_shards))
             for key, spec in specs.items()
             if spec.table is not None
         }

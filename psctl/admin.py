@@ -15,6 +15,7 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
+from pscore.tables import IDS_SUFFIX
 from pswire import cli
 from pswire.cluster import ClusterSpec
 from pswire.codec import ChunkAssembler
@@ -96,8 +97,10 @@ def export_state_dict(
 ) -> Export:
     """Pulls the whole model from the shards and writes it as one state_dict file.
 
-    Fixed-size embedding tables are written whole under their table name; dynamic tables
-    (no dense form) are left out with a warning. Split variables are joined, buffer names
+    Fixed-size embedding tables are written whole under their table name; a dynamic table
+    as the rows every shard holds under its name and their int64 ids under its name plus
+    ``.ids`` (``pscore.tables.IDS_SUFFIX``; each shard's least recently used first, in shard
+    order): what ``Table(..., init_from=...)`` reads. Split variables are joined, buffer names
     lose their ``buffer:`` prefix, so the file loads
     into the module with ``model.load_state_dict(torch.load(path))``. It is a torch file
     (tensors only: ``torch.load(..., weights_only=True)`` reads it) unless ``out_path`` ends
@@ -144,14 +147,13 @@ def pull_pieces(
         if not st.initialized or not st.HasField("job"):
             raise NotInitializedError(f"{where} holds no model yet: nothing to export")
         keys = [v.name for v in st.job.variables if not v.HasField("table")]
-        # Fixed tables come whole (this shard's id range, as slices joined in shard order);
-        # dynamic ones have no dense form and stay in the shards' checkpoints.
-        tables = [v for v in st.job.variables if v.HasField("table") and v.table.num_rows]
-        skipped = [v.name for v in st.job.variables if v.HasField("table") and not v.table.num_rows]
-        if skipped and index == 0:
-            log.warning("dynamic tables %s have no dense form: not exported", skipped)
+        # Tables come as slices joined in shard order: a fixed one's id range on this shard,
+        # a dynamic one's every row (least recently used first) and their ids beside.
+        tables = [v for v in st.job.variables if v.HasField("table")]
         rows = [
-            ps_pb2.RowQuery(
+            ps_pb2.RowQuery(table=v.name, every=True)
+            if not v.table.num_rows
+            else ps_pb2.RowQuery(
                 table=v.name,
                 ids=np.arange(v.table.row_start, v.table.row_end, dtype="<i8").tobytes(),
             )
@@ -169,12 +171,19 @@ def pull_pieces(
             for reply in stub.Pull(request, timeout=timeout):
                 assembler.add(reply.chunk)
                 clock = int(reply.clock)
-            return assembler.finish(), clock
+            arrays = assembler.finish()
+            for v in tables:  # a dynamic table's ids: none sent when the shard holds none
+                if not v.table.num_rows:
+                    ids = assembler.indices.get(v.name, np.empty(0, np.int64))
+                    arrays[v.name + IDS_SUFFIX] = ids
+            return arrays, clock
 
         arrays, clock = _call(address, security, f"Pull on {where}", pull)
         n = len(addresses)
         for v in tables:  # as the slices of a split variable, so join_pieces concatenates them
-            arrays[f"{v.name}/part{index}of{n}"] = arrays.pop(v.name)
+            for key in (v.name, v.name + IDS_SUFFIX):
+                if key in arrays:
+                    arrays[f"{key}/part{index}of{n}"] = arrays.pop(key)
         return arrays, clock, st.job.model_digest
 
     results = _all_or_raise(len(addresses), one)

@@ -137,7 +137,7 @@ class ShardMetrics:
         """Counts one push request's gradients by variable group."""
         self._count(grads, self.pushes, self.push_bytes)
 
-    def pulled(self, arrays: Mapping[str, np.ndarray]) -> None:
+    def pulled(self, arrays: Mapping[str, np.ndarray | RowSparse]) -> None:
         """Counts one pull reply's variables by variable group."""
         self._count(arrays, self.pulls, self.pull_bytes)
 

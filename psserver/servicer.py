@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from pscore.tables import RowSparse
 from psserver.admission import DEFAULT_THREADS, Admission
 from psserver.records import PushResult
 from psserver.shard import Cancelled, Shard
@@ -48,11 +49,37 @@ def row_query(
         InvalidRequestError: ids that are not whole int64s.
     """
     rows = []
+    for table, ids in pull_row_query(request):
+        if ids is None:
+            raise InvalidRequestError(
+                f"table '{table}': every row a shard holds (RowQuery.every) is for a Pull "
+                "(psctl export), not a step's read"
+            )
+        rows.append((table, ids))
+    return rows
+
+
+def pull_row_query(
+    request: ps_pb2.PullRequest | ps_pb2.PushPullRequest | read.StepRequest,
+) -> list[tuple[str, np.ndarray | None]]:
+    """(table, ids) pairs of a pull, as ``row_query``; ids None: every row (``every``).
+
+    Raises:
+        InvalidRequestError: ids that are not whole int64s, or ids with ``every``.
+    """
+    rows: list[tuple[str, np.ndarray | None]] = []
     for q in request.rows:
         if len(q.ids) % 8:
             raise InvalidRequestError(
                 f"table '{q.table}': row ids are {len(q.ids)} bytes, not a whole number of int64s"
             )
+        if q.every:
+            if q.ids:
+                raise InvalidRequestError(
+                    f"table '{q.table}': a row query names ids and asks for every row"
+                )
+            rows.append((q.table, None))
+            continue
         ids = np.frombuffer(q.ids, dtype="<i8")
         rows.append((q.table, ids if ids.flags.aligned else ids.copy()))
     return rows
@@ -281,18 +308,26 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._shared_pull = weakref.ref(reply)
         return reply
 
-    def _messages(self, arrays: Mapping[str, np.ndarray], clock: int) -> _Reply:
-        """A pull reply's messages (a pull with table rows gets its own, never shared)."""
+    def _messages(self, arrays: Mapping[str, np.ndarray | RowSparse], clock: int) -> _Reply:
+        """A pull reply's messages (a pull with table rows gets its own, never shared); every
+        row of a dynamic table (``RowSparse``) carries its ids."""
         trailer = varint_field(2, clock)  # PullResponse.clock, after the chunk (field 1)
         return _Reply(
             message
-            for name, array in arrays.items()
-            for message in encode_chunk_messages(name, array, 1, self.chunk_bytes, trailer=trailer)
+            for name, piece in arrays.items()
+            for message in encode_chunk_messages(
+                name,
+                piece.values if isinstance(piece, RowSparse) else piece,
+                1,
+                self.chunk_bytes,
+                trailer=trailer,
+                indices=piece.ids if isinstance(piece, RowSparse) else None,
+            )
         )
 
     @rpc_errors
     def Pull(self, request, context):
-        rows = row_query(request)
+        rows = pull_row_query(request)
         with _ending(context, self.shard) as cancelled:
             messages, _ = self.shard.pull(
                 request.worker_id,

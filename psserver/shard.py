@@ -201,7 +201,7 @@ class Shard:
         for key, spec in job.specs.items():
             if spec.table is not None and spec.table.init_from:
                 spec.table.check(job.optimizer_of(key))
-                rows_from_file(spec.table)
+                rows_from_file(spec.table, job.shard, job.num_shards)
 
     def _check_table_files(self, job: Job) -> None:
         """Raises InvalidRequestError for a table file outside ``limits.table_files``."""
@@ -231,15 +231,16 @@ class Shard:
         names: Sequence[str] = (),
         timeout: float | None = None,
         encode: Callable[[Mapping[str, np.ndarray], int], Any] | None = None,
-        rows: Sequence[tuple[str, np.ndarray]] = (),
+        rows: Sequence[tuple[str, np.ndarray | None]] = (),
         incarnation: str = "",
         cancelled: Cancelled | None = None,
     ) -> tuple[Any, int]:
         """Snapshot of the variables once the consistency rule lets a worker at ``step`` read.
 
         ``rows``: (table, ids) pairs; each table's rows come back under its name, in id order
-        (a dynamic table makes rows on first touch). Empty ``names`` means every variable
-        that is not a table, or none when ``rows`` are asked for.
+        (a dynamic table makes rows on first touch). Ids None: every row this shard holds of
+        a dynamic table, as ``RowSparse`` (``psctl export``). Empty ``names`` means every
+        variable that is not a table, or none when ``rows`` are asked for.
 
         Returns (copies of the variables, the clock). With ``encode``, returns
         ``encode(variables, clock)`` instead, called with the live arrays under the shard's lock:
@@ -278,7 +279,13 @@ class Shard:
                 if worker_id != OBSERVER:
                     self._roster.open(step)
                 # Gathering copies the rows: they are this pull's snapshot either way.
-                gathered = {table: self._state.tables[table].gather(ids) for table, ids in rows}
+                tables = self._state.tables
+                # Arrays, or a dynamic table's every row with their ids (RowSparse): psctl
+                # export's pull, whose encode (the servicer's _messages) writes both.
+                gathered: dict[str, Any] = {
+                    table: tables[table].held() if ids is None else tables[table].gather(ids)
+                    for table, ids in rows
+                }
                 arrays = {**{k: self._state.values[k] for k in keys}, **gathered}
                 if self.observer is not None:
                     self.observer.pulled(arrays)

@@ -206,11 +206,12 @@ class StepRequest:
 class RowAsk:
     """A RowQuery read by hand: ``ids`` views the received message."""
 
-    __slots__ = ("ids", "table")
+    __slots__ = ("every", "ids", "table")
 
     def __init__(self) -> None:
         self.table = ""
         self.ids: memoryview | bytes = b""
+        self.every = False  # a Pull's only: a step that asks is refused (psserver.servicer)
 
 
 class StepReply:
@@ -257,6 +258,11 @@ def parse_request(data: bytes) -> StepRequest:
 def _parse_row_query(buf: memoryview) -> RowAsk:
     ask = RowAsk()
     for field, wire, value, _, _ in spans(buf):
+        if field == 3:
+            if not isinstance(value, int):
+                raise ValueError(f"RowQuery field 3 has wire type {wire}")
+            ask.every = bool(value)
+            continue
         if field not in (1, 2):
             continue
         if not isinstance(value, memoryview):

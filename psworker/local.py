@@ -80,7 +80,10 @@ class LocalClient:
             VarSpec(k, tuple(a.shape), a.dtype.name, k in buffers, group=group[k])
             for k, a in arrays.items()
         ] + [VarSpec.of_table(t.slice_for(0), group[n]) for n, t in self._layouts.items()]
-        job = Job(self.mode, 0, 1, optimizers[0], tuple(specs), "", groups=tuple(optimizers[1:]))
+        job = Job(
+            self.mode, 0, 1, optimizers[0], tuple(specs), "", groups=tuple(optimizers[1:]),
+            num_shards=1,
+        )  # fmt: skip
         state = Variables()
         state.install(job, arrays, take=False)
         self._job, self._state = job, state

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pscore.tables import Table, TableSlice, splitmix64
+from pscore.tables import Table, TableSlice, dynamic_home
 from pswire.errors import InvalidRequestError, ModelMismatchError, not_in_model
 from pswire.piecekey import check_names, piece_key
 
@@ -334,7 +334,7 @@ def plan(
 @dataclass(frozen=True)
 class TableLayout:
     """Where a table's rows live: contiguous id ranges (fixed) or ``splitmix64(id) % shards``
-    (dynamic). Identical on every process."""
+    (dynamic, ``pscore.tables.dynamic_home``). Identical on every process."""
 
     name: str
     table: Table
@@ -376,7 +376,7 @@ class TableLayout:
             return np.zeros(len(ids), dtype=np.int64)
         if self.bounds:
             return np.searchsorted(np.asarray(self.bounds[1:-1]), ids, side="right")
-        return (splitmix64(ids.view(np.uint64)) % np.uint64(self.num_shards)).astype(np.int64)
+        return dynamic_home(ids, self.num_shards)
 
 
 def tables_digest(tables: Mapping[str, Table]) -> str:

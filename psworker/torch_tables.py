@@ -183,9 +183,10 @@ class Embedding(_RemoteTable):
     Each forward pulls only the distinct ids of its batch; backward gives those rows'
     gradient, which ``DistributedOptimizer.step()`` pushes as a ``RowSparse``: no worker ever
     holds the table. Rows start as N(0, init_scale**2) (``init="normal"``, scale 1 as in
-    torch), ``"uniform"`` or ``"zeros"``, drawn from ``(seed, id)``; or, for a fixed table,
-    from a file each shard reads (``init_from``: a ``.safetensors`` file with the table under
-    ``name``, as ``psctl export`` writes it, or a ``.npy`` array).
+    torch), ``"uniform"`` or ``"zeros"``, drawn from ``(seed, id)``; or from a file each
+    shard reads (``init_from``: a ``.safetensors`` file with the table under ``name``, and a
+    dynamic table's ids under ``name + ".ids"``, as ``psctl export`` writes it; or, for a
+    fixed table, a ``.npy`` array).
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

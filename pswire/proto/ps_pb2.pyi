@@ -657,18 +657,24 @@ class RowQuery(_message.Message):
 
     TABLE_FIELD_NUMBER: _builtins.int
     IDS_FIELD_NUMBER: _builtins.int
+    EVERY_FIELD_NUMBER: _builtins.int
     table: _builtins.str
     ids: _builtins.bytes
     """int64 little-endian"""
+    every: _builtins.bool
+    """Pull only (psctl export): every row this shard holds of a dynamic table, least recently
+    used first, ids left empty; the reply's tensor carries their ids (TensorChunk.indices).
+    """
     def __init__(
         self,
         *,
         table: _builtins.str = ...,
         ids: _builtins.bytes = ...,
+        every: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids", "table", b"table"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["every", b"every", "ids", b"ids", "table", b"table"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -105,15 +105,56 @@ def test_export_before_init_and_across_models_fails(shards, tmp_path: Path) -> N
     assert not (tmp_path / "m.pt").exists()
 
 
-def test_export_writes_fixed_tables_whole_and_skips_dynamic_ones(shards, tmp_path: Path) -> None:
+def test_export_writes_fixed_tables_whole_and_dynamic_ones_with_their_ids(
+    shards, tmp_path: Path
+) -> None:
     addresses = [s.address for s in shards(2)]
     tables = {"user.weight": Table(7, 3, init="uniform"), "hashed": Table(None, 2)}
     with psworker.connect(addresses, mode="async") as client:
         client.init({"fc": np.ones(2, np.float32)}, psworker.SGD(lr=1.0), tables=tables)
         client.push({"user.weight": RowSparse([0, 6], np.ones((2, 3), np.float32))})
-        client.pull_rows("hashed", [5])
+        hashed = client.pull_rows("hashed", [5, -8])  # both on shard 0: shard 1 sends none
         expected = client.pull_rows("user.weight", np.arange(7))
     done = export_state_dict(addresses, tmp_path / "model.safetensors", timeout=10)
-    assert sorted(done.tensors) == ["fc", "user.weight"]
+    assert sorted(done.tensors) == ["fc", "hashed", "hashed.ids", "user.weight"]
     assert np.array_equal(done.tensors["user.weight"], expected)
+    order = np.argsort(done.tensors["hashed.ids"])
+    assert done.tensors["hashed.ids"][order].tolist() == [-8, 5]
+    assert np.array_equal(done.tensors["hashed"][order], hashed[::-1])
     assert expected[0, 0] != init_rows(np.arange(1), 3, "float32", "uniform", 1.0, 0)[0, 0]
+
+
+def test_a_raw_every_row_query_is_refused_where_it_cannot_be_read(shards) -> None:
+    """Every row (``RowQuery.every``) is a Pull's, of a dynamic table, without ids: anything
+    else is INVALID_ARGUMENT naming the table, and reads nothing."""
+    import grpc
+
+    from pswire.proto import ps_pb2, ps_pb2_grpc
+
+    (server,) = shards(1)
+    tables = {"user.weight": Table(7, 3), "hashed": Table(None, 2)}
+    with psworker.connect([server.address], mode="async") as client:
+        client.init({"fc": np.ones(2, np.float32)}, psworker.SGD(lr=1.0), tables=tables)
+        client.pull_rows("hashed", [5])
+    every = ps_pb2.RowQuery(table="hashed", every=True)
+    cases = [
+        (ps_pb2.RowQuery(table="user.weight", every=True), "table 'user.weight', which is fixed"),
+        (ps_pb2.RowQuery(table="hashed", every=True, ids=b"\0" * 8), "names ids and asks for"),
+    ]
+    with grpc.insecure_channel(server.address) as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        for query, says in cases:
+            request = ps_pb2.PullRequest(worker_id=-1, step=0, rows=[query])
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Pull(request, timeout=5))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, says
+            assert says in info.value.details()
+        step = ps_pb2.PushPullRequest(
+            header=ps_pb2.PushHeader(worker_id=0, step=1, skip=True), rows=[every]
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            stub.PushPull(step, timeout=5)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "table 'hashed': every row a shard holds" in info.value.details()
+        (reply,) = stub.Pull(ps_pb2.PullRequest(worker_id=-1, step=0, rows=[every]), timeout=5)
+    assert np.frombuffer(reply.chunk.indices, "<i8").tolist() == [5]

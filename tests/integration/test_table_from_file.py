@@ -1,6 +1,7 @@
-"""A fixed table's rows from a file (``Table(..., init_from=...)``): a table trained on two
-shards and exported goes on from three, bit for bit; a file that cannot be the table's is
-refused at init, naming the table and the file, and leaves the shards as they were."""
+"""A table's rows from a file (``Table(..., init_from=...)``): a table, fixed or dynamic,
+trained on two shards and exported goes on from three, bit for bit; a file that cannot be the
+table's is refused at init, naming the table and the file, and leaves the shards as they
+were."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import psworker
-from pscore.tables import RowSparse, Table
+from pscore.tables import IDS_SUFFIX, RowSparse, Table, init_rows
 from psctl.admin import export_state_dict
 from psserver.records import Limits
 from pswire.errors import InvalidRequestError
@@ -115,9 +117,127 @@ def test_a_file_that_cannot_be_the_tables_is_refused_and_changes_nothing(
         assert client.pull_rows(NAME, [3]).shape == (1, DIM)
 
 
-def test_only_a_fixed_table_from_a_file_it_can_read() -> None:
-    with pytest.raises(psworker.ConfigError, match="only a fixed table"):
+# -- dynamic tables ---------------------------------------------------------------------------
+
+HASHED = "ctr.weight"
+TOUCHED = np.array([7, -3, 2**40 + 1, 12, 99, 5], np.int64)  # pushed in this order
+
+
+def dynamic_trained_and_exported(shards, path: Path, n: int = 2) -> np.ndarray:
+    """Trains a dynamic table on ``n`` shards (rows TOUCHED) and exports it; returns the rows
+    of TOUCHED. Row 12 is touched last (a zero gradient)."""
+    addresses = [s.address for s in shards(n)]
+    with psworker.connect(addresses, mode="async") as client:
+        client.init(
+            {"fc": np.ones(2, np.float32)},
+            psworker.SGD(lr=0.5),
+            tables={HASHED: Table(None, DIM, init="uniform", seed=4)},
+        )
+        grad = np.arange(len(TOUCHED) * DIM, dtype=np.float32).reshape(len(TOUCHED), DIM)
+        client.push({HASHED: RowSparse(TOUCHED, grad)})
+        rows = client.pull_rows(HASHED, TOUCHED)
+        client.push({HASHED: RowSparse([12], np.zeros((1, DIM), np.float32))})
+    export_state_dict(addresses, path, timeout=10)
+    return rows
+
+
+def test_a_dynamic_table_trained_on_two_shards_goes_on_from_three(shards, tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    trained = dynamic_trained_and_exported(shards, path)
+    with safe_open(str(path), framework="np") as f:
+        assert sorted(f.get_tensor(HASHED + IDS_SUFFIX).tolist()) == sorted(TOUCHED.tolist())
+        assert f.get_tensor(HASHED).shape == (len(TOUCHED), DIM)
+    addresses = [s.address for s in shards(3, Limits(table_files=str(tmp_path)))]
+    # Another seed: the file's rows are the trained ones, the others start from this one.
+    tables = {HASHED: Table(None, DIM, seed=9, init_from=str(path))}
+    fresh = np.array([1, 2**50], np.int64)
+    with psworker.connect(addresses, mode="sync") as client:
+        client.init({"fc": np.ones(2, np.float32)}, psworker.SGD(lr=1.0), tables=tables)
+        path.unlink()  # read once, when the table was made: nothing later needs the file
+        assert np.array_equal(client.pull_rows(HASHED, TOUCHED), trained)
+        assert np.array_equal(
+            client.pull_rows(HASHED, fresh), init_rows(fresh, DIM, "float32", "normal", 1.0, 9)
+        )
+        client.push({HASHED: RowSparse(TOUCHED[:3], np.ones((3, DIM), np.float32))})
+        after = client.pull_rows(HASHED, TOUCHED)
+        held = [t.rows for s in shard_status(addresses, 5.0) for t in s.tables]
+    expected = trained.copy()
+    expected[:3] -= 1.0
+    assert np.array_equal(after, expected)
+    assert sum(held) == len(TOUCHED) + len(fresh) and len(held) == 3 and min(held) >= 1
+
+
+def test_a_dynamic_tables_file_keeps_its_least_recently_used_order(shards, tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    trained = dynamic_trained_and_exported(shards, path, n=1)
+    with safe_open(str(path), framework="np") as f:  # 12 was touched last
+        assert f.get_tensor(HASHED + IDS_SUFFIX).tolist() == [7, -3, 2**40 + 1, 99, 5, 12]
+    addresses = [s.address for s in shards(1, Limits(table_files=str(tmp_path)))]
+    table = Table(None, DIM, capacity=len(TOUCHED), init_from=str(path))
+    with psworker.connect(addresses, mode="sync") as client:
+        client.init({}, psworker.SGD(lr=1.0), tables={HASHED: table})
+        client.pull_rows(HASHED, [1000])  # a new row: the least recently used one, 7, goes
+        again = client.pull_rows(HASHED, TOUCHED)
+    assert not np.array_equal(again[0], trained[0])  # 7 came back from the seed
+    assert np.array_equal(again[0], init_rows(TOUCHED[:1], DIM, "float32", "normal", 1.0, 0)[0])
+
+
+def test_local_mode_reads_a_dynamic_tables_file(tmp_path: Path) -> None:
+    ids = np.array([40, -2, 3], np.int64)
+    rows = np.arange(len(ids) * DIM, dtype=np.float32).reshape(len(ids), DIM)
+    save_file({"emb": rows, "emb" + IDS_SUFFIX: ids}, str(tmp_path / "emb.safetensors"))
+    with psworker.connect(mode="local") as client:
+        table = Table(None, DIM, init_from=str(tmp_path / "emb.safetensors"))
+        client.init({}, psworker.SGD(lr=1.0), tables={"emb": table})
+        assert np.array_equal(client.pull_rows("emb", [3, 40]), rows[[2, 0]])
+
+
+def test_a_file_that_cannot_be_a_dynamic_tables_is_refused_and_changes_nothing(
+    shards, tmp_path: Path
+) -> None:
+    addresses = [s.address for s in shards(2, Limits(table_files=str(tmp_path)))]
+    ids = np.arange(6, dtype=np.int64) * 1000
+    rows = np.ones((6, DIM), np.float32)
+    nan = rows.copy()
+    nan[4, 0] = np.inf
+    files = {
+        "no_ids": ({HASHED: rows}, rf"holds no tensor '{HASHED}.ids' \(the table's ids\)"),
+        "twice": (
+            {HASHED: rows, HASHED + IDS_SUFFIX: np.array([1, 2, 3, 2, 5, 6], np.int64)},
+            r"id 2 is in 'ctr.weight.ids' 2 times",
+        ),
+        "short": (
+            {HASHED: rows[:5].copy(), HASHED + IDS_SUFFIX: ids},
+            r"shape \(5, 3\) and dtype float32; the table is \(6, 3\) float32",
+        ),
+        "float_ids": (
+            {HASHED: rows, HASHED + IDS_SUFFIX: ids.astype(np.float64)},
+            "holds float64 of shape",
+        ),
+        "nan": ({HASHED: nan, HASHED + IDS_SUFFIX: ids}, "row of id 4000 is not finite"),
+    }
+    cases = []
+    for name, (tensors, says) in files.items():
+        save_file(tensors, str(tmp_path / f"{name}.safetensors"))
+        cases.append((Table(None, DIM, init_from=str(tmp_path / f"{name}.safetensors")), says))
+    save_file({HASHED: rows, HASHED + IDS_SUFFIX: ids}, str(tmp_path / "good.safetensors"))
+    full = Table(None, DIM, capacity=2, init_from=str(tmp_path / "good.safetensors"))
+    cases.append((full, r"holds \d rows for shard \d of 2, over the table's capacity of 2"))
+    for table, says in cases:
+        with (
+            psworker.connect(addresses, mode="sync", timeout=10) as client,
+            pytest.raises(InvalidRequestError, match=says) as info,
+        ):
+            client.init(
+                {"fc": np.ones(2, np.float32)}, psworker.SGD(lr=1.0), tables={HASHED: table}
+            )
+        assert f"table '{HASHED}': init_from '{table.init_from}'" in str(info.value)
+        assert not any(s.initialized for s in shard_status(addresses, 5.0)), says
+
+
+def test_only_a_file_a_table_can_read() -> None:
+    with pytest.raises(psworker.ConfigError, match=r"a dynamic table's rows come from a file"):
         Table(None, DIM, init_from="rows.npy")
-    with pytest.raises(psworker.ConfigError, match=r"'rows.pt': expected a file ending in"):
+    with pytest.raises(psworker.ConfigError, match=r"'rows.pt': a fixed table's rows come from"):
         Table(ROWS, DIM, init_from="rows.pt")
     assert Table(ROWS, DIM, init_from="rows.npy").init_from == str(Path.cwd() / "rows.npy")
