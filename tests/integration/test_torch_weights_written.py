@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import psworker  # noqa: E402
-from psworker.torch import DistributedOptimizer  # noqa: E402
+from psworker.torch import CONTENT_CHECK_EVERY, DistributedOptimizer  # noqa: E402
 
 LOST = r"changed 1 parameters \(0.weight\) in place .* 'sync' mode .* that change is lost"
 
@@ -82,6 +82,34 @@ def test_a_new_tensor_assigned_to_data_is_named_too(shards):
         weight.data = weight.data * 0.9 + 0.1
         with pytest.warns(UserWarning, match=r"changed 1 parameters \(0.weight\).*p\.data"):
             train(opt, 1)
+
+
+def test_weight_clipping_through_data_is_named(shards):
+    """WGAN's critic: ``p.data.clamp_(-c, c)`` after each step writes through ``.data``,
+    which moves no autograd version: the weights' contents show it, at the first steps."""
+    address = shards(1)[0].address
+    with psworker.connect([address], mode="sync") as client:
+        model, opt = trained_once(client)
+        model[0].weight.data.clamp_(-0.1, 0.1)
+        with pytest.warns(UserWarning, match=r"changed 1 parameters \(0.weight\).*clamp_"):
+            train(opt, 1)
+
+
+def test_writes_through_data_from_a_late_step_on_are_named_within_64_steps(shards):
+    """Clipping that starts at step 70 (a schedule) is seen at the next checked step."""
+    address = shards(1)[0].address
+    with psworker.connect([address], mode="sync") as client:
+        model, opt = trained_once(client)
+        opt.model = model
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the checked steps (1-3, 64) find nothing
+            train(opt, 69)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(CONTENT_CHECK_EVERY):
+                model[0].weight.data.clamp_(-0.01, 0.01)
+                train(opt, 1)
+        assert [str(w.message) for w in seen if "(0.weight)" in str(w.message)]
 
 
 def test_local_mode_keeps_the_write_and_warns_of_nothing():
