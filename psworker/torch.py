@@ -269,6 +269,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 UserWarning,
                 stacklevel=3,
             )
+        _warn_renormed(model, client.mode)
         if isinstance(optimizer, Optimizer):
             trainable = [p for p in model.parameters() if p.requires_grad]
             optimizer = torch_optimizer_for(optimizer, trainable)
@@ -679,6 +680,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         yield from self._params.values()
+
+
+def _warn_renormed(model: torch.nn.Module, mode: str) -> None:
+    """Warns of each ``torch.nn.Embedding``/``EmbeddingBag`` with ``max_norm``: its forward
+    rescales the rows it looks up in place, outside autograd and the optimizer, which only
+    one process holding its own weights (``local`` mode, a CPU model) keeps as torch does."""
+    on_cpu = all(not p.is_cuda for p in model.parameters())
+    if mode == "local" and on_cpu:
+        return
+    for name, module in model.named_modules():
+        embedding = isinstance(module, torch.nn.Embedding | torch.nn.EmbeddingBag)
+        if embedding and module.max_norm and module.weight.requires_grad:
+            fate = (
+                "each rank rescales the rows of its own batch, so the replicas drift apart "
+                "(DDP has the same flaw)"
+                if mode == "allreduce" and on_cpu
+                else "the next step loads the job's weights over them, so the rescaling is lost"
+            )
+            warnings.warn(
+                f"module '{name}' ({type(module).__name__}, max_norm={module.max_norm}) rescales "
+                f"the rows each forward looks up in place, outside the optimizer: in {mode!r} "
+                f"mode {fate}, and training differs from torch's. Drop max_norm, or bound the "
+                "looked-up rows inside forward (e.g. torch.renorm of the embedding's output)",
+                UserWarning,
+                stacklevel=4,
+            )
 
 
 def _few(names: list[str]) -> str:

@@ -124,3 +124,22 @@ def test_local_mode_keeps_the_write_and_warns_of_nothing():
             warnings.simplefilter("error")
             train(opt, 1)
         assert torch.equal(model[0].weight, torch.full((3, 4), 0.25))  # lr 0: kept as written
+
+
+def embedded(max_norm: float | None) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Embedding(10, 4, max_norm=max_norm), torch.nn.Flatten())
+
+
+def test_an_embedding_with_max_norm_is_named_where_its_rescaling_would_be_lost(shards):
+    """``nn.Embedding(max_norm=...)`` rescales looked-up rows in place in forward: the shards
+    never see it (and allreduce's replicas would drift apart, as DDP's do)."""
+    address = shards(1)[0].address
+    with psworker.connect([address], mode="sync") as client:
+        with pytest.warns(UserWarning, match=r"module '0' \(Embedding, max_norm=1.0\).*lost"):
+            DistributedOptimizer(embedded(1.0), client, psworker.SGD(lr=0.1))
+    with psworker.connect(mode="local") as client, warnings.catch_warnings():
+        warnings.simplefilter("error")  # one process holding its own weights: as torch
+        DistributedOptimizer(embedded(1.0), client, psworker.SGD(lr=0.1))
+    with psworker.connect([address], mode="sync") as client, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DistributedOptimizer(embedded(None), client, psworker.SGD(lr=0.1))
