@@ -134,9 +134,12 @@ def test_an_embedding_with_max_norm_is_named_where_its_rescaling_would_be_lost(s
     """``nn.Embedding(max_norm=...)`` rescales looked-up rows in place in forward: the shards
     never see it (and allreduce's replicas would drift apart, as DDP's do)."""
     address = shards(1)[0].address
-    with psworker.connect([address], mode="sync") as client:
-        with pytest.warns(UserWarning, match=r"module '0' \(Embedding, max_norm=1.0\).*lost"):
-            DistributedOptimizer(embedded(1.0), client, psworker.SGD(lr=0.1))
+    lost = r"module '0' \(Embedding, max_norm=1.0\).*lost"
+    with (
+        psworker.connect([address], mode="sync") as client,
+        pytest.warns(UserWarning, match=lost),
+    ):
+        DistributedOptimizer(embedded(1.0), client, psworker.SGD(lr=0.1))
     with psworker.connect(mode="local") as client, warnings.catch_warnings():
         warnings.simplefilter("error")  # one process holding its own weights: as torch
         DistributedOptimizer(embedded(1.0), client, psworker.SGD(lr=0.1))
