@@ -251,16 +251,15 @@ def _read_held_rows(
                 f"{where}: id {int(unique[np.argmax(counts > 1)])} is in '{id_key}' "
                 f"{int(counts.max())} times; a table's ids are distinct"
             )
-        mine = np.flatnonzero(dynamic_home(ids, num_shards) == shard)
+        mine = np.flatnonzero(dynamic_home(ids, num_shards) == shard)  # sorted
         rows = np.empty((len(mine), spec.dim), dtype=spec.dtype)
         block = max(1, _FILE_BLOCK_BYTES // (spec.dim * rows.itemsize))
-        done = 0
-        for start in range(0, len(ids), block):
-            end = min(start + block, len(ids))  # safetensors refuses a slice past the end
-            take = mine[(mine >= start) & (mine < end)]
-            if len(take):
-                rows[done : done + len(take)] = piece[start:end][take - start]
-                done += len(take)
+        starts = range(0, len(ids), block)
+        ends = [min(start + block, len(ids)) for start in starts]  # none past the end
+        cuts = np.searchsorted(mine, ends)  # this shard's rows in each block
+        for start, end, lo, hi in zip(starts, ends, [0, *cuts[:-1]], cuts, strict=True):
+            if hi > lo:
+                rows[lo:hi] = piece[start:end][mine[lo:hi] - start]
         return ids[mine], rows
 
 
