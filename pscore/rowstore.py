@@ -208,9 +208,8 @@ class RowStore:
             slots = {k: _take(v, rows) for k, v in self.slots.items()}
             return TableState(None, gather_rows(self.values, rows), slots, self.evictions)
         rows = self._index.order()
-        held = self.held()
         slots = {k: _take(v, rows) for k, v in self.slots.items()}
-        return TableState(held.ids, held.values, slots, self.evictions)
+        return TableState(self._index.ids[rows], self.values[rows], slots, self.evictions)
 
     @classmethod
     def restore(cls, spec: TableSlice, optimizer: Optimizer, state: TableState) -> RowStore:
