@@ -353,6 +353,30 @@ def test_a_torch_state_dict_resumes_distributed_exactly(shards, mode, name):
         assert_close(model, uninterrupted, f"torch -> dist worker {i}")
 
 
+def test_the_optimizers_state_dict_carries_a_job_onto_another_shard_count(shards):
+    """Export holds no optimizer state; ``opt.state_dict()`` does, in torch's form, which a
+    job on any shard count loads: 2 shards (the larger weight split) then 3 end as torch."""
+    make, k = OPTIMIZERS["adamw"], 12
+    saved = io.BytesIO()
+    for count, steps in ((2, range(k)), (3, range(k, STEPS))):
+        addresses = [s.address for s in shards(count)]
+        model = make_model(0)
+        with psworker.connect(addresses, mode="sync", split_bytes=64) as client:
+            opt = DistributedOptimizer(model, client, make(model))
+            sched = schedule(opt)
+            if steps.start:
+                state = torch.load(io.BytesIO(saved.getvalue()))
+                model.load_state_dict(state["model"])
+                opt.load_state_dict(state["optimizer"])
+                sched.load_state_dict(state["sched"])
+            train(opt, sched, model, 0, 1, steps)
+            if not steps.start:
+                state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+                torch.save({**state, "sched": sched.state_dict()}, saved)
+    uninterrupted, _, _ = torch_run(make)
+    assert_close(model, uninterrupted, "2 shards, then 3")
+
+
 def test_a_worker_that_loaded_another_state_is_told(shards):
     _, opt_a, _ = torch_run(adam, steps=3)
     _, opt_b, _ = torch_run(adam, steps=4)
