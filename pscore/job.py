@@ -349,6 +349,10 @@ class Job:
             if spec is None:
                 raise UnknownVariableError(self.unknown(key))
             if spec.table is not None:
+                if not isinstance(grad, RowSparse) and grad.shape[:1] == (0,):
+                    # No rows on this shard, the table stepped (pswire carries empty ids as
+                    # none: a tensor without indices).
+                    grad = RowSparse(np.empty(0, np.int64), grad)
                 if not isinstance(grad, RowSparse):
                     raise InvalidRequestError(
                         f"table '{key}' takes row-sparse gradients (ids with rows), got a dense "

@@ -144,13 +144,18 @@ class RowStore:
         stored before it."""
         ids, grad = sum_duplicates(ids, grad)
         rows = self._locate(ids)
-        if not len(rows):
-            return _nothing
         optimizer = optimizer or self.optimizer
         grad = np.asarray(grad, self.values.dtype)
         arrays = {"values": self.values}
         arrays.update((k, v) for k, v in self.slots.items() if isinstance(v, np.ndarray))
         scalars = {k: v for k, v in self.slots.items() if not isinstance(v, np.ndarray)}
+        if not len(rows):  # no row here: the table's step count (Adam's) moves all the same
+            if not scalars:
+                return _nothing
+            sub = {**scalars, **{k: a[:0] for k, a in arrays.items()}}
+            optimizer.apply(sub.pop("values"), grad[:0], sub)
+            self.slots.update((k, sub[k]) for k in scalars)
+            return lambda: self.slots.update(scalars)
         kept = {k: self._kept(k, a, len(rows)) for k, a in arrays.items()}
         size = max(1, _PIECE_BYTES // (self.spec.dim * self.values.itemsize))  # rows a piece
         starts = range(0, len(rows), size)

@@ -60,8 +60,7 @@ def split_push(
             if layout is None:
                 raise not_in_model(name, tables, "table")
             for shard, part in enumerate(split_rows(layout, grad, compression)):
-                if part is not None:
-                    pieces[shard][name] = part
+                pieces[shard][name] = part
     return pieces
 
 
@@ -141,10 +140,11 @@ def wire_nbytes(grad: np.ndarray, compression: str | None) -> int:
     return int(grad.size) * 2  # float16 or bfloat16
 
 
-def split_rows(
-    layout: TableLayout, grad: RowSparse, compression: str | None
-) -> list[RowSparse | None]:
-    """A table's gradient cut into each shard's rows (None: no rows there).
+def split_rows(layout: TableLayout, grad: RowSparse, compression: str | None) -> list[RowSparse]:
+    """A table's gradient cut into each shard's rows, none for some: every shard's slice
+    takes one optimizer step for it, as torch steps a parameter once for a sparse gradient
+    whatever its rows (Adam's bias correction counts the steps of the table, not of rows on
+    one shard), so the step is the same on any shard count.
 
     Raises:
         InvalidRequestError: bad ids, rows of the wrong shape, or non-finite rows.
@@ -162,14 +162,14 @@ def split_rows(
         raise InvalidRequestError(f"table '{table}': push sent rows with NaN or Inf values")
     values = compress(values, compression)
     if layout.num_shards == 1:
-        return [RowSparse(ids, values) if len(ids) else None]
+        return [RowSparse(ids, values)]
     if layout.bounds and (ids[1:] >= ids[:-1]).all():  # sorted (as Embedding's): slices
         cuts = [0, *np.searchsorted(ids, np.asarray(layout.bounds[1:-1])).tolist(), len(ids)]
-        return [RowSparse(ids[a:b], values[a:b]) if b > a else None for a, b in pairwise(cuts)]
+        return [RowSparse(ids[a:b], values[a:b]) for a, b in pairwise(cuts)]
     owner = layout.shard_of(ids)
-    parts: list[RowSparse | None] = []
+    parts: list[RowSparse] = []
     for shard in range(layout.num_shards):
         where = np.flatnonzero(owner == shard)
         rows = np.take(values, where, axis=0, mode="clip")  # positions: in range
-        parts.append(RowSparse(ids[where], rows) if len(where) else None)
+        parts.append(RowSparse(ids[where], rows))
     return parts

@@ -127,6 +127,41 @@ def test_lazy_adam_moves_only_touched_rows_like_sparse_adam(shards):
     assert not rows[4:].any()
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("dynamic", [False, True], ids=["fixed", "dynamic"])
+@pytest.mark.parametrize("name", ["adam", "adagrad"])
+def test_a_step_counts_for_the_whole_table_on_any_shard_count(shards, n, dynamic, name):
+    """torch steps a sparse parameter once per step whatever its rows (SparseAdam's bias
+    correction, Adagrad's lr_decay count those steps): so does every shard's slice, also one
+    whose rows a step did not touch. It used to count only its own touches, and a table on
+    two shards trained another model than on one."""
+    scale = 1_000_003 if dynamic else 1
+    touches = [[1, 7], [1], [1], [7], [5], [7, 1, 2], [2]]  # a step on one shard's rows only
+    g = np.random.default_rng(5)
+    grads = [g.normal(size=(len(t), 2)).astype(np.float32) for t in touches]
+    ours, theirs = {
+        "adam": (psworker.Adam(lr=0.1), lambda w: torch.optim.SparseAdam([w], lr=0.1)),
+        "adagrad": (
+            psworker.Adagrad(lr=0.5, lr_decay=0.3),
+            lambda w: torch.optim.Adagrad([w], lr=0.5, lr_decay=0.3),
+        ),
+    }[name]
+    weight = torch.nn.Parameter(torch.zeros(8, 2))
+    reference = theirs(weight)
+    for ids, grad in zip(touches, grads, strict=True):
+        index = torch.tensor([ids])
+        weight.grad = torch.sparse_coo_tensor(index, torch.from_numpy(grad), (8, 2))
+        reference.step()
+    table = Table(None if dynamic else 8, 2, init="zeros")
+    addresses = [s.address for s in shards(n)]
+    with psworker.connect(addresses, mode="sync") as client:
+        client.init({}, ours, tables={"t": table})
+        for ids, grad in zip(touches, grads, strict=True):
+            client.push({"t": RowSparse(np.array(ids) * scale, grad)})
+        rows = client.pull_rows("t", np.arange(8) * scale)
+    assert np.abs(rows - weight.detach().numpy()).max() < 1e-6
+
+
 def test_bad_rows_are_refused_by_name_and_change_nothing(shards):
     (server,) = shards(1)
     with psworker.connect([server.address], mode="async") as client:
