@@ -149,16 +149,10 @@ class RowStore:
         arrays = {"values": self.values}
         arrays.update((k, v) for k, v in self.slots.items() if isinstance(v, np.ndarray))
         scalars = {k: v for k, v in self.slots.items() if not isinstance(v, np.ndarray)}
-        if not len(rows):  # no row here: the table's step count (Adam's) moves all the same
-            if not scalars:
-                return _nothing
-            sub = {**scalars, **{k: a[:0] for k, a in arrays.items()}}
-            optimizer.apply(sub.pop("values"), grad[:0], sub)
-            self.slots.update((k, sub[k]) for k in scalars)
-            return lambda: self.slots.update(scalars)
         kept = {k: self._kept(k, a, len(rows)) for k, a in arrays.items()}
         size = max(1, _PIECE_BYTES // (self.spec.dim * self.values.itemsize))  # rows a piece
-        starts = range(0, len(rows), size)
+        # No row here is one empty piece: the table's step count (Adam's) moves all the same.
+        starts = range(0, max(len(rows), 1), size)
         # Each array as one item per row: a row moves as one block of bytes.
         whole = {k: row_items(a) for k, a in arrays.items()}
         old = {k: row_items(a) for k, a in kept.items()}
@@ -344,7 +338,3 @@ def _finite(array: np.ndarray) -> bool:
     values can overflow the sum)."""
     flat = array.reshape(-1)
     return bool(np.isfinite(np.dot(flat, flat))) or all_finite(array)
-
-
-def _nothing() -> None:
-    """The undo of a step that touched no row."""
