@@ -53,7 +53,7 @@ def main() -> int:
             "bytes_sent": client.bytes_sent,
             "bytes_received": client.bytes_received,
         }
-    print(json.dumps(done), flush=True)
+    print(json.dumps(done) + "\n", end="", flush=True)
     return 0
 
 

@@ -29,7 +29,7 @@ from psworker.torch import DistributedOptimizer
 
 
 def say(**what: int) -> None:
-    print(json.dumps(what), flush=True)
+    print(json.dumps(what) + "\n", end="", flush=True)
 
 
 def crc(model: torch.nn.Module) -> int:

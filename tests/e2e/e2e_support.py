@@ -201,7 +201,9 @@ def rss_bytes(pid: int) -> int:
 
 class Lines:
     """Drains a process's output in a thread (a full pipe would block it), keeps its lines and
-    reads the JSON ones that ``numpy_worker.py`` prints."""
+    reads the JSON ones that ``numpy_worker.py`` prints. The scripts print each JSON line in one
+    write (``print(line + "\\n", end="")``): unbuffered, ``print``'s own newline is a second
+    write, and a warning from another thread on the shared stderr could land between the two."""
 
     def __init__(self, proc: subprocess.Popen[str]) -> None:
         self.proc = proc

@@ -36,19 +36,19 @@ def main() -> int:
     with psworker.connect() as client:
         grads = Gradients(client.worker_id, {k: v.shape for k, v in values.items()})
         client.init(values, SGD(lr=0.01, momentum=0.9))
-        print(json.dumps({"ready": client.step, "mode": client.mode}), flush=True)
+        print(json.dumps({"ready": client.step, "mode": client.mode}) + "\n", end="", flush=True)
         while client.step < args.steps:
             step = client.step
             if args.pace:
                 time.sleep(args.pace)
             client.pull()
             client.push(grads(step))
-            print(json.dumps({"step": client.step}), flush=True)
+            print(json.dumps({"step": client.step}) + "\n", end="", flush=True)
         final = client.pull()
         if args.out:
             path = Path(args.out) / f"worker{client.worker_id}.npz"
             np.savez(path, **final)
-        print(json.dumps({"done": client.step}), flush=True)
+        print(json.dumps({"done": client.step}) + "\n", end="", flush=True)
     return 0
 
 

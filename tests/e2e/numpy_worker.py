@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat_s=args.heartbeat,
     ) as client:
         client.init(values, SGD(lr=0.01, momentum=0.9))
-        print(json.dumps({"ready": client.step}), flush=True)
+        print(json.dumps({"ready": client.step}) + "\n", end="", flush=True)
         while (client.step < args.steps) if args.steps else (time.monotonic() < end):
             step = client.step
             if args.pace:
@@ -81,14 +81,14 @@ def main(argv: list[str] | None = None) -> int:
                 client.pull()
                 client.push(grads(step))
             if client.step % args.report_every == 0:
-                print(json.dumps({"step": client.step}), flush=True)
+                print(json.dumps({"step": client.step}) + "\n", end="", flush=True)
         final = client.pull()
         if args.out:
             np.savez(args.out, **final)
         done = client.step
     # After the block: the client has left, so a test that stops the shards on this line finds
     # this worker gone (printed inside, a SIGTERM could save a checkpoint before the leave).
-    print(json.dumps({"done": done}), flush=True)
+    print(json.dumps({"done": done}) + "\n", end="", flush=True)
     return 0
 
 

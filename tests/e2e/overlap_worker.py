@@ -30,7 +30,7 @@ from psworker.torch import DistributedOptimizer
 
 
 def say(**what: int) -> None:
-    print(json.dumps(what), flush=True)
+    print(json.dumps(what) + "\n", end="", flush=True)
 
 
 def main() -> int:
