@@ -146,7 +146,7 @@ class ShardOverlap:
             for shard in on:
                 self._names_on[shard].append(var.name)
         self._watch = GradWatch()  # this step's gradients as backward left them; arming
-        self._trainable = self._watch.hook(self._params, self._reached)
+        self._watch.hook(self._params, self._reached)
         # A call (or stream) per shard, and a cancelled stream's thread winding down beside the
         # call that sends its step whole.
         self._pool = ThreadPoolExecutor(max_workers=2 * shards, thread_name_prefix="ps-overlap")
@@ -216,7 +216,8 @@ class ShardOverlap:
 
         Raises:
             ValueError: a GradScaler, or gradients or hyper-parameters changed after their
-                push left (clip_grad_norm_, unscale_, a second backward()).
+                push left (clip_grad_norm_, unscale_, a second backward()), or gradients
+                set after it left.
             PSError: a shard's call failed.
         """
         try:
@@ -228,6 +229,20 @@ class ShardOverlap:
             sent = {n for _, names in self._sent.values() for n in names} | self._streamed
             grads = {n: self._params[n].grad for n in sent}
             self._watch.check_unchanged(sent, grads, "the shards hold")
+            late = sorted(
+                n
+                for shard, (_, stepped) in self._sent.items()
+                for n in self._names_on[shard]
+                if n in self._params and self._params[n].grad is not None and n not in stepped
+            )
+            if late:
+                raise ConfigError(
+                    f"with overlap=True the gradients of {late[:4]} appeared after their "
+                    "shard's push left from backward (set by hand on a parameter backward did "
+                    "not reach?): the shards would step without them. Construct "
+                    "DistributedOptimizer(..., overlap=False) for a script that sets gradients "
+                    "itself"
+                )
             if self._changed_values() != self._values:
                 raise ConfigError(
                     "with overlap=True a parameter group's hyper-parameters changed between "
@@ -304,7 +319,7 @@ class ShardOverlap:
         self.wait()
         self._values = self._changed_values()
         self._step = self._client.step
-        self._waiting = [{n for n in names if n in self._trainable} for names in self._names_on]
+        self._waiting = [GradWatch.trainable(self._params, names) for names in self._names_on]
         if self._order is not None:  # the manifest: the last step's gradients, in its order
             options = StepOptions(self._values, False)
             streams = self._client.stream_step(

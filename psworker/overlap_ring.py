@@ -60,9 +60,11 @@ class BucketOverlap:
         self._watch = GradWatch()
         self._buckets = client.gradient_buckets()
         self._bucket_of = {n: i for i, names in enumerate(self._buckets) for n in names}
-        self._trainable = self._watch.hook(self._params, self._reached)
+        self._watch.hook(self._params, self._reached)
         client.reduce_in_turns()  # from the first step: every rank runs the same collectives
-        self._waiting: list[set[str]] = []  # per bucket: trainable names backward has not reached
+        # Per bucket: the trainable names backward has not reached (None: the step's first
+        # hook reads which parameters require grad now).
+        self._waiting: list[set[str]] | None = None
         self._next = 0  # the next bucket to start
         self._sent: list[str] = []  # the gradients started buckets carried
         self._error: Exception | None = None
@@ -78,6 +80,8 @@ class BucketOverlap:
         if self._error is not None:
             return
         try:
+            if self._waiting is None:
+                self._waiting = [GradWatch.trainable(self._params, b) for b in self._buckets]
             index = self._bucket_of.get(name)
             if index is not None:
                 self._waiting[index].discard(name)
@@ -153,7 +157,7 @@ class BucketOverlap:
 
     def _end(self) -> None:
         self._watch.reset()
-        self._waiting = [{n for n in names if n in self._trainable} for names in self._buckets]
+        self._waiting = None
         self._next = 0
         self._sent = []
         self._error = None

@@ -85,10 +85,12 @@ class GradWatch:
         self,
         params: Mapping[str, torch.nn.Parameter],
         on_reached: Callable[[str, torch.Tensor], None],
-    ) -> set[str]:
-        """Registers backward's post-accumulate-grad hook on every trainable parameter: each
-        notes its gradient (``reached``) and, once armed, calls ``on_reached(name, grad)``.
-        Returns the trainable names."""
+    ) -> None:
+        """Registers backward's post-accumulate-grad hook on every parameter: each notes its
+        gradient (``reached``) and, once armed, calls ``on_reached(name, grad)``. A frozen
+        parameter (``requires_grad`` False) is hooked too, so a layer unfrozen later (fine-
+        tuning) is waited for from its first step; torch hooks only a tensor that requires
+        grad, so its flag is set for the call and put back."""
 
         def fired(name: str, param: torch.Tensor) -> None:
             grad = param.grad
@@ -96,10 +98,22 @@ class GradWatch:
                 assert grad is not None  # reached() is False without one
                 on_reached(name, grad)
 
-        trainable = {n for n, p in params.items() if p.requires_grad}
-        for name in trainable:
-            params[name].register_post_accumulate_grad_hook(partial(fired, name))
-        return trainable
+        for name, param in params.items():
+            frozen = not param.requires_grad
+            if frozen and not (param.is_floating_point() or param.is_complex()):
+                continue  # no gradient, ever
+            try:
+                param.requires_grad_(True)
+                param.register_post_accumulate_grad_hook(partial(fired, name))
+            finally:
+                if frozen:
+                    param.requires_grad_(False)
+
+    @staticmethod
+    def trainable(params: Mapping[str, torch.nn.Parameter], names: Iterable[str]) -> set[str]:
+        """Those of ``names`` whose gradient this backward makes (``requires_grad`` now: a
+        layer frozen or unfrozen between steps is waited for, or not, from that step)."""
+        return {n for n in names if (p := params.get(n)) is not None and p.requires_grad}
 
     def order(self) -> list[str]:
         """The gradients backward reached this step, in the order it first reached them."""

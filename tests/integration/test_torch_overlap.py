@@ -43,6 +43,17 @@ def data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
+# Fine-tuning: step -> the layers (name prefixes) frozen from that step on (0: before
+# DistributedOptimizer is made). The conv is unfrozen on step 2, an overlapped step (overlap
+# arms after step 0): its gradients are new to the hooks then.
+FREEZES = {0: ("0.",), 2: (), 4: ("4.",)}
+
+
+def set_frozen(model: torch.nn.Module, prefixes: tuple[str, ...], under: str = "") -> None:
+    for name, param in model.named_parameters():
+        param.requires_grad_(not name.startswith(tuple(under + p for p in prefixes)))
+
+
 def two_groups(model: torch.nn.Module) -> torch.optim.Optimizer:
     convs = [p for n, p in model.named_parameters() if n.startswith(("0.", "1."))]
     rest = [p for n, p in model.named_parameters() if not n.startswith(("0.", "1."))]
@@ -58,10 +69,14 @@ def train(
     accumulate: bool = False,
     steps: int = STEPS,
     overlapped_s: dict[int, float] | None = None,
+    freezes: dict[int, tuple[str, ...]] | None = None,
+    grpc_below_bytes: int | None = None,
 ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, DistributedOptimizer]]:
     """Each worker's final state_dict (and optimizer) after ``steps`` steps on its own slice.
     ``overlapped_s``: overlap="auto"'s clock, per worker: a serial step takes 1 s, an
-    overlapped one this long."""
+    overlapped one this long; ``freezes``: as ``FREEZES``."""
+    freezes = freezes or {}
+    options = {} if grpc_below_bytes is None else {"grpc_below_bytes": grpc_below_bytes}
     x, y = data(steps * workers * BATCH * 2)
     states: dict[int, dict[str, torch.Tensor]] = {}
     opts: dict[int, DistributedOptimizer] = {}
@@ -72,9 +87,10 @@ def train(
         def run():
             model = models[i]
             with psworker.connect(
-                addrs, worker_id=i, num_workers=workers, mode=mode, split_bytes=1024
+                addrs, worker_id=i, num_workers=workers, mode=mode, split_bytes=1024, **options
             ) as client:
                 inner = two_groups(model)
+                set_frozen(model, freezes.get(0, ()))
                 opt = DistributedOptimizer(model, client, inner, overlap=overlap)
                 if overlapped_s is not None:
                     assert opt._trial is not None
@@ -82,6 +98,8 @@ def train(
                 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
                 opts[i] = opt
                 for t in range(steps):
+                    if t and t in freezes:
+                        set_frozen(model, freezes[t])
                     a = (t * workers + i) * BATCH
                     opt.zero_grad()
                     loss_fn = torch.nn.functional.cross_entropy
@@ -336,6 +354,51 @@ def test_a_clip_after_overlap_armed_is_an_error(shards):
             train([s.address for s in shards(1)], "sync", 1, overlap=True, clip_at=frozenset({3}))
 
 
+@pytest.mark.parametrize("grpc_below_bytes", [0, 1 << 30], ids=["streamed", "whole"])
+def test_layers_frozen_and_unfrozen_between_steps_train_as_the_serial_step(
+    shards, grpc_below_bytes
+):
+    """Fine-tuning's unfreeze: a layer frozen when DistributedOptimizer was made is waited for
+    from the step it is unfrozen (was: its shard's push left without it, a silently
+    different model); a layer frozen later is not waited for."""
+    runs = {
+        overlap: train(
+            [s.address for s in shards(2)],
+            "sync",
+            2,
+            overlap=overlap,
+            freezes=FREEZES,
+            grpc_below_bytes=grpc_below_bytes,
+        )
+        for overlap in (False, True)
+    }
+    (serial, _), (overlapped, opts) = runs[False], runs[True]
+    assert all(opt._overlap is not None and opt._overlap.armed for opt in opts.values())
+    start = make_model(0).state_dict()
+    assert not torch.equal(serial[0]["0.weight"], start["0.weight"])  # unfrozen, trained
+    for i in range(2):
+        assert_identical(serial[i], overlapped[i])
+
+
+def test_a_gradient_set_by_hand_after_its_shards_push_left_is_an_error(shards):
+    """A frozen layer's gradient set after backward, once its shard's push left without it:
+    an error at step(), not a step without it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    model[0].weight.requires_grad_(False)
+    with psworker.connect([shards(1)[0].address], mode="sync") as client:
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = DistributedOptimizer(model, client, inner, overlap=True)
+        with pytest.raises(ConfigError, match=r"gradients of \['0.weight'\] appeared after"):
+            for t in range(3):
+                opt.zero_grad()
+                model(torch.ones(2, 4)).sum().backward()
+                if t == 2:  # overlap armed on step 0
+                    model[0].weight.grad = torch.ones(4, 4)
+                opt.step()
+        assert opt._overlap is not None and opt._overlap.armed
+
+
 def test_overlap_is_refused_where_there_is_no_per_shard_step():
     with psworker.connect(mode="local") as client:
         model = make_model(0)
@@ -372,10 +435,13 @@ def ring_train(
     failed: threading.Event | None = None,
     steps: int = STEPS,
     overlapped_s: dict[int, float] | None = None,
+    freezes: dict[int, tuple[str, ...]] | None = None,
 ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, Any], dict[int, BaseException]]:
     """Each rank's final state_dict, its optimizer, and its error, after ``steps`` allreduce
     steps (``stop``: rank -> the step before which it closes its client, as a rank that died;
-    ``failed`` is set when a rank fails; ``overlapped_s`` as ``train``'s)."""
+    ``failed`` is set when a rank fails; ``overlapped_s`` and ``freezes`` (of ``net``) as
+    ``train``'s)."""
+    freezes = freezes or {}
     servers = [RingServer("127.0.0.1:0") for _ in range(workers)]
     peers = [s.address for s in servers]
     x, y = data(steps * workers * BATCH)
@@ -399,6 +465,7 @@ def ring_train(
                 rest = [p for p in model.parameters() if all(p is not c for c in convs)]
                 groups = [{"params": convs, "lr": 0.05}, {"params": rest}]
                 inner = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+                set_frozen(model, freezes.get(0, ()), under="net.")
                 opt = DistributedOptimizer(model, client, inner, overlap=overlap)
                 if overlapped_s is not None:
                     opt._trial._clock = fake_clock(opt, overlapped_s[i])
@@ -407,6 +474,8 @@ def ring_train(
                 for t in range(steps):
                     if stop is not None and stop.get(i) == t:
                         return
+                    if t and t in freezes:
+                        set_frozen(model, freezes[t], under="net.")
                     a = (t * workers + i) * BATCH
                     model.use_extra = t % 2 == 0
                     opt.zero_grad()
@@ -457,6 +526,18 @@ def test_allreduce_with_overlap_is_bit_identical_to_the_serial_step(workers, mon
     for i in range(workers):
         assert_identical(serial[i], overlapped[i])
     assert_identical(overlapped[0], overlapped[workers - 1])
+
+
+def test_allreduce_layers_frozen_and_unfrozen_between_steps_train_as_the_serial_step():
+    """As in the parameter-server modes (was: a ConfigError at the unfreeze, the layer's
+    bucket having left without it)."""
+    serial, _, errors = ring_train(2, overlap=False, freezes=FREEZES)
+    assert not errors, errors
+    overlapped, opts, errors = ring_train(2, overlap=True, freezes=FREEZES)
+    assert not errors, errors
+    assert all(opt._overlap.armed for opt in opts.values())
+    for i in range(2):
+        assert_identical(serial[i], overlapped[i])
 
 
 @pytest.mark.parametrize(
