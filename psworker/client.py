@@ -621,7 +621,11 @@ class PSClient:
             finish = partial(link.push_then_pull, step, piece, options, pull, into)
 
         def done() -> bool:
-            reply, _ = finish()
+            reply, pieces = finish()
+            for key, array in pieces.items():  # those not decoded in place (no C-order target)
+                target = into.get(key)
+                if target is not None and not np.may_share_memory(target, array):
+                    np.copyto(target, array)
             self._pushed(step, [reply])
             return bool(reply.skipped)
 

@@ -411,7 +411,9 @@ class StagedInto(Mapping[str, np.ndarray]):
     """A streamed step's ``into`` while its reply is read during backward, which may still
     read the parameters: a tensor begun before ``release`` is decoded into a staging array,
     and copied into its ``into`` array once it is complete and backward is over; one begun
-    after goes straight there. ``placed`` hears of a tensor only once it is in ``into``.
+    after goes straight there, unless its ``into`` array is not C-ordered (a conv weight in
+    ``channels_last``), which no reply is decoded into: staged and copied too. ``placed``
+    hears of a tensor only once it is in ``into``.
 
     ``get``, ``completed`` and ``placed`` come from the thread reading the reply (the
     assembler asks ``get`` at each tensor's start), ``release`` from the training thread
@@ -445,13 +447,13 @@ class StagedInto(Mapping[str, np.ndarray]):
         return len(self._into)
 
     def get(self, name: str, default: Any = None) -> Any:
-        """Where tensor ``name`` of the reply is decoded: its ``into`` array once released,
-        else a staging array like it."""
+        """Where tensor ``name`` of the reply is decoded: its ``into`` array once released
+        (where C-ordered), else a staging array like it."""
         target = self._into.get(name)
         if target is None:
             return default
         with self._lock:
-            if self._released or not (target.flags.c_contiguous and target.flags.writeable):
+            if not target.flags.writeable or (self._released and target.flags.c_contiguous):
                 return target
             staged = self.staging.get(name)
             if staged is None or staged.shape != target.shape or staged.dtype != target.dtype:

@@ -199,7 +199,7 @@ class ShardStream:
             if failure is None:
                 assert self._stream is not None
                 try:
-                    return link.stream_ended(self._stream.end())
+                    return self._copied_in(link.stream_ended(self._stream.end()))
                 except grpc.RpcError as exc:
                     failure = exc
             # Sent whole when the shard cannot have applied the stream: it failed before the
@@ -214,13 +214,23 @@ class ShardStream:
             # The same step's weights (sync; async: the shard's newest) for the pieces that
             # have not landed; those that have keep what landed.
             into = {k: a for k, a in self._into.items() if k not in self._landed}
-            return link.resend_step(self.step, self.pieces, into, self._options)
+            return self._copied_in(link.resend_step(self.step, self.pieces, into, self._options))
         finally:
             if link.streaming is self:
                 link.streaming = None
             if self._stream is not None:
                 self._stream.close()
                 self._stream = None
+
+    def _copied_in(self, reply: Reply) -> Reply:
+        """``reply`` once its pieces not decoded straight into ``into`` (a target that is not
+        C-ordered: a conv weight in ``channels_last``) are copied there."""
+        for key, array in reply[1].items():
+            target = self._into.get(key)
+            landed = key in self._landed  # placed: the next forward may have used it
+            if target is not None and not landed and not np.may_share_memory(target, array):
+                np.copyto(target, array)
+        return reply
 
     def _landing(self, key: str) -> None:
         """A piece of the reply landed in ``into`` (the thread reading the reply)."""

@@ -28,7 +28,7 @@ STEPS, BATCH = 6, 8
 def make_model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Conv2d(1, 4, 3, padding=1),
+        torch.nn.Conv2d(2, 4, 3, padding=1),
         torch.nn.BatchNorm2d(4),  # buffers travel with the shard's push
         torch.nn.ReLU(),
         torch.nn.Flatten(),
@@ -40,7 +40,7 @@ def make_model(seed: int) -> torch.nn.Module:
 
 def data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
-    return torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)
+    return torch.randn(n, 2, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
 # Fine-tuning: step -> the layers (name prefixes) frozen from that step on (0: before
@@ -71,17 +71,19 @@ def train(
     overlapped_s: dict[int, float] | None = None,
     freezes: dict[int, tuple[str, ...]] | None = None,
     grpc_below_bytes: int | None = None,
+    memory_format: torch.memory_format = torch.contiguous_format,
 ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, DistributedOptimizer]]:
     """Each worker's final state_dict (and optimizer) after ``steps`` steps on its own slice.
     ``overlapped_s``: overlap="auto"'s clock, per worker: a serial step takes 1 s, an
-    overlapped one this long; ``freezes``: as ``FREEZES``."""
+    overlapped one this long; ``freezes``: as ``FREEZES``; ``memory_format``: the model's
+    (``model.to(memory_format=...)``)."""
     freezes = freezes or {}
     options = {} if grpc_below_bytes is None else {"grpc_below_bytes": grpc_below_bytes}
     x, y = data(steps * workers * BATCH * 2)
     states: dict[int, dict[str, torch.Tensor]] = {}
     opts: dict[int, DistributedOptimizer] = {}
     # Built here: torch's global RNG is not for threads. Worker 1 starts elsewhere: init fixes it.
-    models = {i: make_model(i) for i in range(workers)}
+    models = {i: make_model(i).to(memory_format=memory_format) for i in range(workers)}
 
     def worker(i: int):
         def run():
@@ -376,6 +378,28 @@ def test_layers_frozen_and_unfrozen_between_steps_train_as_the_serial_step(
     assert all(opt._overlap is not None and opt._overlap.armed for opt in opts.values())
     start = make_model(0).state_dict()
     assert not torch.equal(serial[0]["0.weight"], start["0.weight"])  # unfrozen, trained
+    for i in range(2):
+        assert_identical(serial[i], overlapped[i])
+
+
+@pytest.mark.parametrize("grpc_below_bytes", [0, 1 << 30], ids=["streamed", "whole"])
+def test_a_channels_last_model_trains_as_the_serial_step(shards, grpc_below_bytes):
+    """A conv's weight in channels_last is no C-contiguous array: its reply cannot be decoded
+    straight into it (was: decoded elsewhere and never copied in, a silently stale conv)."""
+    runs = {
+        overlap: train(
+            [s.address for s in shards(2)],
+            "sync",
+            2,
+            overlap=overlap,
+            grpc_below_bytes=grpc_below_bytes,
+            memory_format=torch.channels_last,
+        )
+        for overlap in (False, True)
+    }
+    (serial, _), (overlapped, opts) = runs[False], runs[True]
+    assert all(opt._overlap is not None and opt._overlap.armed for opt in opts.values())
+    assert not opts[0].model[0].weight.is_contiguous()  # still channels_last
     for i in range(2):
         assert_identical(serial[i], overlapped[i])
 

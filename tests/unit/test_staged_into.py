@@ -81,3 +81,17 @@ def test_what_cannot_be_staged_or_was_decoded_elsewhere_is_left_to_the_caller() 
     assert (params["b"] == 0).all()
     into.placed("b")
     assert told == ["b"]
+
+
+def test_a_parameter_that_is_not_c_ordered_is_staged_after_release_too() -> None:
+    """A conv weight in channels_last: no reply decodes into it, so it is staged and copied
+    (was: decoded elsewhere, never copied in, and the step's weight lost)."""
+    params = {"w": np.zeros((3, 4), np.float32).T}  # strided, as channels_last
+    told: list[str] = []
+    into = StagedInto(params, {}, told.append)
+    into.release()
+    where = arrive(into, "w", 6.0)
+    assert where.flags.c_contiguous and not np.shares_memory(where, params["w"])
+    assert (params["w"] == 6).all()
+    into.placed("w")
+    assert told == ["w"]
