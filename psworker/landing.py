@@ -8,6 +8,9 @@ runs under the next forward. While such a reply is landing, a torch function mod
 every op of the model's forward and waits for any tensor it uses that has not landed, so a
 parameter read outside its own module (a weight used functionally by another) is never read
 half-written. Elsewhere (a step sent whole) a module waits for its shards' whole replies.
+Between ``step()`` and the next forward the same mode watches the script's own ops (an EMA's
+``update_parameters``, a logged norm, ``p.detach()``): a tensor still landing is waited for,
+never read stale or half-written.
 
 Each parameter a step changed is marked changed in place for autograd (its version bumped, as
 ``torch.optim`` does) once, when it lands and before any op reads it.
@@ -29,6 +32,43 @@ from pswire.errors import WaitTimeoutError
 from psworker.placement import ShardMap
 
 __all__ = ["Landing"]
+
+# Tensor attributes and methods that read no element of a tensor (``p.data`` and views such as
+# ``p.T`` do: not here). A weight still landing is not waited for by these: ``step()`` and
+# ``zero_grad()`` read and set ``.grad`` while the replies land.
+_METADATA = frozenset(
+    {
+        "grad",
+        "requires_grad",
+        "requires_grad_",
+        "retain_grad",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+        "is_leaf",
+        "grad_fn",
+        "_version",
+        "shape",
+        "size",
+        "dim",
+        "ndim",
+        "numel",
+        "nbytes",
+        "itemsize",
+        "element_size",
+        "dtype",
+        "device",
+        "layout",
+        "is_cuda",
+        "is_sparse",
+        "is_meta",
+        "is_floating_point",
+        "is_complex",
+        "stride",
+        "is_contiguous",
+        "storage_offset",
+        "data_ptr",
+    }
+)
 
 
 class Landing:
@@ -67,7 +107,8 @@ class Landing:
         self._to_bump: set[str] = set()  # changed parameters whose version is not bumped yet
         self._unlanded: dict[int, str] = {}  # id(tensor) -> name, on a shard still landing
         self._skipped = False
-        self._mode: _LandingMode | None = None
+        self._mode: _LandingMode | None = None  # on the torch function mode stack
+        self._owner = 0  # the thread whose stack holds ``_mode``
         self._depth = 0  # nested calls of the model's forward
         # First of the model's hooks: a failing hook after it still runs ``_leave``.
         model.register_forward_pre_hook(_Hook(self, self._enter))
@@ -112,6 +153,16 @@ class Landing:
         """
         for shard in list(self._calls):
             self._land(shard)
+        self._unwatch()
+
+    def watch(self) -> None:
+        """``step()`` returned with replies still landing: until the next forward (or
+        ``wait``), every torch op of this thread that reads a tensor not landed yet waits for
+        it first (``used``)."""
+        if self._calls and self._mode is None:
+            self._mode = _LandingMode(self)
+            self._mode.__enter__()
+            self._owner = threading.get_ident()
 
     def copying(self, memo: Mapping[int, Any]) -> None:
         """A deep copy of the model is being made (``memo``: what it copied so far): lands
@@ -159,20 +210,26 @@ class Landing:
     def _enter(self, module: Any, args: Any) -> None:
         """The model's forward begins: while a keyed reply lands, every op is watched."""
         self._depth += 1
-        if self._depth == 1 and self._keyed and self._mode is None:
-            self._mode = _LandingMode(self)
-            self._mode.__enter__()
+        if self._depth == 1 and not self._keyed:
+            self._unwatch()  # each module's pre-hook waits for its own shards' replies
+        if self._depth == 1 and self._keyed:
+            self.watch()
 
     def _leave(self, module: Any, args: Any, output: Any) -> None:
         if self._depth == 0:
             return  # a hook before ``_enter`` failed (a global one)
         self._depth -= 1
-        if self._depth == 0 and self._mode is not None:
-            mode, self._mode = self._mode, None
-            mode.__exit__(None, None, None)
+        if self._depth == 0:
+            self._unwatch()
 
-    def used(self, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> None:
-        """An op is about to read ``args``: those that have not landed land first."""
+    def used(self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> None:
+        """``func`` is about to read ``args``: those that have not landed land first, unless
+        it reads no element of them (``_METADATA``)."""
+        name = getattr(func, "__name__", "")
+        if name in ("__get__", "__set__"):  # a Tensor attribute: named by its descriptor
+            name = getattr(getattr(func, "__self__", None), "__name__", "")
+        if name in _METADATA:
+            return
         unlanded = self._unlanded
         found = []
         for value in (*args, *(kwargs or {}).values()):
@@ -204,6 +261,20 @@ class Landing:
                     )
                 self._cond.wait(left)
             return not call.done()
+
+    def _unwatch(self) -> None:
+        """Takes the mode off this thread's stack where it is on top (a mode the script
+        entered after it stays above it until the script leaves it: ours waits); forgets it
+        where it is gone (a script's exit popped it in place of its own)."""
+        mode = self._mode
+        if mode is None or threading.get_ident() != self._owner:
+            return
+        depth = torch._C._len_torch_function_stack()
+        if depth and torch._C._get_function_stack_at(depth - 1) is mode:
+            self._mode = None
+            mode.__exit__(None, None, None)
+        elif all(torch._C._get_function_stack_at(i) is not mode for i in range(depth)):
+            self._mode = None
 
     def _wake(self, _: Future[bool | None]) -> None:
         with self._cond:
@@ -254,7 +325,10 @@ def _inert_hook() -> Callable[..., None]:
 class _Hook:
     """A landing hook on the model, which copies of the model (``copy.deepcopy``, an EMA's
     ``AveragedModel``, a target network, ``torch.save(model)``) do not carry: a copy gets
-    ``_inert`` instead, and is made from landed weights (the copy waits for them first)."""
+    ``_inert`` instead, and is made from landed weights (the copy waits for them first).
+
+    A compiled model (``torch.compile``) runs it as it is, never traced: a trace would keep
+    what it found when compiled (nothing landing) and read weights still landing."""
 
     __slots__ = ("_call", "_landing")
 
@@ -262,6 +336,7 @@ class _Hook:
         self._landing = landing
         self._call = call
 
+    @torch.compiler.disable
     def __call__(self, *args: Any) -> None:
         self._call(*args)
 
@@ -275,8 +350,9 @@ class _Hook:
 
 
 class _LandingMode(TorchFunctionMode):
-    """Every torch op of the model's forward, while a keyed reply lands: its tensors that have
-    not landed yet land first (``Landing.used``)."""
+    """Every torch op of the model's forward while a keyed reply lands, and of the script
+    between ``step()`` and that forward: its tensors that have not landed yet land first
+    (``Landing.used``)."""
 
     def __init__(self, landing: Landing) -> None:
         super().__init__()
@@ -290,5 +366,5 @@ class _LandingMode(TorchFunctionMode):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         if self._landing._unlanded:
-            self._landing.used(args, kwargs)
+            self._landing.used(func, args, kwargs)
         return func(*args, **(kwargs or {}))

@@ -263,6 +263,7 @@ class ShardOverlap:
             self._order = self._pushed_order()
             for shard, (call, stepped) in self._sent.items():  # landed (or raised) by wait()
                 self._landing.add(shard, call, stepped, keyed=shard in self._carried)
+            self._landing.watch()
             self._end()
         return True
 

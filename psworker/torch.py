@@ -114,9 +114,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Overlap arms after one serial step showed that nothing touches the gradients between
     ``backward()`` and ``step()``; a script that clips (``clip_grad_norm_``), uses a GradScaler
     or a closure, or accumulates several ``backward()`` per step keeps the serial step, with a
-    warning. Read the weights through the model (its forward or ``state_dict()``, which wait),
-    or call ``synchronize()`` first: between ``step()`` and the next forward they may still be
-    landing.
+    warning. Between ``step()`` and the next forward the weights may still be landing: the
+    model's forward, ``state_dict()``, copies of it, and any torch op of the training thread
+    that reads one (an EMA's update, ``p.detach()``) wait for it; another thread should call
+    ``synchronize()`` first.
 
     ``writer``: a TensorBoard ``torch.utils.tensorboard.SummaryWriter`` (or anything with
     ``add_scalar``) that gets each step's time, bytes sent and received and this worker's

@@ -4,8 +4,10 @@ gradients before step() keep the serial step, or get an error, never a different
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -18,6 +20,7 @@ from workers import run_workers  # noqa: E402
 
 import psworker  # noqa: E402
 from pswire.errors import ConfigError, PSError, WaitTimeoutError  # noqa: E402
+from psworker.client import PSClient  # noqa: E402
 from psworker.ring.client import AllReduceClient  # noqa: E402
 from psworker.ring.ring import RingServer  # noqa: E402
 from psworker.torch import DistributedOptimizer  # noqa: E402
@@ -402,6 +405,113 @@ def test_a_channels_last_model_trains_as_the_serial_step(shards, grpc_below_byte
     assert not opts[0].model[0].weight.is_contiguous()  # still channels_last
     for i in range(2):
         assert_identical(serial[i], overlapped[i])
+
+
+def slow_replies(monkeypatch: pytest.MonkeyPatch, delay_s: float = 0.05) -> None:
+    """Every shard's whole reply lands ``delay_s`` late: a read right after ``step()`` comes
+    before it."""
+    real = PSClient.start_shard_step
+
+    def slow(self: PSClient, *args: Any, **kwargs: Any) -> Any:
+        done = real(self, *args, **kwargs)
+
+        def later() -> bool:
+            time.sleep(delay_s)
+            return done()
+
+        return later
+
+    monkeypatch.setattr(PSClient, "start_shard_step", slow)
+
+
+def ema_run(addrs: list[str] | None, overlap: bool) -> list[torch.Tensor]:
+    """An EMA (``AveragedModel``) updated, a weight's norm logged and the weights read
+    straight from the parameters, each right after ``step()``, as scripts do."""
+    swa = torch.optim.swa_utils
+    model = make_model(0)
+    x, y = data(STEPS * BATCH)
+    seen = []
+    with contextlib.ExitStack() as stack:
+        inner: Any = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if addrs is not None:
+            client = stack.enter_context(psworker.connect(addrs, mode="sync", split_bytes=1024))
+            inner = DistributedOptimizer(model, client, inner, overlap=overlap)
+        ema = swa.AveragedModel(model, multi_avg_fn=swa.get_ema_multi_avg_fn(0.9))
+        for t in range(STEPS):
+            inner.zero_grad()
+            part = slice(t * BATCH, (t + 1) * BATCH)
+            torch.nn.functional.cross_entropy(model(x[part]), y[part]).backward()
+            inner.step()
+            ema.update_parameters(model)
+            seen.append(model[4].weight.norm().detach())
+        seen += [p.detach().clone() for p in model.parameters()]
+        seen += [p.detach().clone() for p in ema.module.parameters()]
+    assert torch._C._len_torch_function_stack() == 0  # nothing of ours left on the stack
+    return seen
+
+
+def test_reads_right_after_step_wait_for_the_landing_weights(shards, monkeypatch):
+    """Between ``step()`` and the next forward the weights are still landing: an EMA's
+    ``update_parameters``, a logged norm and a direct read wait for them (were: read the
+    last step's weights, an EMA silently one step behind)."""
+    slow_replies(monkeypatch)
+    plain = ema_run(None, overlap=False)
+    for overlap in (False, True):
+        got = ema_run([s.address for s in shards(2)], overlap=overlap)
+        for a, b in zip(plain, got, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_step_and_zero_grad_leave_the_weights_landing_under_the_next_forward(shards, monkeypatch):
+    """What reads no weight's elements (``step()``'s and ``zero_grad()``'s ``.grad``, a
+    shape, a hook) does not wait for the landing: the pull still overlaps the next forward."""
+    slow_replies(monkeypatch, delay_s=0.5)
+    model = make_model(0)
+    x, y = data(BATCH)
+    with psworker.connect([s.address for s in shards(2)], mode="sync", split_bytes=1024) as c:
+        opt = DistributedOptimizer(model, c, two_groups(model), overlap=True)
+        assert opt._overlap is not None
+        landing = opt._overlap._landing  # type: ignore[attr-defined]
+        for t in range(3):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()  # step 0 is serial: overlap arms after it
+            opt.zero_grad()
+            weight = model[4].weight
+            assert weight.grad is None and weight.shape == (32, 256) and weight.requires_grad
+            assert landing.pending is (t > 0)  # nothing above waited for the landing
+        opt.synchronize()
+        assert not landing.pending
+
+
+def test_a_compiled_model_waits_for_the_landing_weights(shards, monkeypatch):
+    """``torch.compile(model)`` after wrapping: the landing hooks run as they are, not as a
+    trace made when nothing was landing (was: forwards on weights still landing, 0.03 from
+    the serial step)."""
+    slow_replies(monkeypatch)
+    x, y = data(STEPS * BATCH)
+
+    def run(overlap: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Flatten(), torch.nn.Linear(128, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10)
+        )
+        with psworker.connect([s.address for s in shards(2)], mode="sync", split_bytes=1024) as c:
+            opt = DistributedOptimizer(model, c, two_groups(model), overlap=overlap)
+            compiled = torch.compile(model)
+            for t in range(STEPS):
+                opt.zero_grad()
+                part = slice(t * BATCH, (t + 1) * BATCH)
+                torch.nn.functional.cross_entropy(compiled(x[part]), y[part]).backward()
+                opt.step()
+            assert overlap is (opt._overlap is not None and opt._overlap.armed)
+            return {k: v.clone() for k, v in model.state_dict().items()}
+
+    # Close, not identical: the hooks split the compiled graph, and inductor fuses the parts
+    # otherwise (1e-8 apart).
+    serial, overlapped = run(overlap=False), run(overlap=True)
+    for name, value in serial.items():
+        torch.testing.assert_close(overlapped[name], value, rtol=1e-5, atol=1e-6)
 
 
 def test_a_gradient_set_by_hand_after_its_shards_push_left_is_an_error(shards):
