@@ -359,6 +359,15 @@ def test_a_clip_after_overlap_armed_is_an_error(shards):
             train([s.address for s in shards(1)], "sync", 1, overlap=True, clip_at=frozenset({3}))
 
 
+def both_ways(shards: Any, **options: Any) -> tuple[dict, dict, dict[int, DistributedOptimizer]]:
+    """``train`` in sync with 2 workers on 2 shards, serial and then overlapped (checked
+    armed): each worker's states both ways, and the overlapped run's optimizers."""
+    serial, _ = train([s.address for s in shards(2)], "sync", 2, overlap=False, **options)
+    overlapped, opts = train([s.address for s in shards(2)], "sync", 2, overlap=True, **options)
+    assert all(opt._overlap is not None and opt._overlap.armed for opt in opts.values())
+    return serial, overlapped, opts
+
+
 @pytest.mark.parametrize("grpc_below_bytes", [0, 1 << 30], ids=["streamed", "whole"])
 def test_layers_frozen_and_unfrozen_between_steps_train_as_the_serial_step(
     shards, grpc_below_bytes
@@ -366,19 +375,7 @@ def test_layers_frozen_and_unfrozen_between_steps_train_as_the_serial_step(
     """Fine-tuning's unfreeze: a layer frozen when DistributedOptimizer was made is waited for
     from the step it is unfrozen (was: its shard's push left without it, a silently
     different model); a layer frozen later is not waited for."""
-    runs = {
-        overlap: train(
-            [s.address for s in shards(2)],
-            "sync",
-            2,
-            overlap=overlap,
-            freezes=FREEZES,
-            grpc_below_bytes=grpc_below_bytes,
-        )
-        for overlap in (False, True)
-    }
-    (serial, _), (overlapped, opts) = runs[False], runs[True]
-    assert all(opt._overlap is not None and opt._overlap.armed for opt in opts.values())
+    serial, overlapped, _ = both_ways(shards, grpc_below_bytes=grpc_below_bytes, freezes=FREEZES)
     start = make_model(0).state_dict()
     assert not torch.equal(serial[0]["0.weight"], start["0.weight"])  # unfrozen, trained
     for i in range(2):
@@ -389,19 +386,9 @@ def test_layers_frozen_and_unfrozen_between_steps_train_as_the_serial_step(
 def test_a_channels_last_model_trains_as_the_serial_step(shards, grpc_below_bytes):
     """A conv's weight in channels_last is no C-contiguous array: its reply cannot be decoded
     straight into it (was: decoded elsewhere and never copied in, a silently stale conv)."""
-    runs = {
-        overlap: train(
-            [s.address for s in shards(2)],
-            "sync",
-            2,
-            overlap=overlap,
-            grpc_below_bytes=grpc_below_bytes,
-            memory_format=torch.channels_last,
-        )
-        for overlap in (False, True)
-    }
-    (serial, _), (overlapped, opts) = runs[False], runs[True]
-    assert all(opt._overlap is not None and opt._overlap.armed for opt in opts.values())
+    serial, overlapped, opts = both_ways(
+        shards, grpc_below_bytes=grpc_below_bytes, memory_format=torch.channels_last
+    )
     assert not opts[0].model[0].weight.is_contiguous()  # still channels_last
     for i in range(2):
         assert_identical(serial[i], overlapped[i])
