@@ -275,6 +275,22 @@ class ShardOverlap:
         """
         self._landing.wait()
 
+    def discard(self) -> None:
+        """``zero_grad()``: raises where a backward's pushes already left this step (its
+        streams are cancelled; a push that went whole may be applied).
+
+        Raises:
+            ValueError: the step began (``GradWatch.dropped``).
+        """
+        if self._step is None:
+            return
+        if self._streams is not None:
+            self._streams.abort()  # no shard applies a streamed push of this step
+        for shard, (call, stepped) in self._sent.items():  # landed (or raised) by wait()
+            self._landing.add(shard, call, stepped, keyed=False)
+        self._end()
+        raise GradWatch.dropped()
+
     def observe(self, grads: Mapping[str, torch.Tensor], grad_scaler: Any, closure: Any) -> None:
         """After a serial step: arms overlap, or keeps the serial step (``GradWatch``); notes
         the order backward produced the gradients in (the first streamed step's manifest)."""

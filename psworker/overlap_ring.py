@@ -127,6 +127,21 @@ class BucketOverlap:
             self._end()
         return False
 
+    def discard(self) -> None:
+        """``zero_grad()``: raises where a backward's hooks already began this step; the ring
+        is given up with the error where buckets left, so the other ranks fail with it too.
+
+        Raises:
+            ValueError: the step began (``GradWatch.dropped``).
+        """
+        if self._waiting is None:
+            return
+        error = GradWatch.dropped()
+        if self._next:
+            self._client.abandon_step(error)
+        self._end()
+        raise error
+
     def observe(self, grads: Mapping[str, torch.Tensor], grad_scaler: Any, closure: Any) -> None:
         """After a serial step: arms overlap, or keeps the serial step (``GradWatch``)."""
         self._watch.observe(grads, grad_scaler, closure)

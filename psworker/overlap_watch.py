@@ -44,6 +44,11 @@ class Overlap(Protocol):
         """Lands whatever is still in flight."""
         ...
 
+    def discard(self) -> None:
+        """``zero_grad()`` came: raises when it comes between a backward whose gradients
+        already left and ``step()`` (``GradWatch.dropped``)."""
+        ...
+
     def hold(self, held: bool) -> None:
         """While held, serial steps do not arm overlap (``overlap="auto"``'s trial)."""
         ...
@@ -169,6 +174,17 @@ class GradWatch:
         self.reset()
 
     @staticmethod
+    def dropped() -> ConfigError:
+        """The error for a step dropped after its gradients left from backward (a loss check
+        after ``backward()`` that zeroes the gradients and skips ``step()``)."""
+        return ConfigError(
+            "zero_grad() after backward() and before step(): with overlap=True this step's "
+            "gradients left during backward(), so the step cannot be dropped any more (a "
+            "check of the loss after backward() that skips step()). Check the loss before "
+            "backward() and skip both, or construct DistributedOptimizer(..., overlap=False)"
+        )
+
+    @staticmethod
     def refuse_scaler(grad_scaler: Any) -> None:
         """Raises when a GradScaler reaches an armed step.
 
@@ -202,8 +218,9 @@ class GradWatch:
         if changed:
             raise ConfigError(
                 f"with overlap=True the gradients of {changed[:4]} changed after backward() "
-                "had sent them (clip_grad_norm_, a GradScaler's unscale_, or a second "
-                f"backward() accumulating into them on this step only): {holder} the values "
+                "had sent them (clip_grad_norm_, a GradScaler's unscale_, a second backward() "
+                "accumulating into them on this step only, or a step() skipped after "
+                f"backward()): {holder} the values "
                 "backward left. Construct DistributedOptimizer(..., overlap=False) "
                 "for a script that changes gradients before step()"
             )

@@ -378,10 +378,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the parameters' gradients, as ``torch.optim.Optimizer.zero_grad`` does, and
         those of the rows embedding tables gathered since the last step (set to None whatever
-        ``set_to_none``: a zeroed row would still step momentum and Adam's moments)."""
+        ``set_to_none``: a zeroed row would still step momentum and Adam's moments).
+
+        Raises:
+            ValueError: with ``overlap=True``, between a backward whose gradients already
+                left and ``step()``: the step cannot be dropped.
+        """
+        overlap = getattr(self, "_overlap", None)  # DiLoCoOptimizer has none
+        if overlap is not None:
+            overlap.discard()
         for table in self._tables.values():
             table.zero_row_grads()
-        overlap = getattr(self, "_overlap", None)  # DiLoCoOptimizer has none
         if overlap is not None and not set_to_none:
             # Zeroing in place would change gradients a push may still be sending.
             overlap.wait()

@@ -520,6 +520,31 @@ def test_a_gradient_set_by_hand_after_its_shards_push_left_is_an_error(shards):
         assert opt._overlap is not None and opt._overlap.armed
 
 
+def test_a_step_dropped_after_its_backward_is_an_error_at_zero_grad(shards):
+    """The loss guard that checks after ``backward()`` and skips ``step()`` (``zero_grad()``,
+    ``continue``): the serial step drops that step; with overlap its gradients already left,
+    so ``zero_grad()`` says so (was: an error at the next step blaming clipping)."""
+    x, y = data(4 * BATCH)
+
+    def run(overlap: bool) -> int:
+        model = make_model(0)
+        with psworker.connect([shards(1)[0].address], mode="sync") as client:
+            opt = DistributedOptimizer(model, client, two_groups(model), overlap=overlap)
+            for t in range(4):
+                opt.zero_grad()
+                part = slice(t * BATCH, (t + 1) * BATCH)
+                torch.nn.functional.cross_entropy(model(x[part]), y[part]).backward()
+                if t == 2:  # a bad batch, found after backward()
+                    opt.zero_grad()
+                    continue
+                opt.step()
+            return client.step
+
+    assert run(overlap=False) == 3
+    with pytest.raises(ConfigError, match=r"zero_grad\(\) after backward\(\) and before step"):
+        run(overlap=True)
+
+
 def test_overlap_is_refused_where_there_is_no_per_shard_step():
     with psworker.connect(mode="local") as client:
         model = make_model(0)
@@ -557,11 +582,12 @@ def ring_train(
     steps: int = STEPS,
     overlapped_s: dict[int, float] | None = None,
     freezes: dict[int, tuple[str, ...]] | None = None,
+    skip: dict[int, int] | None = None,
 ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, Any], dict[int, BaseException]]:
     """Each rank's final state_dict, its optimizer, and its error, after ``steps`` allreduce
     steps (``stop``: rank -> the step before which it closes its client, as a rank that died;
     ``failed`` is set when a rank fails; ``overlapped_s`` and ``freezes`` (of ``net``) as
-    ``train``'s)."""
+    ``train``'s; ``skip``: rank -> the step it drops after backward, zeroing the gradients)."""
     freezes = freezes or {}
     servers = [RingServer("127.0.0.1:0") for _ in range(workers)]
     peers = [s.address for s in servers]
@@ -604,6 +630,9 @@ def ring_train(
                         model(x[a : a + BATCH]), y[a : a + BATCH]
                     )
                     loss.backward()
+                    if skip is not None and skip.get(i) == t:
+                        opt.zero_grad()
+                        continue
                     if t in clip_at:
                         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
                     opt.step()
@@ -699,6 +728,14 @@ def test_allreduce_clip_after_overlap_armed_fails_every_rank_with_the_reason():
         assert isinstance(errors[i], PSError), errors
         # Each rank finds its own clip, or hears of the other's (not its 60 s timeout).
         assert "changed after backward() had sent them" in str(errors[i])
+
+
+def test_allreduce_a_step_dropped_after_its_backward_fails_every_rank_with_the_reason():
+    _, _, errors = ring_train(2, overlap=True, skip={0: 3}, timeout=60)
+    assert isinstance(errors[0], ConfigError), errors
+    for i in (0, 1):
+        # Rank 1 hears of it through the ring (not its 60 s timeout).
+        assert "zero_grad() after backward() and before step()" in str(errors[i]), errors
 
 
 def test_allreduce_overlap_with_a_dead_rank_raises_instead_of_hanging():
