@@ -102,12 +102,14 @@ def build_overlap(
     client: ShardSteps | BucketSteps,
     params: Mapping[str, torch.nn.Parameter],
     buffers: Mapping[str, torch.Tensor],
-    receivers: Mapping[str, np.ndarray],
+    receivers: Callable[[], Mapping[str, np.ndarray]],
     to_host: Callable[[dict[str, torch.Tensor]], dict[str, np.ndarray]],
     changed_values: Callable[[], dict[int, dict[str, float]]],
 ) -> Overlap:
     """The overlap for ``client`` (checked by ``overlap_unsupported``): shard by shard
-    (``ShardOverlap``) or bucket by bucket over the ring (``BucketOverlap``)."""
+    (``ShardOverlap``) or bucket by bucket over the ring (``BucketOverlap``). ``receivers()``:
+    where each tensor's weights are decoded now (its memory, which ``model.to(memory_format=
+    ...)`` or ``p.data = ...`` may have moved since the last step)."""
     if isinstance(client, BucketSteps):
         return BucketOverlap(client, params, to_host)
     return ShardOverlap(model, client, params, buffers, receivers, to_host, changed_values)
@@ -126,14 +128,15 @@ class ShardOverlap:
         client: ShardSteps,
         params: Mapping[str, torch.nn.Parameter],
         buffers: Mapping[str, torch.Tensor],
-        receivers: Mapping[str, np.ndarray],
+        receivers: Callable[[], Mapping[str, np.ndarray]],
         to_host: Callable[[dict[str, torch.Tensor]], dict[str, np.ndarray]],
         changed_values: Callable[[], dict[int, dict[str, float]]],
     ) -> None:
         self._client = client
         self._params = dict(params)
         self._buffers = dict(buffers)
-        self._out = dict(receivers)
+        self._receivers = receivers
+        self._out = dict(receivers())  # read again as each step begins
         self._to_host = to_host
         self._changed_values = changed_values
         shard_map = client.shard_map
@@ -334,6 +337,7 @@ class ShardOverlap:
         """The first gradient of a step: the previous step must have landed everywhere (one
         shard's steps go in order), then this step's number and hyper-parameters are fixed."""
         self.wait()
+        self._out = dict(self._receivers())
         self._values = self._changed_values()
         self._step = self._client.step
         self._waiting = [GradWatch.trainable(self._params, names) for names in self._names_on]

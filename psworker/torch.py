@@ -8,6 +8,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from functools import partial
 from typing import Any, NoReturn
 
 import numpy as np
@@ -170,7 +171,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 client,  # type: ignore[arg-type]  # checked by overlap_unsupported
                 self._params,
                 self._buffers,
-                self._staging.receivers(targets),
+                partial(self._staging.receivers, targets),
                 self._staging.to_host,
                 self._changed_values,
             )

@@ -501,6 +501,31 @@ def test_a_compiled_model_waits_for_the_landing_weights(shards, monkeypatch):
         torch.testing.assert_close(overlapped[name], value, rtol=1e-5, atol=1e-6)
 
 
+def test_a_model_moved_to_channels_last_after_wrapping_trains_as_the_serial_step(shards):
+    """``model.to(memory_format=...)`` after ``DistributedOptimizer`` gives each conv weight
+    new memory: replies are decoded where the weights are now (was: into the old memory, the
+    convs never updated, 0.09 from torch)."""
+    x, y = data(STEPS * BATCH)
+
+    def run(overlap: bool) -> dict[str, torch.Tensor]:
+        model = make_model(0)
+        with psworker.connect([shards(1)[0].address], mode="sync") as client:
+            opt = DistributedOptimizer(model, client, two_groups(model), overlap=overlap)
+            model.to(memory_format=torch.channels_last)
+            assert not model[0].weight.is_contiguous()
+            for t in range(STEPS):
+                opt.zero_grad()
+                part = slice(t * BATCH, (t + 1) * BATCH)
+                torch.nn.functional.cross_entropy(model(x[part]), y[part]).backward()
+                opt.step()
+            assert overlap is (opt._overlap is not None and opt._overlap.armed)
+            return {k: v.clone() for k, v in model.state_dict().items()}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the serial step's "changed in place": new memory
+        assert_identical(run(overlap=False), run(overlap=True))
+
+
 def test_a_gradient_set_by_hand_after_its_shards_push_left_is_an_error(shards):
     """A frozen layer's gradient set after backward, once its shard's push left without it:
     an error at step(), not a step without it."""
