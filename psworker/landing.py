@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from pswire.errors import WaitTimeoutError
 from psworker.placement import ShardMap
 
-__all__ = ["Landing"]
+__all__ = ["Landing", "ModelHook"]
 
 # Tensor attributes and methods that read no element of a tensor (``p.data`` and views such as
 # ``p.T`` do: not here). A weight still landing is not waited for by these: ``step()`` and
@@ -110,17 +110,18 @@ class Landing:
         self._mode: _LandingMode | None = None  # on the torch function mode stack
         self._owner = 0  # the thread whose stack holds ``_mode``
         self._depth = 0  # nested calls of the model's forward
+        hook = partial(ModelHook, copied=self.copying, pickled=self.wait)
         # First of the model's hooks: a failing hook after it still runs ``_leave``.
-        model.register_forward_pre_hook(_Hook(self, self._enter))
-        model.register_forward_hook(_Hook(self, self._leave), always_call=True)
+        model.register_forward_pre_hook(hook(self._enter))
+        model.register_forward_hook(hook(self._leave), always_call=True)
         ids = {id(t): n for n, t in self._tensors.items()}
         for module in model.modules():
             own = [*module._parameters.values(), *module._buffers.values()]
             names = tuple(ids[id(t)] for t in own if t is not None and id(t) in ids)
             if names:
-                module.register_forward_pre_hook(_Hook(self, partial(self._before_forward, names)))
+                module.register_forward_pre_hook(hook(partial(self._before_forward, names)))
         # model.state_dict() (a checkpoint) reads the weights: they must have landed.
-        model.register_state_dict_pre_hook(_Hook(self, lambda *_: self.wait()))
+        model.register_state_dict_pre_hook(hook(lambda *_: self.wait()))
 
     @property
     def pending(self) -> bool:
@@ -322,30 +323,39 @@ def _inert_hook() -> Callable[..., None]:
     return _inert
 
 
-class _Hook:
-    """A landing hook on the model, which copies of the model (``copy.deepcopy``, an EMA's
-    ``AveragedModel``, a target network, ``torch.save(model)``) do not carry: a copy gets
-    ``_inert`` instead, and is made from landed weights (the copy waits for them first).
+class ModelHook:
+    """A hook of the job's on the model, which copies of the model (``copy.deepcopy``, an
+    EMA's ``AveragedModel``, a target network, ``torch.save(model)``) do not carry: a copy
+    gets ``_inert`` instead. ``copied(memo)`` runs first when a deep copy is made,
+    ``pickled()`` when the model is pickled (the landing makes copies from landed weights).
 
     A compiled model (``torch.compile``) runs it as it is, never traced: a trace would keep
     what it found when compiled (nothing landing) and read weights still landing."""
 
-    __slots__ = ("_call", "_landing")
+    __slots__ = ("_call", "_copied", "_pickled")
 
-    def __init__(self, landing: Landing, call: Callable[..., None]) -> None:
-        self._landing = landing
+    def __init__(
+        self,
+        call: Callable[..., None],
+        copied: Callable[[Mapping[int, Any]], None] | None = None,
+        pickled: Callable[[], None] | None = None,
+    ) -> None:
         self._call = call
+        self._copied = copied
+        self._pickled = pickled
 
     @torch.compiler.disable
     def __call__(self, *args: Any) -> None:
         self._call(*args)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
-        self._landing.copying(memo)
+        if self._copied is not None:
+            self._copied(memo)
         return _inert
 
     def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
-        self._landing.wait()  # torch.save writes the tensors' bytes after the pickle
+        if self._pickled is not None:
+            self._pickled()  # torch.save writes the tensors' bytes after the pickle
         return (_inert_hook, ())
 
 

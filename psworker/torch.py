@@ -20,6 +20,7 @@ from pscore.optspec import StepOptions
 from pscore.tables import RowSparse
 from pswire.errors import ConfigError, ModelMismatchError
 from psworker.api import Client, Elastic, Replica
+from psworker.landing import ModelHook
 from psworker.overlap import build_overlap, overlap_unsupported
 from psworker.overlap_trial import OverlapTrial
 from psworker.overlap_watch import Overlap
@@ -310,6 +311,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if b is not None:
                 _check_tensor("buffer", name, b)
                 self._buffers[BUFFER_PREFIX + prefix + name] = b
+        # Where each buffer lives (module, attribute, variable): a forward that replaces one
+        # (``self.stat = 0.9 * self.stat + ...``, not in place) is adopted (_adopt_buffers).
+        ids = {id(b): n for n, b in self._buffers.items()}
+        self._buffer_homes = [
+            (module, attr, ids[id(b)])
+            for module in model.modules()
+            for attr, b in module._buffers.items()
+            if b is not None and id(b) in ids
+        ]
+        if self._buffer_homes:
+            model.register_forward_hook(ModelHook(self._adopt_after_forward))
         self._tables = tables
         everything = {**self._params, **self._buffers}
         on_gpu = any(t.is_cuda for t in everything.values())
@@ -328,6 +340,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._overwrite_warned = False
         self._overlap = None  # overlap=True: set by the constructor after init
         self._trial = None  # overlap="auto" in the parameter-server modes: set after init
+
+    def _adopt_buffers(self) -> None:
+        """Takes a buffer the model replaced since the last step (a forward's
+        ``self.stat = 0.9 * self.stat + ...``, where BatchNorm writes in place) back into the
+        tensor the job syncs, which its module then holds again: its values are pushed and
+        the job's mean lands where the model reads it (was: the replacement never synced, and
+        replicas drifted apart). One of another shape or dtype (a cache regrown for longer
+        inputs) is left to the model, as its own."""
+        for module, attr, name in self._buffer_homes:
+            current, ours = module._buffers.get(attr), self._buffers[name]
+            if current is None or current is ours:
+                continue
+            if (current.shape, current.dtype, current.device) == (
+                ours.shape,
+                ours.dtype,
+                ours.device,
+            ):
+                with torch.no_grad():
+                    ours.copy_(current)
+                module._buffers[attr] = ours
+
+    def _adopt_after_forward(self, module: Any, args: Any, output: Any) -> None:
+        """The model's forward hook: ``_adopt_buffers`` before backward may push them
+        (``overlap=True``)."""
+        self._adopt_buffers()
 
     def _fixed(self) -> dict[str, tuple[torch.Tensor, np.ndarray]]:
         """The model's parameters in no optimizer group (a frozen backbone), each with its bytes
@@ -412,6 +449,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         started = time.perf_counter()
         pushed_step = self.client.step
+        self._adopt_buffers()  # a forward of a submodule alone has no hook of ours
         self._warn_overwritten()
         overlapped = self._overlap is not None and self._overlap.armed
         loss = None

@@ -183,6 +183,63 @@ def test_batchnorm_buffers_are_averaged_across_sync_workers(shards):
     assert torch.allclose(bn0.running_mean, expected_mean, atol=1e-6)
 
 
+class ReplacedStat(torch.nn.Module):
+    """A running statistic updated by replacing its buffer (``self.stat = ...``, as some
+    custom norm layers do, where BatchNorm writes in place), and a cache regrown for longer
+    inputs (another shape: the model's own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("stat", torch.zeros(4))
+        self.register_buffer("cache", torch.zeros(2), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.stat = 0.9 * self.stat + 0.1 * h.detach().mean(0)
+        if self.cache.shape[0] < x.shape[0]:
+            self.cache = torch.arange(float(x.shape[0]))
+        return h * self.cache[: x.shape[0], None]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_buffer_replaced_in_forward_is_averaged_across_sync_workers(shards, overlap):
+    """Was: the replacement never synced (the job kept the first tensor), the workers' stats
+    drifted apart with no word."""
+    addrs = [s.address for s in shards(1)]
+    batches = {
+        (t, i): torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * t + i))
+        for t in range(3)
+        for i in range(2)
+    }
+    models = {i: ReplacedStat() for i in range(2)}
+    expected = torch.zeros(4)
+    with torch.no_grad():  # the weights stay put (lr 0): each step's update, averaged
+        for t in range(3):
+            means = [models[0].lin(batches[t, i]).mean(0) for i in range(2)]
+            expected = 0.9 * expected + 0.1 * (means[0] + means[1]) / 2
+
+    def worker(i: int):
+        def run():
+            model = models[i]
+            with psworker.connect(addrs, worker_id=i, num_workers=2, mode="sync") as client:
+                inner = torch.optim.SGD(model.parameters(), lr=0.0)
+                opt = DistributedOptimizer(model, client, inner, overlap=overlap)
+                for t in range(3):
+                    opt.zero_grad()
+                    model(batches[t, i]).pow(2).mean().backward()
+                    opt.step()
+                opt.synchronize()
+
+        return run
+
+    run_workers([worker(0), worker(1)])
+    assert torch.equal(models[0].stat, models[1].stat)
+    assert torch.allclose(models[0].stat, expected, atol=1e-6)
+    assert models[0].cache.shape == (3,)  # regrown, left to the model
+
+
 def test_unused_parameters_with_none_gradients_are_left_alone():
     model = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 1), "unused": torch.nn.Linear(3, 1)})
     before = model["unused"].weight.detach().clone()
