@@ -263,6 +263,10 @@ class FlightLink:
         request.chunks.extend(entries)
         with self._lock:
             self._close_open()
+            # Read before the call starts, so the stream's own deadline never trails its gRPC
+            # one: a step() that comes after the shard dropped the stream always finds it
+            # expired (and sends the step whole), never a write past the gRPC deadline.
+            deadline = time.monotonic() + self.timeout
             writer, reader = self._exchange(fw.PIPELINED, self.timeout, where)
         out = fw.StepWriter(writer, request.SerializeToString(), self.piece_bytes)
         staged = None
@@ -272,7 +276,9 @@ class FlightLink:
         # What can leave before backward ends: all but the last tensor, held until step().
         held = next((e.total_bytes for e in reversed(entries) if e.total_bytes), 0)
         total = sum(e.total_bytes for e in entries)
-        stream = FlightStream(self, writer, reader, out, into, where, placed, total, held, staged)
+        stream = FlightStream(
+            self, writer, reader, out, into, where, deadline, placed, total, held, staged
+        )
         self._streaming = stream
         try:
             out.header()
@@ -528,6 +534,7 @@ class FlightStream:
         out: fw.StepWriter,
         into: Mapping[str, np.ndarray] | None,
         where: str,
+        deadline: float,
         placed: Callable[[str], None] | None = None,
         total: int = 0,
         held: int = 0,
@@ -545,7 +552,7 @@ class FlightStream:
         self._held = held  # of which the last tensor's, held until step()
         self._written = 0
         self._backward_over = False  # ``read_reply`` came
-        self.deadline = time.monotonic() + link.timeout  # the exchange's gRPC deadline
+        self.deadline = deadline  # at or before the exchange's gRPC deadline
         self._ended = False  # the reply was read: nothing to cancel
         self._closed = False
         self._reading: Future[tuple[ps_pb2.PushPullResponse, dict[str, np.ndarray]]] | None = None

@@ -127,13 +127,18 @@ class ShardStream:
         with self._cond:
             if self._state != "open":
                 return False
+            stream = self._stream
             if self._stray or len(self.pieces) != len(self._entries):
                 self._state = "aborted"
+                self._cond.notify()
+            elif stream is not None and time.monotonic() >= stream.deadline:
+                # The writing thread has not woken to its deadline yet: the shard may have
+                # dropped the stream already, so its last tensor must not be written to it.
+                self._state = "expired"
                 self._cond.notify()
             else:
                 self._state = "finished"
                 self._cond.notify()
-                stream = self._stream
                 if stream is not None:
                     # Backward is over: the reply may land in the parameters from now on.
                     stream.read_reply()
@@ -243,7 +248,7 @@ class ShardStream:
         ``finish`` came and nothing is left to write (or ``writing`` is False: the stream
         failed, only ``finish`` is awaited), None when aborted or expired."""
         while True:
-            if self._state == "aborted":
+            if self._state in ("aborted", "expired"):
                 return None
             finished = self._state == "finished"
             ready: list[np.ndarray] = []
