@@ -9,6 +9,7 @@ import copy
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -411,6 +412,23 @@ def slow_replies(monkeypatch: pytest.MonkeyPatch, delay_s: float = 0.05) -> None
     monkeypatch.setattr(PSClient, "start_shard_step", slow)
 
 
+def fit(
+    opt: torch.optim.Optimizer,
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    after: Callable[[], None] = lambda: None,
+) -> None:
+    """STEPS steps of cross-entropy on consecutive batches of ``x`` and ``y`` through
+    ``forward`` (the model, or a compiled one); ``after()`` right after each ``step()``."""
+    for t in range(STEPS):
+        opt.zero_grad()
+        part = slice(t * BATCH, (t + 1) * BATCH)
+        torch.nn.functional.cross_entropy(forward(x[part]), y[part]).backward()
+        opt.step()
+        after()
+
+
 def ema_run(addrs: list[str] | None, overlap: bool) -> list[torch.Tensor]:
     """An EMA (``AveragedModel``) updated, a weight's norm logged and the weights read
     straight from the parameters, each right after ``step()``, as scripts do."""
@@ -424,13 +442,12 @@ def ema_run(addrs: list[str] | None, overlap: bool) -> list[torch.Tensor]:
             client = stack.enter_context(psworker.connect(addrs, mode="sync", split_bytes=1024))
             inner = DistributedOptimizer(model, client, inner, overlap=overlap)
         ema = swa.AveragedModel(model, multi_avg_fn=swa.get_ema_multi_avg_fn(0.9))
-        for t in range(STEPS):
-            inner.zero_grad()
-            part = slice(t * BATCH, (t + 1) * BATCH)
-            torch.nn.functional.cross_entropy(model(x[part]), y[part]).backward()
-            inner.step()
+
+        def read() -> None:
             ema.update_parameters(model)
             seen.append(model[4].weight.norm().detach())
+
+        fit(inner, model, x, y, after=read)
         seen += [p.detach().clone() for p in model.parameters()]
         seen += [p.detach().clone() for p in ema.module.parameters()]
     assert torch._C._len_torch_function_stack() == 0  # nothing of ours left on the stack
@@ -485,12 +502,7 @@ def test_a_compiled_model_waits_for_the_landing_weights(shards, monkeypatch):
         )
         with psworker.connect([s.address for s in shards(2)], mode="sync", split_bytes=1024) as c:
             opt = DistributedOptimizer(model, c, two_groups(model), overlap=overlap)
-            compiled = torch.compile(model)
-            for t in range(STEPS):
-                opt.zero_grad()
-                part = slice(t * BATCH, (t + 1) * BATCH)
-                torch.nn.functional.cross_entropy(compiled(x[part]), y[part]).backward()
-                opt.step()
+            fit(opt, torch.compile(model), x, y)
             assert overlap is (opt._overlap is not None and opt._overlap.armed)
             return {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -513,11 +525,7 @@ def test_a_model_moved_to_channels_last_after_wrapping_trains_as_the_serial_step
             opt = DistributedOptimizer(model, client, two_groups(model), overlap=overlap)
             model.to(memory_format=torch.channels_last)
             assert not model[0].weight.is_contiguous()
-            for t in range(STEPS):
-                opt.zero_grad()
-                part = slice(t * BATCH, (t + 1) * BATCH)
-                torch.nn.functional.cross_entropy(model(x[part]), y[part]).backward()
-                opt.step()
+            fit(opt, model, x, y)
             assert overlap is (opt._overlap is not None and opt._overlap.armed)
             return {k: v.clone() for k, v in model.state_dict().items()}
 
