@@ -30,7 +30,7 @@ from psworker.client_state import ModelState, Slots
 from psworker.fanout import partial_failure
 from psworker.link import ShardLink, shard_status
 from psworker.outgoing import check_shards_agree, shard_jobs, split_push
-from psworker.placement import ShardMap, TableLayout, VarInfo, plan, tables_digest
+from psworker.placement import ShardMap, TableLayout, VarInfo, copy_in, plan, tables_digest
 from psworker.push_stream import StepStreams
 from psworker.session import (
     AbsentWorkers,
@@ -622,10 +622,7 @@ class PSClient:
 
         def done() -> bool:
             reply, pieces = finish()
-            for key, array in pieces.items():  # those not decoded in place (no C-order target)
-                target = into.get(key)
-                if target is not None and not np.may_share_memory(target, array):
-                    np.copyto(target, array)
+            copy_in(pieces, into)
             self._pushed(step, [reply])
             return bool(reply.skipped)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -235,6 +235,20 @@ def cuts(v: VarInfo, num_shards: int, split_bytes: int, part_bytes: int) -> int:
     if part_bytes > 0 and v.nbytes > part_bytes:
         k = max(k, min(MAX_PARTS, -(-v.nbytes // part_bytes)))
     return min(k, rows)
+
+
+def copy_in(
+    pieces: Mapping[str, np.ndarray],
+    into: Mapping[str, np.ndarray],
+    skip: Collection[str] = (),
+) -> None:
+    """Copies each of ``pieces`` (by piece key) that was not decoded straight into its
+    ``into`` array there (a target that is not C-ordered, as a conv weight in
+    ``channels_last``, is decoded elsewhere); keys in ``skip`` are left as they are."""
+    for key, array in pieces.items():
+        target = into.get(key)
+        if target is not None and key not in skip and not np.may_share_memory(target, array):
+            np.copyto(target, array)
 
 
 def check_out(

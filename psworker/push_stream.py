@@ -30,7 +30,7 @@ from pscore.optspec import StepOptions
 from pswire import flightwire as fw
 from pswire.proto import ps_pb2
 from psworker.outgoing import split_push, wire_dtype
-from psworker.placement import ShardMap
+from psworker.placement import ShardMap, copy_in
 from psworker.transport import Reply
 
 if TYPE_CHECKING:
@@ -228,13 +228,9 @@ class ShardStream:
                 self._stream = None
 
     def _copied_in(self, reply: Reply) -> Reply:
-        """``reply`` once its pieces not decoded straight into ``into`` (a target that is not
-        C-ordered: a conv weight in ``channels_last``) are copied there."""
-        for key, array in reply[1].items():
-            target = self._into.get(key)
-            landed = key in self._landed  # placed: the next forward may have used it
-            if target is not None and not landed and not np.may_share_memory(target, array):
-                np.copyto(target, array)
+        """``reply`` once its pieces not decoded straight into ``into`` are copied there
+        (``copy_in``), except those that landed: the next forward may have used them."""
+        copy_in(reply[1], self._into, skip=self._landed)
         return reply
 
     def _landing(self, key: str) -> None:
