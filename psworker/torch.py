@@ -311,15 +311,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if b is not None:
                 _check_tensor("buffer", name, b)
                 self._buffers[BUFFER_PREFIX + prefix + name] = b
-        # Where each buffer lives (module, attribute, variable): a forward that replaces one
-        # (``self.stat = 0.9 * self.stat + ...``, not in place) is adopted (_adopt_buffers).
-        ids = {id(b): n for n, b in self._buffers.items()}
-        self._buffer_homes = [
-            (module, attr, ids[id(b)])
-            for module in model.modules()
-            for attr, b in module._buffers.items()
-            if b is not None and id(b) in ids
-        ]
+        self._buffer_homes = buffer_homes(model, self._buffers)
         if self._buffer_homes:
             model.register_forward_hook(ModelHook(self._adopt_after_forward))
         self._tables = tables
@@ -840,6 +832,21 @@ def _init_together(client: Client, parts: list[DistributedOptimizer]) -> None:
         part._together = len(parts)
         part._finish()
         part._remember_versions()
+
+
+def buffer_homes(
+    model: torch.nn.Module, buffers: Mapping[str, torch.Tensor]
+) -> list[tuple[torch.nn.Module, str, str]]:
+    """Where each of ``buffers`` (the job's, by variable name) lives: (module, attribute,
+    variable), so a forward that replaces one (``self.stat = 0.9 * self.stat + ...``, not in
+    place) is adopted (``DistributedOptimizer._adopt_buffers``)."""
+    ids = {id(b): n for n, b in buffers.items()}
+    return [
+        (module, attr, ids[id(b)])
+        for module in model.modules()
+        for attr, b in module._buffers.items()
+        if b is not None and id(b) in ids
+    ]
 
 
 def _check_tensor(kind: str, name: str, tensor: torch.Tensor) -> None:

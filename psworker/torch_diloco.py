@@ -23,7 +23,12 @@ from psworker.api import Elastic
 from psworker.diloco import DiLoCoClient, Landed, OuterSteps
 from psworker.diloco_resume import WorkerState
 from psworker.reports import StepLog
-from psworker.torch import BUFFER_PREFIX, DistributedOptimizer, raise_naming_fixed
+from psworker.torch import (
+    BUFFER_PREFIX,
+    DistributedOptimizer,
+    buffer_homes,
+    raise_naming_fixed,
+)
 from psworker.torch_optim import torch_optimizer_for
 
 log = logging.getLogger(__name__)
@@ -85,6 +90,7 @@ class DiLoCoOptimizer(DistributedOptimizer):
                     )
                 self._params[name] = p
         self._buffers = {BUFFER_PREFIX + n: b for n, b in model.named_buffers() if b is not None}
+        self._buffer_homes = buffer_homes(model, self._buffers)
         self._log = StepLog(client, writer)
         client.declare(describe(optimizer))
         with torch.no_grad():
@@ -150,6 +156,7 @@ class DiLoCoOptimizer(DistributedOptimizer):
             tuple[dict[str, np.ndarray], list[Landed]],
         ],
     ) -> None:
+        self._adopt_buffers()  # each inner forward may have replaced one (read, then loaded)
         with torch.no_grad():
             loads, landed = take(self._read)
             self._load(loads)

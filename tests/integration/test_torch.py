@@ -336,3 +336,48 @@ def test_allreduce_with_16_bit_gradients_stays_close_to_full_precision(compressi
     assert 0 < worst < 0.05, worst  # not bit-equal (16-bit wire) but close after 30 steps
     for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert torch.equal(a, b), "replicas diverged"
+
+
+def test_a_buffer_replaced_in_forward_is_averaged_across_diloco_workers(shards):
+    """DiLoCo's outer step takes each worker's buffers as they are and lands their mean. Was:
+    the replacement never reached it (the job kept the first tensor), the workers' stats
+    stayed their own."""
+    addrs = [s.address for s in shards(1)]
+    batches = {
+        (t, i): torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * t + i))
+        for t in range(3)
+        for i in range(2)
+    }
+    models = {i: ReplacedStat() for i in range(2)}
+    local = [torch.zeros(4), torch.zeros(4)]
+    with torch.no_grad():  # the weights stay put (lr 0): each worker's own 3 updates
+        for t in range(3):
+            for i in range(2):
+                local[i] = 0.9 * local[i] + 0.1 * models[0].lin(batches[t, i]).mean(0)
+    expected = (local[0] + local[1]) / 2
+
+    def worker(i: int):
+        def run():
+            model = models[i]
+            with psworker.connect(
+                addrs,
+                worker_id=i,
+                num_workers=2,
+                mode="diloco",
+                local_steps=3,
+                outer=psworker.SGD(lr=0.7),
+            ) as client:
+                inner = torch.optim.SGD(model.parameters(), lr=0.0)
+                opt = DistributedOptimizer(model, client, inner)
+                for t in range(3):
+                    opt.zero_grad()
+                    model(batches[t, i]).pow(2).mean().backward()
+                    opt.step()
+                assert client.outer.step == 1
+
+        return run
+
+    run_workers([worker(0), worker(1)])
+    assert torch.equal(models[0].stat, models[1].stat)
+    assert torch.allclose(models[0].stat, expected, atol=1e-6)
+    assert models[0].cache.shape == (3,)  # regrown, left to the model
