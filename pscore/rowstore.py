@@ -94,7 +94,7 @@ class RowStore:
         }
         self._scratch: dict[str, np.ndarray] = {}
         if spec.init_from:  # the file's rows now: nothing later depends on it
-            ids, held = rows_from_file(spec, *place)
+            ids, held, state = rows_from_file(spec, *place, slots=kinds)
             if self._index is None:
                 self.values[:] = held
                 self._slot[:] = np.arange(1, rows + 1, dtype=self._slot.dtype)
@@ -105,6 +105,11 @@ class RowStore:
                 self._grow(self._index.size)
                 self.values[: len(held)] = held
             self._start_state(slice(0, len(held)))
+            for k, v in state.items():  # the file's optimizer state, where it holds it
+                if isinstance(v, np.ndarray):
+                    self.slots[k][: len(held)] = v
+                else:
+                    self.slots[k] = v
 
     @property
     def rows(self) -> int:
@@ -200,6 +205,15 @@ class RowStore:
         assert self._index is not None, "a fixed slice: its rows by id range"
         rows = self._index.order()
         return RowSparse(self._index.ids[rows], self.values[rows])
+
+    def state_of(self, ids: np.ndarray | None) -> dict[str, Any]:
+        """Copies of the optimizer state of rows ``ids``, located as ``gather`` locates them
+        (None: of every row a dynamic slice holds, in ``held``'s order, touching none), counts
+        as they are (``psctl export``)."""
+        rows = self._index.order() if ids is None and self._index is not None else None
+        if rows is None:
+            rows = self._locate(np.asarray(ids, dtype=np.int64))
+        return {k: _take(v, rows) for k, v in self.slots.items() if v is not None}
 
     def export(self) -> TableState:
         if self._index is None:  # every row, in id order

@@ -10,7 +10,7 @@ business (``psworker.placement``); the row storage and sparse optimizer step are
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -54,9 +54,10 @@ class Table:
     model.safetensors`` writes), or a ``.npy`` file of that array. A dynamic table's: a
     ``.safetensors`` file holding its rows ``(n, dim)`` under its name and their distinct int64
     ids ``(n,)`` under its name plus ``IDS_SUFFIX`` (what ``psctl export`` writes), least
-    recently used first; every other id starts from ``init`` as before. So a table trained on
-    some shard count can go on, with fresh optimizer state, on another. A relative path is
-    made absolute here, as the worker sees it.
+    recently used first; every other id starts from ``init`` as before. Where the file holds
+    the rows' optimizer state too (``slot_key``: what ``psctl export`` writes), the rows go on
+    with it; else it starts fresh. So a table trained on some shard count goes on, as if
+    uninterrupted, on another. A relative path is made absolute here, as the worker sees it.
     """
 
     num_rows: int | None
@@ -170,19 +171,34 @@ def _row_file_problem(path: str, num_rows: int) -> str:
     return ""
 
 
+def slot_key(table: str, slot: str) -> str:
+    """The name of table ``table``'s optimizer slot ``slot`` (Adam's ``exp_avg``, a row per
+    row of the table; its ``step``, a 0-d int64 count) in a file of its rows, beside them."""
+    return f"{table}.{slot}"
+
+
 def rows_from_file(
-    spec: TableSlice, shard: int = 0, num_shards: int = 1
-) -> tuple[np.ndarray | None, np.ndarray]:
-    """This slice's rows from its table's ``init_from`` file, read on this host: (None, rows
-    ``[row_start, row_end)``) for a fixed table, of which only that range is read (a
-    read-only view of a mapped .npy file; copy it); (ids, their rows), least recently used
-    first, for a dynamic one: the file's ids that ``dynamic_home`` puts on shard ``shard`` of
-    ``num_shards``, read a block of rows at a time.
+    spec: TableSlice, shard: int = 0, num_shards: int = 1, slots: Mapping[str, Any] | None = None
+) -> tuple[np.ndarray | None, np.ndarray, dict[str, Any]]:
+    """This slice's rows from its table's ``init_from`` file, read on this host, and their
+    optimizer state where the file holds it: (None, rows ``[row_start, row_end)``, state)
+    for a fixed table, of which only that range is read (a read-only view of a mapped .npy
+    file; copy it); (ids, their rows, state), least recently used first, for a dynamic one:
+    the file's ids that ``dynamic_home`` puts on shard ``shard`` of ``num_shards``, read a
+    block of rows at a time.
+
+    ``slots``: the optimizer's (``Optimizer.make_state``: an array, or None where made
+    lazily, per row; a number for a count). The state holds, by slot, a row-shaped array
+    of the table's dtype for each array slot, in the rows' order (read as ``slot_key``
+    names it), and an int for each count; or nothing (``{}``: the state starts fresh) where
+    the file holds none of the array slots (a ``.npy`` file, a ``model.state_dict()``,
+    another optimizer's export).
 
     Raises:
         InvalidRequestError: naming the table and the file: it cannot be read here, holds no
-            such tensor, or one of another shape or dtype than the table's, a row that is not
-            finite, ids that repeat, or more rows for this shard than its capacity.
+            such tensor, or one of another shape or dtype than the table's, a row (or a row's
+            state) that is not finite, ids that repeat, more rows for this shard than its
+            capacity, or some of the optimizer's slots only.
     """
     where = f"table '{spec.key}': init_from {spec.init_from!r}"
     if spec.dynamic and num_shards < 1:
@@ -190,24 +206,28 @@ def rows_from_file(
             f"{where}: the job does not say which shard of how many this is, so it cannot "
             "tell which of the file's ids are its own (a worker older than this shard?)"
         )
+    state: dict[str, Any] = {}
     try:
         if spec.dynamic:
-            ids, rows = _read_held_rows(spec, where, shard, num_shards)
+            ids, rows = _read_held_rows(spec, where, shard, num_shards, slots or {}, state)
         else:
-            ids, rows = None, _read_rows(spec, where)
+            ids, rows = None, _read_rows(spec, where, slots or {}, state)
     except (OSError, ValueError, SafetensorError) as exc:
         raise InvalidRequestError(f"{where} could not be read on this host: {exc}") from exc
-    if not all_finite(rows):
-        bad = int(np.flatnonzero(~np.isfinite(rows).all(axis=1))[0])
-        row = spec.row_start + bad if ids is None else f"of id {int(ids[bad])}"
-        raise InvalidRequestError(f"{where}: row {row} is not finite")
+    for key, array in {spec.key: rows, **state}.items():
+        if isinstance(array, np.ndarray) and array.ndim == 2 and not all_finite(array):
+            bad = int(np.flatnonzero(~np.isfinite(array).all(axis=1))[0])
+            row = spec.row_start + bad if ids is None else f"of id {int(ids[bad])}"
+            what = "row" if key == spec.key else f"'{key}' (optimizer state) of row"
+            raise InvalidRequestError(f"{where}: {what} {row} is not finite")
     if spec.capacity and ids is not None and len(ids) > spec.capacity:
         raise InvalidRequestError(
             f"{where} holds {len(ids)} rows for shard {shard} of {num_shards}, over the "
             f"table's capacity of {spec.capacity} rows a shard: raise capacity to at least "
             f"{len(ids)} or start more shards"
         )
-    return ids, rows
+    named = {k: state.get(slot_key(spec.key, k)) for k in slots or {}}
+    return ids, rows, {k: v if v.ndim else int(v) for k, v in named.items() if v is not None}
 
 
 def dynamic_home(ids: np.ndarray, num_shards: int) -> np.ndarray:
@@ -217,23 +237,64 @@ def dynamic_home(ids: np.ndarray, num_shards: int) -> np.ndarray:
     return (splitmix64(ids.view(np.uint64)) % np.uint64(num_shards)).astype(np.int64)
 
 
-def _read_rows(spec: TableSlice, where: str) -> np.ndarray:
-    """A fixed slice's rows from its file (InvalidRequestError: not the table's)."""
+def _read_rows(
+    spec: TableSlice, where: str, slots: Mapping[str, Any], state: dict[str, Any]
+) -> np.ndarray:
+    """A fixed slice's rows from its file (InvalidRequestError: not the table's), and into
+    ``state`` their optimizer state where the file holds it (``rows_from_file``)."""
     expected = (spec.num_rows, spec.dim)
     if spec.init_from.endswith(".npy"):
         whole = np.load(spec.init_from, mmap_mode="r", allow_pickle=False)
         _check_tensor(where, spec.key, whole.shape, str(whole.dtype), expected, spec.dtype)
         return whole[spec.row_start : spec.row_end]  # mapped, read-only
     with safe_open(spec.init_from, framework="np") as f:
-        piece = _tensor(f, where, spec.key, "the table's name")
-        _check_tensor(where, spec.key, *_shape_dtype(piece), expected, spec.dtype)
-        return piece[spec.row_start : spec.row_end]
+        for key in [spec.key, *_state_keys(f, spec, where, slots, state)]:
+            piece = _tensor(f, where, key, "the table's name")
+            _check_tensor(where, key, *_shape_dtype(piece), expected, spec.dtype)
+            rows = piece[spec.row_start : spec.row_end]
+            state[key] = rows
+        return state.pop(spec.key)
+
+
+def _state_keys(
+    f: Any, spec: TableSlice, where: str, slots: Mapping[str, Any], state: dict[str, Any]
+) -> list[str]:
+    """The names of the table's row-shaped optimizer slots in open file ``f``, all or none
+    (InvalidRequestError: some only); its counts, read into ``state``."""
+    names = set(f.keys())
+    rows = [slot_key(spec.key, k) for k, v in slots.items() if v is None or hasattr(v, "shape")]
+    held = [k for k in rows if k in names]
+    if not held:
+        return []
+    counts = [slot_key(spec.key, k) for k in slots if slot_key(spec.key, k) not in rows]
+    missing = sorted(set(rows + counts) - names)
+    if missing:
+        raise InvalidRequestError(
+            f"{where} holds the optimizer state {sorted(held)} but not {missing}: the "
+            "table's optimizer keeps both (written by another optimizer? drop the state from "
+            "the file to start it fresh)"
+        )
+    for key in counts:
+        count = f.get_tensor(key)
+        if count.dtype != np.int64 or count.shape != () or int(count) < 0:
+            raise InvalidRequestError(
+                f"{where} holds '{key}' of dtype {count.dtype} and shape {count.shape}; a "
+                "count of optimizer steps is a 0-d int64 of at least 0"
+            )
+        state[key] = np.asarray(count, np.int64)
+    return held
 
 
 def _read_held_rows(
-    spec: TableSlice, where: str, shard: int, num_shards: int
+    spec: TableSlice,
+    where: str,
+    shard: int,
+    num_shards: int,
+    slots: Mapping[str, Any],
+    state: dict[str, Any],
 ) -> tuple[np.ndarray, np.ndarray]:
-    """A dynamic slice's ids and rows from its file (InvalidRequestError: not the table's)."""
+    """A dynamic slice's ids and rows from its file (InvalidRequestError: not the table's),
+    and into ``state`` their optimizer state where the file holds it (``rows_from_file``)."""
     with safe_open(spec.init_from, framework="np") as f:
         id_key = spec.key + IDS_SUFFIX
         _tensor(f, where, id_key, "the table's ids")
@@ -243,8 +304,6 @@ def _read_held_rows(
                 f"{where}: '{id_key}' holds {ids.dtype} of shape {ids.shape}; a dynamic "
                 "table's ids are 1-d int64"
             )
-        piece = _tensor(f, where, spec.key, "the table's name")
-        _check_tensor(where, spec.key, *_shape_dtype(piece), (len(ids), spec.dim), spec.dtype)
         unique, counts = np.unique(ids, return_counts=True)
         if len(unique) < len(ids):
             raise InvalidRequestError(
@@ -252,15 +311,19 @@ def _read_held_rows(
                 f"{int(counts.max())} times; a table's ids are distinct"
             )
         mine = np.flatnonzero(dynamic_home(ids, num_shards) == shard)  # sorted
-        rows = np.empty((len(mine), spec.dim), dtype=spec.dtype)
-        block = max(1, _FILE_BLOCK_BYTES // (spec.dim * rows.itemsize))
-        starts = range(0, len(ids), block)
-        ends = [min(start + block, len(ids)) for start in starts]  # none past the end
-        cuts = np.searchsorted(mine, ends)  # this shard's rows in each block
-        for start, end, lo, hi in zip(starts, ends, [0, *cuts[:-1]], cuts, strict=True):
-            if hi > lo:
-                rows[lo:hi] = piece[start:end][mine[lo:hi] - start]
-        return ids[mine], rows
+        for key in [spec.key, *_state_keys(f, spec, where, slots, state)]:
+            piece = _tensor(f, where, key, "the table's name")
+            _check_tensor(where, key, *_shape_dtype(piece), (len(ids), spec.dim), spec.dtype)
+            rows = np.empty((len(mine), spec.dim), dtype=spec.dtype)
+            block = max(1, _FILE_BLOCK_BYTES // (spec.dim * rows.itemsize))
+            starts = range(0, len(ids), block)
+            ends = [min(start + block, len(ids)) for start in starts]  # none past the end
+            cuts = np.searchsorted(mine, ends)  # this shard's rows in each block
+            for start, end, lo, hi in zip(starts, ends, [0, *cuts[:-1]], cuts, strict=True):
+                if hi > lo:
+                    rows[lo:hi] = piece[start:end][mine[lo:hi] - start]
+            state[key] = rows
+        return ids[mine], state.pop(spec.key)
 
 
 def _tensor(f: Any, where: str, key: str, what: str) -> Any:

@@ -15,11 +15,12 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
-from pscore.tables import IDS_SUFFIX
+from pscore.tables import IDS_SUFFIX, slot_key
 from pswire import cli
 from pswire.cluster import ClusterSpec
 from pswire.codec import ChunkAssembler
 from pswire.errors import InvalidRequestError, ModelMismatchError, NotInitializedError, PSError
+from pswire.optstate import split_state
 from pswire.piecekey import parse_piece_key
 from pswire.proto import ps_pb2, ps_pb2_grpc
 from pswire.rpc_errors import from_rpc_error
@@ -28,6 +29,7 @@ from psworker import launchers
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+NO_IDS = np.empty(0, np.int64)
 
 # Must equal psworker.torch.BUFFER_PREFIX; not imported from there because that module needs
 # torch, and exporting must work without it.
@@ -100,9 +102,10 @@ def export_state_dict(
     Fixed-size embedding tables are written whole under their table name; a dynamic table
     as the rows every shard holds under its name and their int64 ids under its name plus
     ``.ids`` (``pscore.tables.IDS_SUFFIX``; each shard's least recently used first, in shard
-    order): what ``Table(..., init_from=...)`` reads. Split variables are joined, buffer names
-    lose their ``buffer:`` prefix, so the file loads
-    into the module with ``model.load_state_dict(torch.load(path))``. It is a torch file
+    order); beside a table's rows, their optimizer slots in the same order, and its counts
+    (``pscore.tables.slot_key``): what ``Table(..., init_from=...)`` reads. Split variables
+    are joined, buffer names lose their ``buffer:`` prefix, so the file loads into the
+    module with ``model.load_state_dict(torch.load(path))``. It is a torch file
     (tensors only: ``torch.load(..., weights_only=True)`` reads it) unless ``out_path`` ends
     in ``.safetensors`` or torch is not installed; then it is safetensors, with that suffix.
     The file appears atomically. While training runs, shards may be read at different steps:
@@ -127,7 +130,8 @@ def export_state_dict(
 def pull_pieces(
     addresses: Sequence[str], timeout: float, security: ClientSecurity
 ) -> tuple[list[dict[str, np.ndarray]], list[int]]:
-    """Every variable (piece) each shard holds, and each shard's clock, in address order.
+    """Every variable (piece) each shard holds, and each shard's clock, in address order; a
+    table's rows with their optimizer state (``pscore.tables.slot_key``).
 
     Raises:
         NotInitializedError: a shard holds no values yet.
@@ -135,7 +139,7 @@ def pull_pieces(
         PSError: a call failed.
     """
 
-    def one(index: int) -> tuple[dict[str, np.ndarray], int, str]:
+    def one(index: int) -> tuple[dict[str, np.ndarray], int, str, dict[str, int]]:
         address = addresses[index]
         where = f"shard {index} ({address})"
         st = _call(
@@ -151,19 +155,22 @@ def pull_pieces(
         # a dynamic one's every row (least recently used first) and their ids beside.
         tables = [v for v in st.job.variables if v.HasField("table")]
         rows = [
-            ps_pb2.RowQuery(table=v.name, every=True)
+            ps_pb2.RowQuery(table=v.name, every=True, slots=True)
             if not v.table.num_rows
             else ps_pb2.RowQuery(
                 table=v.name,
                 ids=np.arange(v.table.row_start, v.table.row_end, dtype="<i8").tobytes(),
+                slots=True,
             )
             for v in tables
         ]
         if not keys and not rows:
-            return {}, int(st.clock), st.job.model_digest
+            return {}, int(st.clock), st.job.model_digest, {}
         # Step 0 never waits in any mode once values exist, so this reads the current weights.
         # worker_id -1 marks an observer: the shard does not count it as a worker's sign of life.
         request = ps_pb2.PullRequest(worker_id=-1, step=0, names=keys, rows=rows)
+
+        n = len(addresses)
 
         def pull(stub: ps_pb2_grpc.ParameterServerStub) -> tuple[dict[str, np.ndarray], int]:
             assembler = ChunkAssembler()
@@ -171,30 +178,43 @@ def pull_pieces(
             for reply in stub.Pull(request, timeout=timeout):
                 assembler.add(reply.chunk)
                 clock = int(reply.clock)
-            arrays = assembler.finish()
-            for v in tables:  # a dynamic table's ids: none sent when the shard holds none
+            arrays, slots = split_state(assembler.finish())
+            for v in tables:
+                # As the slices of a split variable, so join_pieces concatenates them: the
+                # rows, a dynamic table's ids (none sent when the shard holds none) and the
+                # rows' optimizer state; a count (Adam's step) stays whole (pull_pieces).
+                table = {v.name: arrays.pop(v.name)} if v.name in arrays else {}
                 if not v.table.num_rows:
-                    ids = assembler.indices.get(v.name, np.empty(0, np.int64))
-                    arrays[v.name + IDS_SUFFIX] = ids
+                    table[v.name + IDS_SUFFIX] = assembler.indices.get(v.name, NO_IDS)
+                table |= {slot_key(v.name, k): a for k, a in slots.get(v.name, {}).items()}
+                for key, array in table.items():
+                    if array.ndim:
+                        arrays[f"{key}/part{index}of{n}"] = array
+                    else:
+                        counts[key] = int(array)
             return arrays, clock
 
+        counts: dict[str, int] = {}
         arrays, clock = _call(address, security, f"Pull on {where}", pull)
-        n = len(addresses)
-        for v in tables:  # as the slices of a split variable, so join_pieces concatenates them
-            for key in (v.name, v.name + IDS_SUFFIX):
-                if key in arrays:
-                    arrays[f"{key}/part{index}of{n}"] = arrays.pop(key)
-        return arrays, clock, st.job.model_digest
+        return arrays, clock, st.job.model_digest, counts
 
     results = _all_or_raise(len(addresses), one)
-    digests = {digest for _, _, digest in results}
+    digests = {digest for _, _, digest, _ in results}
     if len(digests) > 1:
         raise ModelMismatchError(
             "the shards hold parts of different models (digests "
-            + ", ".join(f"{a}: {d}" for a, (_, _, d) in zip(addresses, results, strict=True))
+            + ", ".join(f"{a}: {d}" for a, (_, _, d, _) in zip(addresses, results, strict=True))
             + ")"
         )
-    return [r[0] for r in results], [r[1] for r in results]
+    pieces = [r[0] for r in results]
+    # A table's count is the same on every shard (each update steps every slice), unless
+    # training goes on while the shards are read (then clocks differ too): the largest.
+    counts: dict[str, int] = {}
+    for _, _, _, shard_counts in results:
+        for key, count in shard_counts.items():
+            counts[key] = max(count, counts.get(key, count))
+    pieces[0].update({k: np.asarray(c, np.int64) for k, c in counts.items()})
+    return pieces, [r[1] for r in results]
 
 
 def join_pieces(pieces: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -293,7 +313,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="write the whole model as one torch state_dict file",
         description=(
             "Pulls every variable from the shards, joins split ones, drops the buffer: prefix, "
-            "and writes a file for model.load_state_dict(torch.load(PATH)). A path ending in "
+            "and writes a file for model.load_state_dict(torch.load(PATH)). An embedding "
+            "table's rows come with their optimizer state (NAME.exp_avg, ...) and a dynamic "
+            "one's ids (NAME.ids), what Table(..., init_from=PATH) reads. A path ending in "
             ".safetensors (or no torch installed) writes safetensors instead."
         ),
         epilog=SECURITY_EPILOG,

@@ -56,7 +56,19 @@ def row_query(
                 "(psctl export), not a step's read"
             )
         rows.append((table, ids))
+    if slot_tables(request):
+        raise InvalidRequestError(
+            f"table '{next(iter(slot_tables(request)))}': the rows' optimizer state "
+            "(RowQuery.slots) is for a Pull (psctl export), not a step's read"
+        )
     return rows
+
+
+def slot_tables(
+    request: ps_pb2.PullRequest | ps_pb2.PushPullRequest | read.StepRequest,
+) -> frozenset[str]:
+    """The tables of a pull whose rows' optimizer state is asked for too (``slots``)."""
+    return frozenset(q.table for q in request.rows if q.slots)
 
 
 def pull_row_query(
@@ -336,6 +348,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 timeout=_timeout(context),
                 encode=self._messages if rows else self._encode_pull,
                 rows=rows,
+                slots=slot_tables(request),
                 incarnation=request.incarnation,
                 cancelled=cancelled,
             )

@@ -49,6 +49,7 @@ from pswire.errors import (
     UnavailableError,
     WaitTimeoutError,
 )
+from pswire.optstate import state_arrays
 
 # No step is ever this large: a clock past it would overflow the wire's int64.
 MAX_STEP = 1 << 62
@@ -200,8 +201,10 @@ class Shard:
         self._check_table_files(job)
         for key, spec in job.specs.items():
             if spec.table is not None and spec.table.init_from:
-                spec.table.check(job.optimizer_of(key))
-                rows_from_file(spec.table, job.shard, job.num_shards)
+                optimizer = job.optimizer_of(key)
+                spec.table.check(optimizer)
+                slots = optimizer.make_state(np.zeros((0, spec.table.dim), spec.table.dtype))
+                rows_from_file(spec.table, job.shard, job.num_shards, slots)
 
     def _check_table_files(self, job: Job) -> None:
         """Raises InvalidRequestError for a table file outside ``limits.table_files``."""
@@ -234,13 +237,16 @@ class Shard:
         rows: Sequence[tuple[str, np.ndarray | None]] = (),
         incarnation: str = "",
         cancelled: Cancelled | None = None,
+        slots: frozenset[str] = frozenset(),
     ) -> tuple[Any, int]:
         """Snapshot of the variables once the consistency rule lets a worker at ``step`` read.
 
         ``rows``: (table, ids) pairs; each table's rows come back under its name, in id order
         (a dynamic table makes rows on first touch). Ids None: every row this shard holds of
         a dynamic table, as ``RowSparse`` (``psctl export``). Empty ``names`` means every
-        variable that is not a table, or none when ``rows`` are asked for.
+        variable that is not a table, or none when ``rows`` are asked for. ``slots``: tables
+        of ``rows`` whose rows' optimizer state comes back too, in the same order, named as
+        ``PullState`` names it (``pswire.optstate.slot_name``; ``psctl export``).
 
         Returns (copies of the variables, the clock). With ``encode``, returns
         ``encode(variables, clock)`` instead, called with the live arrays under the shard's lock:
@@ -261,6 +267,12 @@ class Shard:
         with observed(self.observer, "Pull"):
             job = self._check_call(worker_id, step, incarnation, "pull", reader=True)
             keys = job.pull_keys(names, rows)
+            asked = dict(rows)
+            alone = sorted(slots - asked.keys())
+            if alone:
+                raise InvalidRequestError(
+                    f"table '{alone[0]}': its rows' optimizer state is asked for without its rows"
+                )
             with self._cond:
                 self._touch(worker_id)
                 self._wait_agreed(worker_id, timeout, cancelled)
@@ -286,6 +298,8 @@ class Shard:
                     table: tables[table].held() if ids is None else tables[table].gather(ids)
                     for table, ids in rows
                 }
+                for table in slots:
+                    gathered.update(state_arrays({table: tables[table].state_of(asked[table])}))
                 arrays = {**{k: self._state.values[k] for k in keys}, **gathered}
                 if self.observer is not None:
                     self.observer.pulled(arrays)

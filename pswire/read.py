@@ -206,12 +206,14 @@ class StepRequest:
 class RowAsk:
     """A RowQuery read by hand: ``ids`` views the received message."""
 
-    __slots__ = ("every", "ids", "table")
+    __slots__ = ("every", "ids", "slots", "table")
 
     def __init__(self) -> None:
         self.table = ""
         self.ids: memoryview | bytes = b""
-        self.every = False  # a Pull's only: a step that asks is refused (psserver.servicer)
+        # A Pull's only: a step that asks is refused (psserver.servicer).
+        self.every = False
+        self.slots = False
 
 
 class StepReply:
@@ -258,10 +260,10 @@ def parse_request(data: bytes) -> StepRequest:
 def _parse_row_query(buf: memoryview) -> RowAsk:
     ask = RowAsk()
     for field, wire, value, _, _ in spans(buf):
-        if field == 3:
+        if field in (3, 4):
             if not isinstance(value, int):
-                raise ValueError(f"RowQuery field 3 has wire type {wire}")
-            ask.every = bool(value)
+                raise ValueError(f"RowQuery field {field} has wire type {wire}")
+            setattr(ask, "every" if field == 3 else "slots", bool(value))
             continue
         if field not in (1, 2):
             continue

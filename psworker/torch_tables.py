@@ -185,8 +185,8 @@ class Embedding(_RemoteTable):
     holds the table. Rows start as N(0, init_scale**2) (``init="normal"``, scale 1 as in
     torch), ``"uniform"`` or ``"zeros"``, drawn from ``(seed, id)``; or from a file each
     shard reads (``init_from``: a ``.safetensors`` file with the table under ``name``, and a
-    dynamic table's ids under ``name + ".ids"``, as ``psctl export`` writes it; or, for a
-    fixed table, a ``.npy`` array).
+    dynamic table's ids under ``name + ".ids"`` and the rows' optimizer state beside them,
+    as ``psctl export`` writes it; or, for a fixed table, a ``.npy`` array).
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

@@ -658,6 +658,7 @@ class RowQuery(_message.Message):
     TABLE_FIELD_NUMBER: _builtins.int
     IDS_FIELD_NUMBER: _builtins.int
     EVERY_FIELD_NUMBER: _builtins.int
+    SLOTS_FIELD_NUMBER: _builtins.int
     table: _builtins.str
     ids: _builtins.bytes
     """int64 little-endian"""
@@ -665,16 +666,21 @@ class RowQuery(_message.Message):
     """Pull only (psctl export): every row this shard holds of a dynamic table, least recently
     used first, ids left empty; the reply's tensor carries their ids (TensorChunk.indices).
     """
+    slots: _builtins.bool
+    """Pull only (psctl export): the rows' optimizer state too, in the same order, each slot a
+    tensor named as PullState names it ("slot/<slot>/<table>"; a count a 0-d int64 tensor).
+    """
     def __init__(
         self,
         *,
         table: _builtins.str = ...,
         ids: _builtins.bytes = ...,
         every: _builtins.bool = ...,
+        slots: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["every", b"every", "ids", b"ids", "table", b"table"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["every", b"every", "ids", b"ids", "slots", b"slots", "table", b"table"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -156,5 +156,11 @@ def test_a_raw_every_row_query_is_refused_where_it_cannot_be_read(shards) -> Non
             stub.PushPull(step, timeout=5)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "table 'hashed': every row a shard holds" in info.value.details()
+        slots = ps_pb2.RowQuery(table="user.weight", ids=b"\0" * 8, slots=True)
+        step.rows[0].CopyFrom(slots)  # the rows' optimizer state: an export's, not a step's
+        with pytest.raises(grpc.RpcError) as info:
+            stub.PushPull(step, timeout=5)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "table 'user.weight': the rows' optimizer state" in info.value.details()
         (reply,) = stub.Pull(ps_pb2.PullRequest(worker_id=-1, step=0, rows=[every]), timeout=5)
     assert np.frombuffer(reply.chunk.indices, "<i8").tolist() == [5]

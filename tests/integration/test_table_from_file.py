@@ -60,6 +60,104 @@ def test_a_table_trained_on_two_shards_goes_on_from_three(shards, tmp_path: Path
         assert np.array_equal(client.pull_rows(NAME, np.arange(ROWS)), expected)
 
 
+OPTIMIZERS = {
+    "adam": lambda: psworker.Adam(lr=0.1),
+    "adagrad": lambda: psworker.Adagrad(lr=0.5, lr_decay=0.1),
+    "momentum": lambda: psworker.SGD(lr=0.5, momentum=0.9),
+}
+# Updates of (ids, gradient value): the first three before the change of shard count, the
+# rest after (some rows touched before and after, some only after, one never).
+UPDATES = [([0, 5, 10], 0.25), ([5, 6], -0.5), ([0, 6], 1.0), ([5, 9, 0], 0.75), ([2, 6], -1.0)]
+
+
+def train_rows(client: psworker.PSClient, table: str, updates: list, ids: np.ndarray) -> None:
+    for touched, value in updates:
+        grad = np.full((len(touched), DIM), value, np.float32) * np.arange(
+            1, DIM + 1, dtype=np.float32
+        )
+        client.push({table: RowSparse(np.asarray(ids)[touched], grad)})
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["fixed", "dynamic"])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_a_tables_optimizer_state_goes_on_from_another_shard_count(
+    shards, tmp_path: Path, optimizer: str, dynamic: bool
+) -> None:
+    """Adam's moments and step, Adagrad's sums and step, momentum's buffers travel in the
+    file beside the rows: 2 shards, then 3 from the file, end as one uninterrupted run. Was:
+    the state started fresh (Adam's first steps again: far off)."""
+    spec = Table(None if dynamic else ROWS, DIM, init="uniform", seed=4)
+    ids = (
+        np.array([7, -3, 2**40 + 1, 12, 99, 5, 61, 8, 2**33, 0, 1]) if dynamic else np.arange(ROWS)
+    )
+    with psworker.connect(mode="local") as client:
+        client.init({}, OPTIMIZERS[optimizer](), tables={NAME: spec})
+        train_rows(client, NAME, UPDATES, ids)
+        expected = client.pull_rows(NAME, ids)
+    path = tmp_path / "model.safetensors"
+    addresses = [s.address for s in shards(2)]
+    with psworker.connect(addresses, mode="sync") as client:
+        client.init({}, OPTIMIZERS[optimizer](), tables={NAME: spec})
+        train_rows(client, NAME, UPDATES[:3], ids)
+    export_state_dict(addresses, path, timeout=10)
+    with safe_open(str(path), framework="np") as f:
+        saved = sorted(f.keys())
+    state = {"adam": ["exp_avg", "exp_avg_sq", "step"], "adagrad": ["step", "sum"]}
+    slots = state.get(optimizer, ["momentum_buffer"])
+    assert saved == sorted([NAME, *(f"{NAME}.{k}" for k in slots)] + [NAME + IDS_SUFFIX] * dynamic)
+    addresses = [s.address for s in shards(3, Limits(table_files=str(tmp_path)))]
+    later = Table(None if dynamic else ROWS, DIM, init="uniform", seed=4, init_from=str(path))
+    with psworker.connect(addresses, mode="sync") as client:
+        client.init({}, OPTIMIZERS[optimizer](), tables={NAME: later})
+        train_rows(client, NAME, UPDATES[3:], ids)
+        after = client.pull_rows(NAME, ids)
+    assert np.array_equal(after, expected)
+
+
+def test_a_file_whose_optimizer_state_cannot_be_the_tables_is_refused(
+    shards, tmp_path: Path
+) -> None:
+    addresses = [s.address for s in shards(2, Limits(table_files=str(tmp_path)))]
+    rows = np.zeros((ROWS, DIM), np.float32)
+    nan = rows.copy()
+    nan[4, 2] = np.nan
+    step = np.asarray(3, np.int64)
+    moments = {f"{NAME}.exp_avg": rows, f"{NAME}.exp_avg_sq": rows, f"{NAME}.step": step}
+    cases = {
+        "part": (
+            {f"{NAME}.exp_avg": rows},
+            r"holds the optimizer state \['user.weight.exp_avg'\] "
+            r"but not \['user.weight.exp_avg_sq', 'user.weight.step'\]",
+        ),
+        "nan": (
+            {**moments, f"{NAME}.exp_avg_sq": nan},
+            r"'user.weight.exp_avg_sq' \(optimizer state\) of row 4 is not finite",
+        ),
+        "count": ({**moments, f"{NAME}.step": np.asarray(3.0)}, "a count of optimizer steps is"),
+        "narrow": (
+            {**moments, f"{NAME}.exp_avg": rows[:, :2].copy()},
+            r"'user.weight.exp_avg' of shape \(11, 2\)",
+        ),
+    }
+    for name, (state, says) in cases.items():
+        path = tmp_path / f"{name}.safetensors"
+        save_file({NAME: rows, **state}, str(path))
+        tables = {NAME: Table(ROWS, DIM, init_from=str(path))}
+        with (
+            psworker.connect(addresses, mode="sync", timeout=10) as client,
+            pytest.raises(InvalidRequestError, match=says) as info,
+        ):
+            client.init({}, psworker.Adam(lr=0.1), tables=tables)
+        assert f"table '{NAME}': init_from '{path}'" in str(info.value)
+        assert not any(s.initialized for s in shard_status(addresses, 5.0)), name  # no job
+    # Another optimizer's state (no momentum_buffer in it): that one starts fresh.
+    tables = {NAME: Table(ROWS, DIM, init_from=str(tmp_path / "nan.safetensors"))}
+    with psworker.connect(addresses, mode="sync", timeout=10) as client:
+        client.init({}, psworker.SGD(lr=1.0, momentum=0.9), tables=tables)
+        client.push({NAME: RowSparse([2], np.ones((1, DIM), np.float32))})
+        assert np.array_equal(client.pull_rows(NAME, [2, 3]), [[-1.0] * DIM, [0.0] * DIM])
+
+
 def test_local_mode_reads_an_npy_file(tmp_path: Path) -> None:
     rows = np.arange(ROWS * DIM, dtype=np.float32).reshape(ROWS, DIM)
     np.save(tmp_path / "emb.npy", rows)

@@ -26,7 +26,7 @@ def test_each_shard_keeps_its_own_ids_rows_in_the_files_order(
     spec = TableSlice("t", 3, init_from=str(path))
     seen = []
     for shard in range(3):
-        got_ids, got_rows = rows_from_file(spec, shard, 3)
+        got_ids, got_rows, _ = rows_from_file(spec, shard, 3)
         assert got_ids is not None
         mine = dynamic_home(ids, 3) == shard
         assert got_ids.tolist() == ids[mine].tolist()  # the file's order
