@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 import pytest
 
@@ -381,3 +383,43 @@ def test_a_buffer_replaced_in_forward_is_averaged_across_diloco_workers(shards):
     assert torch.equal(models[0].stat, models[1].stat)
     assert torch.allclose(models[0].stat, expected, atol=1e-6)
     assert models[0].cache.shape == (3,)  # regrown, left to the model
+
+
+@pytest.mark.parametrize("mode", ["sync", "allreduce"])
+def test_step_with_a_closure_returns_its_loss_and_trains_as_torch(shards, mode):
+    """``opt.step(closure)`` (torch's form: the closure zeroes, runs forward and backward,
+    and returns the loss) runs the closure once, steps its gradients and returns its loss,
+    with ``overlap=True`` too (which then keeps the serial step)."""
+    x, y = data(4 * BATCH)
+
+    def fit(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[float]:
+        losses = []
+        for t in range(4):
+
+            def closure(t: int = t) -> torch.Tensor:
+                opt.zero_grad()
+                batch = slice(t * BATCH, (t + 1) * BATCH)
+                loss = torch.nn.functional.cross_entropy(model(x[batch]), y[batch])
+                loss.backward()
+                return loss
+
+            losses.append(opt.step(closure).item())
+        return losses
+
+    reference = make_model(0)
+    expected = fit(reference, torch.optim.Adam(reference.parameters(), lr=0.01))
+    for overlap in (False, True):
+        model = make_model(0)
+        if mode == "allreduce":
+            from psworker.ring.ring import RingServer
+
+            ring = RingServer("127.0.0.1:0")
+            connect = psworker.connect([ring.address], mode=mode, server=ring, timeout=20)
+        else:
+            connect = psworker.connect([s.address for s in shards(1)], mode=mode)
+        with connect as client, pytest.warns(UserWarning) if overlap else nullcontext():
+            inner = torch.optim.Adam(model.parameters(), lr=0.01)
+            losses = fit(model, DistributedOptimizer(model, client, inner, overlap=overlap))
+        assert losses == pytest.approx(expected, abs=1e-5)
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.allclose(p, q, atol=1e-6)
