@@ -35,11 +35,20 @@ class _RemoteTable(torch.nn.Module):
         capacity: int = 0,
         init_from: str = "",
         device: torch.device | str | None = None,
+        padding_idx: int | None = None,
     ) -> None:
         super().__init__()
         self.table = Table(
             num_embeddings, embedding_dim, "float32", init, init_scale, seed, capacity, init_from
         )
+        if padding_idx is not None and num_embeddings is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ConfigError(
+                    f"table '{name}': padding_idx {padding_idx} is outside its "
+                    f"{num_embeddings} rows"
+                )
+            padding_idx %= num_embeddings  # as torch: -1 is the last row
+        self.padding_idx = padding_idx
         self.client = client
         self.name = name
         self.device = torch.device(device or "cpu")
@@ -67,8 +76,10 @@ class _RemoteTable(torch.nn.Module):
     def extra_repr(self) -> str:
         t = self.table
         rows = "dynamic" if t.num_rows is None else t.num_rows
-        return f"'{self.name}', {rows}, {t.dim}" + (
-            f", capacity={t.capacity}" if t.capacity else ""
+        return (
+            f"'{self.name}', {rows}, {t.dim}"
+            + (f", capacity={t.capacity}" if t.capacity else "")
+            + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else "")
         )
 
     def prefetch(self, input: torch.Tensor) -> None:
@@ -97,9 +108,11 @@ class _RemoteTable(torch.nn.Module):
             raise TypeError(f"table '{self.name}' takes integer ids, got {input.dtype}")
         return input.detach().cpu().numpy().astype(np.int64, copy=False).reshape(-1)
 
-    def _rows(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rows(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
         """(the batch's distinct rows, pulled or prefetched; each input position's index
-        into them)."""
+        into them; the padding id's index, None where the batch has none). The padding row
+        reads as zeros, as torch starts it, unless it came from ``init_from`` (as torch's
+        ``from_pretrained`` keeps it); the forward gives it no gradient, as torch's."""
         unique, inverse = np.unique(self._ids(input), return_inverse=True)
         ready, self._ready = self._ready, None  # rows of one step serve one forward
         if ready is not None and np.array_equal(ready[0], unique):
@@ -107,6 +120,14 @@ class _RemoteTable(torch.nn.Module):
         else:
             pulled = self.client.pull_rows(self.name, unique)
         rows = torch.from_numpy(pulled).to(self.device)
+        pad = None
+        if self.padding_idx is not None:
+            at = int(np.searchsorted(unique, self.padding_idx))
+            if at < len(unique) and unique[at] == self.padding_idx:
+                pad = at
+                if not self.table.init_from:
+                    rows = rows.clone()
+                    rows[at] = 0
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
             gathered = _Gathered(unique, rows)
@@ -116,7 +137,7 @@ class _RemoteTable(torch.nn.Module):
             )
             self._pending.append(gathered)
         index = torch.from_numpy(inverse.reshape(input.shape)).to(self.device)
-        return rows, index
+        return rows, index, pad
 
     def take_grads(self) -> RowSparse | None:
         """The row-sparse gradient of every forward since the last call (None: no rows got
@@ -187,16 +208,22 @@ class Embedding(_RemoteTable):
     shard reads (``init_from``: a ``.safetensors`` file with the table under ``name``, and a
     dynamic table's ids under ``name + ".ids"`` and the rows' optimizer state beside them,
     as ``psctl export`` writes it; or, for a fixed table, a ``.npy`` array).
+
+    ``padding_idx`` as torch's: that id's row reads as zeros (torch starts it as zeros; from
+    an ``init_from`` file, the file's row, as ``from_pretrained`` keeps it) and gets no
+    gradient, so it never trains. For a fixed table a negative one counts from the end; for
+    a dynamic table it is any int64 id.
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        rows, index = self._rows(input)
-        return torch.nn.functional.embedding(index, rows)
+        rows, index, pad = self._rows(input)
+        return torch.nn.functional.embedding(index, rows, padding_idx=pad)
 
 
 class EmbeddingBag(_RemoteTable):
     """``torch.nn.EmbeddingBag`` (``mode`` "sum" or "mean") over a table on the shards: a 2-d
-    input is one bag per row; a 1-d input needs ``offsets``, as in torch."""
+    input is one bag per row; a 1-d input needs ``offsets``, as in torch. ``padding_idx``
+    (as ``Embedding``'s): that id is left out of its bag's sum and mean, as in torch."""
 
     def __init__(self, *args: Any, mode: str = "mean", **kwargs: Any) -> None:
         if mode not in ("sum", "mean"):
@@ -210,13 +237,14 @@ class EmbeddingBag(_RemoteTable):
         offsets: torch.Tensor | None = None,
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        rows, index = self._rows(input)
+        rows, index, pad = self._rows(input)
         return torch.nn.functional.embedding_bag(
             index,
             rows,
             offsets.to(self.device) if offsets is not None else None,
             mode=self.mode,
             per_sample_weights=per_sample_weights,
+            padding_idx=pad,
         )
 
 
