@@ -36,6 +36,7 @@ class _RemoteTable(torch.nn.Module):
         init_from: str = "",
         device: torch.device | str | None = None,
         padding_idx: int | None = None,
+        scale_grad_by_freq: bool = False,
     ) -> None:
         super().__init__()
         self.table = Table(
@@ -49,6 +50,7 @@ class _RemoteTable(torch.nn.Module):
                 )
             padding_idx %= num_embeddings  # as torch: -1 is the last row
         self.padding_idx = padding_idx
+        self.scale_grad_by_freq = scale_grad_by_freq
         self.client = client
         self.name = name
         self.device = torch.device(device or "cpu")
@@ -212,12 +214,15 @@ class Embedding(_RemoteTable):
     ``padding_idx`` as torch's: that id's row reads as zeros (torch starts it as zeros; from
     an ``init_from`` file, the file's row, as ``from_pretrained`` keeps it) and gets no
     gradient, so it never trains. For a fixed table a negative one counts from the end; for
-    a dynamic table it is any int64 id.
+    a dynamic table it is any int64 id. ``scale_grad_by_freq`` as torch's: each row's
+    gradient divided by how often the batch holds its id.
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         rows, index, pad = self._rows(input)
-        return torch.nn.functional.embedding(index, rows, padding_idx=pad)
+        return torch.nn.functional.embedding(
+            index, rows, padding_idx=pad, scale_grad_by_freq=self.scale_grad_by_freq
+        )
 
 
 class EmbeddingBag(_RemoteTable):
@@ -245,6 +250,7 @@ class EmbeddingBag(_RemoteTable):
             mode=self.mode,
             per_sample_weights=per_sample_weights,
             padding_idx=pad,
+            scale_grad_by_freq=self.scale_grad_by_freq,
         )
 
 

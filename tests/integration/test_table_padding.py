@@ -1,6 +1,7 @@
 """``Embedding(..., padding_idx=...)`` and ``EmbeddingBag(..., padding_idx=...)`` train as
 torch's do: the padding row reads as zeros (torch starts it so) and never trains, and a bag
-leaves it out of its sum and mean; on 2 shards as in local mode."""
+leaves it out of its sum and mean; with ``scale_grad_by_freq`` too; on 2 shards as in local
+mode."""
 
 from __future__ import annotations
 
@@ -47,7 +48,9 @@ def train(net: Net, opt: torch.optim.Optimizer) -> None:
         opt.step()
 
 
-OPTIMIZERS = {  # ours, and torch's on a sparse nn.Embedding (the same math on touched rows)
+# Ours, and torch's on a dense nn.Embedding: the same math on the rows a step touches, and
+# none on the others (a zero gradient moves no row under these two).
+OPTIMIZERS = {
     "sgd": (lambda: psworker.SGD(lr=0.3), lambda p: torch.optim.SGD(p, lr=0.3)),
     "adagrad": (lambda: psworker.Adagrad(lr=0.3), lambda p: torch.optim.Adagrad(p, lr=0.3)),
 }
@@ -56,7 +59,10 @@ OPTIMIZERS = {  # ours, and torch's on a sparse nn.Embedding (the same math on t
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("bag", [False, True], ids=["embedding", "bag"])
 @pytest.mark.parametrize("shards_count", [0, 2], ids=["local", "2-shards"])
-def test_the_padding_row_reads_as_zeros_and_never_trains(shards, optimizer, bag, shards_count):
+@pytest.mark.parametrize("freq", [False, True], ids=["", "scale_grad_by_freq"])
+def test_the_padding_row_reads_as_zeros_and_never_trains(
+    shards, optimizer, bag, shards_count, freq
+):
     ours, theirs = OPTIMIZERS[optimizer]
     if shards_count:
         client = psworker.connect([s.address for s in shards(shards_count)], mode="sync")
@@ -64,7 +70,9 @@ def test_the_padding_row_reads_as_zeros_and_never_trains(shards, optimizer, bag,
         client = psworker.connect(mode="local")
     with client:
         kind = EmbeddingBag if bag else Embedding
-        emb = kind(ROWS, DIM, client, name="emb", init="uniform", padding_idx=0)
+        emb = kind(
+            ROWS, DIM, client, name="emb", init="uniform", padding_idx=0, scale_grad_by_freq=freq
+        )
         net = Net(emb, bag)
         opt = DistributedOptimizer(net, client, ours())
         start = torch.from_numpy(client.pull_rows("emb", np.arange(ROWS)).copy())
@@ -73,30 +81,16 @@ def test_the_padding_row_reads_as_zeros_and_never_trains(shards, optimizer, bag,
         rows = torch.from_numpy(client.pull_rows("emb", np.arange(ROWS)))
         head = net.head.weight.detach().clone()
     if bag:
-        reference = torch.nn.EmbeddingBag(ROWS, DIM, mode="mean", padding_idx=0, sparse=True)
+        reference = torch.nn.EmbeddingBag(
+            ROWS, DIM, mode="mean", padding_idx=0, scale_grad_by_freq=freq
+        )
     else:
-        reference = torch.nn.Embedding(ROWS, DIM, padding_idx=0, sparse=True)
+        reference = torch.nn.Embedding(ROWS, DIM, padding_idx=0, scale_grad_by_freq=freq)
     with torch.no_grad():
         reference.weight.copy_(start)
         reference.weight[0] = 0  # as torch's reset_parameters leaves it
     ref_net = Net(reference, bag)
-    ref_opt = [theirs([reference.weight]), torch.optim.SGD(ref_net.head.parameters(), lr=0.3)]
-    if optimizer == "adagrad":
-        ref_opt[1] = torch.optim.Adagrad(ref_net.head.parameters(), lr=0.3)
-
-    class Both(torch.optim.Optimizer):  # one zero_grad and step for the two
-        def __init__(self) -> None:
-            self.param_groups = []
-
-        def zero_grad(self, set_to_none: bool = True) -> None:
-            for o in ref_opt:
-                o.zero_grad()
-
-        def step(self, closure=None) -> None:
-            for o in ref_opt:
-                o.step()
-
-    train(ref_net, Both())
+    train(ref_net, theirs(ref_net.parameters()))
     assert torch.equal(rows[0], start[0])  # never trained
     torch.testing.assert_close(rows[1:], reference.weight.detach()[1:], rtol=0, atol=1e-6)
     torch.testing.assert_close(head, ref_net.head.weight.detach(), rtol=0, atol=1e-6)
