@@ -324,7 +324,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Each parameter's autograd version and memory address after the last step loaded the
         # job's weights into it (None: this model keeps its own values, or nothing is loaded
         # yet); see _warn_overwritten.
-        self._versions: dict[str, tuple[int, int]] | None = None
+        self._versions: dict[str, tuple[int, int, tuple[int, ...]]] | None = None
         # With them, at the first steps and every CONTENT_CHECK_EVERY-th: each parameter's
         # bits summed (a write through p.data changes no version); see _fingerprints.
         self._sums: torch.Tensor | None = None
@@ -561,7 +561,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         modes, and any model on a GPU (not with overlap, whose pulls land during forward)."""
         held = isinstance(self.client, Replica) and not self._staging.pin
         if not held and self._overlap is None:
-            self._versions = {n: (p._version, p.data_ptr()) for n, p in self._params.items()}
+            self._versions = {n: _placed(p) for n, p in self._params.items()}
             self._loads += 1
             content = self._loads <= CONTENT_CHECKS or self._loads % CONTENT_CHECK_EVERY == 0
             self._sums = self._fingerprints() if content and not self._overwrite_warned else None
@@ -593,9 +593,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         versions = self._versions
         if versions is None or self._overwrite_warned or self._overlap is not None:
             return
-        changed = [
-            n for n, p in self._params.items() if (p._version, p.data_ptr()) != versions.get(n)
-        ]
+        changed = [n for n, p in self._params.items() if _written(_placed(p), versions.get(n))]
         if not changed and self._sums is not None:
             differs = (self._fingerprints() != self._sums).tolist()
             changed = [n for n, d in zip(self._params, differs, strict=True) if d]
@@ -745,6 +743,21 @@ def _warn_renormed(model: torch.nn.Module, mode: str) -> None:
                 UserWarning,
                 stacklevel=4,
             )
+
+
+def _placed(p: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
+    """A parameter's autograd version, memory address and strides (``_warn_overwritten``)."""
+    return p._version, p.data_ptr(), p.stride()
+
+
+def _written(now: tuple[int, int, tuple[int, ...]], then: Any) -> bool:
+    """Whether the script wrote a parameter since ``then`` (its ``_placed`` at the last load):
+    its version moved, or it has new memory of the same layout (``p.data = ...``, as MoCo's
+    momentum update does). New memory of another layout is a move that keeps the values
+    (``model.to(memory_format=torch.channels_last)``), which the next step loads into."""
+    if then is None or now[0] != then[0]:
+        return True
+    return now[1] != then[1] and now[2] == then[2]
 
 
 def _few(names: list[str]) -> str:

@@ -84,6 +84,36 @@ def test_a_new_tensor_assigned_to_data_is_named_too(shards):
             train(opt, 1)
 
 
+def test_a_model_moved_to_channels_last_warns_of_nothing_and_trains_as_torch(shards):
+    """``model.to(memory_format=torch.channels_last)`` after the optimizer was made gives the
+    conv weights new memory of another layout, with the same values: nothing was written
+    (was: named as a write, with a warning that the change is lost)."""
+    address = shards(1)[0].address
+
+    def fit(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        x = torch.randn(4, 2, 6, 6, generator=torch.Generator().manual_seed(1))
+        for t in range(4):
+            if t == 2:
+                model.to(memory_format=torch.channels_last)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+
+    def conv() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.Flatten())
+
+    reference = conv()
+    fit(reference, torch.optim.SGD(reference.parameters(), lr=0.5))
+    model = conv()
+    with psworker.connect([address], mode="sync") as client, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fit(model, DistributedOptimizer(model, client, torch.optim.SGD(model.parameters(), lr=0.5)))
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
 def test_weight_clipping_through_data_is_named(shards):
     """WGAN's critic: ``p.data.clamp_(-c, c)`` after each step writes through ``.data``,
     which moves no autograd version: the weights' contents show it, at the first steps."""
