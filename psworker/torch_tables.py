@@ -42,6 +42,14 @@ class _RemoteTable(torch.nn.Module):
         self.table = Table(
             num_embeddings, embedding_dim, "float32", init, init_scale, seed, capacity, init_from
         )
+        if padding_idx is not None and (
+            isinstance(padding_idx, bool)
+            or not isinstance(padding_idx, int | np.integer)
+            or not -(2**63) <= padding_idx < 2**63
+        ):
+            raise ConfigError(
+                f"table '{name}': padding_idx must be an int64 id, got {padding_idx!r}"
+            )
         if padding_idx is not None and num_embeddings is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
                 raise ConfigError(

@@ -117,5 +117,8 @@ def test_a_padding_idx_outside_the_table_is_refused_and_a_negative_one_counts_fr
     with psworker.connect(mode="local") as client:
         with pytest.raises(ConfigError, match=r"table 'emb': padding_idx 12 is outside its 12"):
             Embedding(ROWS, DIM, client, name="emb", padding_idx=ROWS)
+        for bad in (0.5, 2**64):
+            with pytest.raises(ConfigError, match=rf"padding_idx must be an int64 id, got {bad}"):
+                Embedding(None, DIM, client, name="emb", padding_idx=bad)  # type: ignore[arg-type]
         assert Embedding(ROWS, DIM, client, name="emb", padding_idx=-1).padding_idx == ROWS - 1
         assert Embedding(None, DIM, client, name="hashed", padding_idx=-1).padding_idx == -1
