@@ -456,8 +456,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._trial.ended(overlapped)
             return loss
         values = self._changed_values()
-        # A table untouched this step is left out: it counts as zero, like a None grad.
-        rows = {n: g for n, t in self._tables.items() if (g := t.take_grads()) is not None}
+        # A table untouched this step is left out: it counts as zero, like a None grad; so is
+        # one in no optimizer group, which this optimizer does not train (as torch's).
+        rows = {}
+        for name, table in self._tables.items():
+            grad = table.take_grads()  # every table's: its forwards since the last step are done
+            if grad is not None and name in self._groups:
+                rows[name] = grad
         skip = grad_scaler is not None and _unscale(grad_scaler, self, rows)
         # Every gradient that is not None, as torch.optim steps it (even one no backward
         # reached since the last step: torch applies it again, and so do we, with a warning).

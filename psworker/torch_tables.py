@@ -138,7 +138,7 @@ class _RemoteTable(torch.nn.Module):
                 if not self.table.init_from:
                     rows = rows.clone()
                     rows[at] = 0
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self.handle.requires_grad:  # frozen: no gradient
             rows.requires_grad_(True)
             gathered = _Gathered(unique, rows)
             # Weakly: the hook lives on the rows, which the entry holds (no cycle to collect).
