@@ -140,11 +140,14 @@ class _RemoteTable(torch.nn.Module):
                     rows[at] = 0
         if torch.is_grad_enabled() and self.handle.requires_grad:  # frozen: no gradient
             rows.requires_grad_(True)
-            gathered = _Gathered(unique, rows)
-            # Weakly: the hook lives on the rows, which the entry holds (no cycle to collect).
-            rows.register_hook(
-                functools.partial(_backward_reached, self.handle, weakref.ref(gathered))
-            )
+            gathered = _Gathered(unique, weakref.ref(rows))
+            # Weakly: the hooks live on the rows, which live as long as a graph reaching them.
+            entry = weakref.ref(gathered)
+            rows.register_hook(functools.partial(_backward_reached, self.handle, entry))
+            rows.register_post_accumulate_grad_hook(functools.partial(_accumulated, entry))
+            # Forwards no backward can reach any more (an evaluation without no_grad(), its
+            # loss dropped) hold nothing: forgotten, so such a loop holds no rows.
+            self._pending = [g for g in self._pending if not g.dead()]
             self._pending.append(gathered)
         index = torch.from_numpy(inverse.reshape(input.shape)).to(self.device)
         return rows, index, pad
@@ -158,7 +161,7 @@ class _RemoteTable(torch.nn.Module):
         if not parts:
             return None
         ids = np.concatenate([g.ids for g in parts])
-        grads = [g.rows.grad for g in parts]  # none is None: current()
+        grads = [g.grad for g in parts]  # none is None: current()
         values = np.concatenate([t.detach().cpu().numpy() for t in grads if t is not None])
         return RowSparse(ids, values)
 
@@ -173,15 +176,22 @@ class _RemoteTable(torch.nn.Module):
 
 @dataclass
 class _Gathered:
-    """One forward's distinct rows of a table, and the handle gradient their backward saw."""
+    """One forward's distinct rows of a table (alive as long as a graph that reaches them:
+    held weakly), their gradient once a backward reached them, and the handle gradient that
+    backward saw."""
 
     ids: np.ndarray
-    rows: torch.Tensor
+    rows: weakref.ref[torch.Tensor]
     since: torch.Tensor | None = None
+    grad: torch.Tensor | None = None
 
     def current(self, handle_grad: torch.Tensor | None) -> bool:
         """Whether these rows hold a gradient no zero_grad has cleared since."""
-        return self.rows.grad is not None and handle_grad is not None and self.since is handle_grad
+        return self.grad is not None and handle_grad is not None and self.since is handle_grad
+
+    def dead(self) -> bool:
+        """Whether no backward reached these rows and none can any more (no graph does)."""
+        return self.grad is None and self.rows() is None
 
 
 def _backward_reached(
@@ -202,8 +212,19 @@ def _backward_reached(
     if now is None:
         now = handle.grad = torch.zeros(0, device=handle.device)
     if gathered.since is not now:
-        gathered.rows.grad = None
+        rows = gathered.rows()
+        if rows is not None:  # it is: this backward reaches it
+            rows.grad = None
+        gathered.grad = None
         gathered.since = now
+
+
+def _accumulated(entry: weakref.ref[_Gathered], rows: torch.Tensor) -> None:
+    """A backward's gradient accumulated into an entry's rows: the entry keeps it (the rows
+    go once no graph reaches them)."""
+    gathered = entry()
+    if gathered is not None:
+        gathered.grad = rows.grad
 
 
 class Embedding(_RemoteTable):
