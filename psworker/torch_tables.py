@@ -68,6 +68,21 @@ class _RemoteTable(torch.nn.Module):
         # Stands for the table in parameter groups; never trained, never in state_dict.
         self.handle = torch.nn.Parameter(torch.zeros(0, device=self.device))
 
+    def __getstate__(self) -> Any:
+        """Refused: a copy (``copy.deepcopy(model)``, ``AveragedModel``) or a pickle
+        (``torch.save(model)``) cannot hold the rows, which live on the shards.
+
+        Raises:
+            ValueError: always, naming the table.
+        """
+        raise ConfigError(
+            f"table '{self.name}' lives on the shards: a copy or a pickle of the model holding "
+            "it (copy.deepcopy, AveragedModel, torch.save(model)) cannot hold its rows. Save "
+            "model.state_dict() (the dense weights; the rows are in psctl export and the "
+            "shards' checkpoints), and make a second model with its own table name for a "
+            "copy of its own"
+        )
+
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
         pass  # the rows live on the shards (psctl checkpoint); the handle holds nothing
 

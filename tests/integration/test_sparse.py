@@ -414,3 +414,24 @@ def test_forwards_no_backward_can_reach_hold_no_rows():
         trained = client.pull_rows("emb", np.arange(ROWS))
     assert np.allclose(trained, torch_net.embedding.weight.detach().numpy(), atol=1e-6)
     assert np.allclose(net.head.weight.detach(), torch_net.head.weight.detach(), atol=1e-6)
+
+
+def test_a_copy_or_pickle_of_a_model_holding_a_table_is_refused_by_name():
+    """``copy.deepcopy(model)`` (a target network, ``AveragedModel``) or ``torch.save(model)``
+    cannot hold rows that live on the shards: a ValueError naming the table (was: "cannot
+    pickle '_thread.lock' object" from deep inside the client), and the model trains on."""
+    import copy
+    import io
+
+    with psworker.connect(mode="local") as client:
+        net = Net(Embedding(ROWS, DIM, client, name="emb"), bag=False)
+        opt = DistributedOptimizer(net, client, psworker.SGD(lr=0.5))
+        for attempt in (lambda: copy.deepcopy(net), lambda: torch.save(net, io.BytesIO())):
+            with pytest.raises(ValueError, match="table 'emb' lives on the shards: a copy or"):
+                attempt()
+        ids, y = data(BATCH)
+        before = client.pull_rows("emb", np.arange(ROWS)).copy()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(ids), y).backward()
+        opt.step()
+        assert not np.array_equal(client.pull_rows("emb", np.arange(ROWS)), before)
