@@ -205,16 +205,21 @@ class ReplacedStat(torch.nn.Module):
         return h * self.cache[: x.shape[0], None]
 
 
+def stat_batches() -> dict[tuple[int, int], torch.Tensor]:
+    """Each (step, worker)'s batch of 3 for ``ReplacedStat``."""
+    return {
+        (t, i): torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * t + i))
+        for t in range(3)
+        for i in range(2)
+    }
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_buffer_replaced_in_forward_is_averaged_across_sync_workers(shards, overlap):
     """Was: the replacement never synced (the job kept the first tensor), the workers' stats
     drifted apart with no word."""
     addrs = [s.address for s in shards(1)]
-    batches = {
-        (t, i): torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * t + i))
-        for t in range(3)
-        for i in range(2)
-    }
+    batches = stat_batches()
     models = {i: ReplacedStat() for i in range(2)}
     expected = torch.zeros(4)
     with torch.no_grad():  # the weights stay put (lr 0): each step's update, averaged
@@ -345,11 +350,7 @@ def test_a_buffer_replaced_in_forward_is_averaged_across_diloco_workers(shards):
     the replacement never reached it (the job kept the first tensor), the workers' stats
     stayed their own."""
     addrs = [s.address for s in shards(1)]
-    batches = {
-        (t, i): torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * t + i))
-        for t in range(3)
-        for i in range(2)
-    }
+    batches = stat_batches()
     models = {i: ReplacedStat() for i in range(2)}
     local = [torch.zeros(4), torch.zeros(4)]
     with torch.no_grad():  # the weights stay put (lr 0): each worker's own 3 updates
