@@ -238,9 +238,15 @@ class Lines:
         when the process ends first."""
         deadline = time.monotonic() + timeout
         with self.changed:
-            while not predicate():
+            while True:
+                # Whether the process had ended (and its output been read) before the predicate
+                # is asked: then the predicate saw everything (was: a predicate on the exit
+                # itself, false just before the process ended, failed the wait).
+                ended = self.proc.poll() is not None and not self._thread.is_alive()
+                if predicate():
+                    return
                 left = deadline - time.monotonic()
-                if left <= 0 or (self.proc.poll() is not None and not self._thread.is_alive()):
+                if left <= 0 or ended:
                     self.changed.release()
                     try:
                         self._ask_for_stacks()
