@@ -94,7 +94,7 @@ class RowStore:
         }
         self._scratch: dict[str, np.ndarray] = {}
         if spec.init_from:  # the file's rows now: nothing later depends on it
-            ids, held, state = rows_from_file(spec, *place, slots=kinds)
+            ids, held, state = rows_from_file(spec, *place, optimizer=optimizer)
             if self._index is None:
                 self.values[:] = held
                 self._slot[:] = np.arange(1, rows + 1, dtype=self._slot.dtype)
@@ -210,19 +210,18 @@ class RowStore:
         """Copies of the optimizer state of rows ``ids``, located as ``gather`` locates them
         (None: of every row a dynamic slice holds, in ``held``'s order, touching none), counts
         as they are (``psctl export``)."""
-        rows = self._index.order() if ids is None and self._index is not None else None
-        if rows is None:
-            rows = self._locate(np.asarray(ids, dtype=np.int64))
-        return {k: _take(v, rows) for k, v in self.slots.items() if v is not None}
+        if ids is None and self._index is not None:
+            return self._state_at(self._index.order())
+        return self._state_at(self._locate(np.asarray(ids, dtype=np.int64)))
 
     def export(self) -> TableState:
         if self._index is None:  # every row, in id order
             rows = self._locate(np.arange(self.spec.row_start, self.spec.row_end, dtype=np.int64))
-            slots = {k: _take(v, rows) for k, v in self.slots.items()}
-            return TableState(None, gather_rows(self.values, rows), slots, self.evictions)
+            state = self._state_at(rows)
+            return TableState(None, gather_rows(self.values, rows), state, self.evictions)
         rows = self._index.order()
-        slots = {k: _take(v, rows) for k, v in self.slots.items()}
-        return TableState(self._index.ids[rows], self.values[rows], slots, self.evictions)
+        state = self._state_at(rows)
+        return TableState(self._index.ids[rows], self.values[rows], state, self.evictions)
 
     @classmethod
     def restore(cls, spec: TableSlice, optimizer: Optimizer, state: TableState) -> RowStore:
@@ -254,6 +253,10 @@ class RowStore:
         return store
 
     # -- internals --------------------------------------------------------------------------
+
+    def _state_at(self, rows: np.ndarray) -> dict[str, Any]:
+        """Copies of the optimizer slots of store rows ``rows``; counts as they are."""
+        return {k: _take(v, rows) for k, v in self.slots.items()}
 
     def _start(self, rows: np.ndarray | slice, ids: np.ndarray) -> None:
         """Draws rows ``rows`` for ids ``ids`` and starts their optimizer state."""

@@ -178,7 +178,7 @@ def slot_key(table: str, slot: str) -> str:
 
 
 def rows_from_file(
-    spec: TableSlice, shard: int = 0, num_shards: int = 1, slots: Mapping[str, Any] | None = None
+    spec: TableSlice, shard: int = 0, num_shards: int = 1, optimizer: Optimizer | None = None
 ) -> tuple[np.ndarray | None, np.ndarray, dict[str, Any]]:
     """This slice's rows from its table's ``init_from`` file, read on this host, and their
     optimizer state where the file holds it: (None, rows ``[row_start, row_end)``, state)
@@ -187,8 +187,9 @@ def rows_from_file(
     the file's ids that ``dynamic_home`` puts on shard ``shard`` of ``num_shards``, read a
     block of rows at a time.
 
-    ``slots``: the optimizer's (``Optimizer.make_state``: an array, or None where made
-    lazily, per row; a number for a count). The state holds, by slot, a row-shaped array
+    ``optimizer``: the table's, whose slots (``Optimizer.make_state``: an array, or None
+    where made lazily, per row; a number for a count) are read. The state holds, by slot, a
+    row-shaped array
     of the table's dtype for each array slot, in the rows' order (read as ``slot_key``
     names it), and an int for each count; or nothing (``{}``: the state starts fresh) where
     the file holds none of the array slots (a ``.npy`` file, a ``model.state_dict()``,
@@ -207,11 +208,12 @@ def rows_from_file(
             "tell which of the file's ids are its own (a worker older than this shard?)"
         )
     state: dict[str, Any] = {}
+    slots = {} if optimizer is None else optimizer.make_state(np.zeros((0, spec.dim), spec.dtype))
     try:
         if spec.dynamic:
-            ids, rows = _read_held_rows(spec, where, shard, num_shards, slots or {}, state)
+            ids, rows = _read_held_rows(spec, where, shard, num_shards, slots, state)
         else:
-            ids, rows = None, _read_rows(spec, where, slots or {}, state)
+            ids, rows = None, _read_rows(spec, where, slots, state)
     except (OSError, ValueError, SafetensorError) as exc:
         raise InvalidRequestError(f"{where} could not be read on this host: {exc}") from exc
     for key, array in {spec.key: rows, **state}.items():
@@ -226,7 +228,7 @@ def rows_from_file(
             f"table's capacity of {spec.capacity} rows a shard: raise capacity to at least "
             f"{len(ids)} or start more shards"
         )
-    named = {k: state.get(slot_key(spec.key, k)) for k in slots or {}}
+    named = {k: state.get(slot_key(spec.key, k)) for k in slots}
     return ids, rows, {k: v if v.ndim else int(v) for k, v in named.items() if v is not None}
 
 
@@ -251,8 +253,7 @@ def _read_rows(
         for key in [spec.key, *_state_keys(f, spec, where, slots, state)]:
             piece = _tensor(f, where, key, "the table's name")
             _check_tensor(where, key, *_shape_dtype(piece), expected, spec.dtype)
-            rows = piece[spec.row_start : spec.row_end]
-            state[key] = rows
+            state[key] = piece[spec.row_start : spec.row_end]
         return state.pop(spec.key)
 
 

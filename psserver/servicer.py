@@ -56,10 +56,11 @@ def row_query(
                 "(psctl export), not a step's read"
             )
         rows.append((table, ids))
-    if slot_tables(request):
+    stated = sorted(slot_tables(request))
+    if stated:
         raise InvalidRequestError(
-            f"table '{next(iter(slot_tables(request)))}': the rows' optimizer state "
-            "(RowQuery.slots) is for a Pull (psctl export), not a step's read"
+            f"table '{stated[0]}': the rows' optimizer state (RowQuery.slots) is for a Pull "
+            "(psctl export), not a step's read"
         )
     return rows
 

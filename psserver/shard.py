@@ -203,8 +203,7 @@ class Shard:
             if spec.table is not None and spec.table.init_from:
                 optimizer = job.optimizer_of(key)
                 spec.table.check(optimizer)
-                slots = optimizer.make_state(np.zeros((0, spec.table.dim), spec.table.dtype))
-                rows_from_file(spec.table, job.shard, job.num_shards, slots)
+                rows_from_file(spec.table, job.shard, job.num_shards, optimizer)
 
     def _check_table_files(self, job: Job) -> None:
         """Raises InvalidRequestError for a table file outside ``limits.table_files``."""
